@@ -1,0 +1,303 @@
+"""The body of one pooled rank process.
+
+A worker is forked once per pytest session (from a forkserver that has already
+imported torch, so a fork costs milliseconds rather than a second of imports),
+joins the default process group, and then runs test bodies it is sent over a
+pipe until it is told to stop. Keeping the process and its process group alive
+between tests is what makes the harness fast; resetting per-test state (groups
+the test created, environment, RNG, default dtype) is what keeps one test from
+leaking into the next.
+
+[Note: stack dumps of hung ranks]
+``faulthandler`` is registered on SIGUSR1 and writes to a file the pool owns.
+Its handler runs at C level, so it prints the Python stack even while the main
+thread is blocked inside a gloo collective, which is exactly the case we need.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import datetime
+import faulthandler
+import importlib.util
+import io
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+# Fixtures whose value differs per rank: computed inside the worker, never sent.
+RANK_LOCAL_FIXTURES = ("rank", "world_size", "device_mesh_factory")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a rank needs to join its pool's process group."""
+
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    pool_key: str
+    backend: str
+    pg_timeout_s: float
+    stack_file: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One test body to run on every rank of a pool."""
+
+    nodeid: str
+    module_name: str
+    module_file: str
+    class_name: str | None
+    function_name: str
+    kwargs: dict[str, Any]
+    sys_path: list[str]
+
+
+@dataclass
+class TaskResult:
+    """What one rank reports back about one task."""
+
+    rank: int
+    ok: bool
+    error: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    duration_s: float = 0.0
+    # The test destroyed the default group or left it unusable: re-init needed.
+    needs_reinit: bool = False
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL us when our parent (the forkserver) dies.
+
+    Without it a rank blocked in a collective would outlive a crashed pytest.
+    """
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _init_group(cfg: WorkerConfig, generation: int) -> None:
+    store = dist.TCPStore(
+        cfg.store_host,
+        cfg.store_port,
+        cfg.world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
+    )
+    prefixed = dist.PrefixStore(f"hp/{cfg.pool_key}/{generation}", store)
+    dist.init_process_group(
+        cfg.backend,
+        store=prefixed,
+        rank=cfg.rank,
+        world_size=cfg.world_size,
+        timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
+    )
+
+
+def _clear_hp_caches() -> None:
+    """Forget groups cached by hp_core: they die with the default group."""
+    mesh_mod = sys.modules.get("hp_core.mesh")
+    clear = getattr(mesh_mod, "clear_group_cache", None)
+    if clear is not None:
+        with contextlib.suppress(Exception):
+            clear()
+
+
+def _destroy_group() -> None:
+    _clear_hp_caches()
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _cached_groups() -> set[Any]:
+    """Groups hp_core keeps on purpose across tests (created once per rank set)."""
+    mesh_mod = sys.modules.get("hp_core.mesh")
+    cached = getattr(mesh_mod, "cached_groups", None)
+    if cached is None:
+        return set()
+    try:
+        return set(cached())
+    except Exception:
+        return set()
+
+
+def _live_groups() -> set[Any]:
+    if not dist.is_initialized():
+        return set()
+    return set(dist.distributed_c10d._world.pg_map.keys())
+
+
+def _import_test_module(name: str, path: str) -> ModuleType:
+    """Import a test module the way pytest would, asserts rewritten for readable failures."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load test module {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        source = open(path, "rb").read()  # noqa: SIM115
+        tree = ast.parse(source, filename=path)
+        try:
+            from _pytest.assertion.rewrite import rewrite_asserts
+
+            rewrite_asserts(tree, source, path)
+        except Exception:  # pytest internals moved: plain asserts still work
+            tree = ast.parse(source, filename=path)
+        exec(compile(tree, path, "exec"), module.__dict__)  # noqa: S102
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _format_error(exc: BaseException) -> str:
+    """The traceback from the test's own frames on, without the harness's."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__ and tb.tb_next is not None:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _load_function(task: Task) -> Callable[..., Any]:
+    for entry in reversed(task.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    module = sys.modules.get(task.module_name)
+    if module is None or os.path.abspath(getattr(module, "__file__", "") or "") != os.path.abspath(
+        task.module_file
+    ):
+        module = _import_test_module(task.module_name, task.module_file)
+    if task.class_name is None:
+        return getattr(module, task.function_name)  # type: ignore[no-any-return]
+    instance = getattr(module, task.class_name)()
+    setup = getattr(instance, "setup_method", None)
+    fn = getattr(instance, task.function_name)
+    if setup is not None:
+        setup(fn)
+    return fn  # type: ignore[no-any-return]
+
+
+def _rank_local_value(name: str, cfg: WorkerConfig) -> Any:
+    if name == "rank":
+        return cfg.rank
+    if name == "world_size":
+        return cfg.world_size
+    if name == "device_mesh_factory":
+        from hp_testing.fixtures import make_device_mesh_factory
+
+        return make_device_mesh_factory()
+    raise KeyError(name)
+
+
+class _StateGuard:
+    """Restore per-process state a test may change, so the next test sees a fresh rank."""
+
+    def __init__(self, initial_rng: torch.Tensor) -> None:
+        self._initial_rng = initial_rng
+
+    @contextlib.contextmanager
+    def around_test(self) -> Any:
+        env = dict(os.environ)
+        dtype = torch.get_default_dtype()
+        grad = torch.is_grad_enabled()
+        threads = torch.get_num_threads()
+        cwd = os.getcwd()
+        # A fresh process starts from torch's fixed default seed; so does each test.
+        torch.random.default_generator.set_state(self._initial_rng)
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+            torch.set_default_dtype(dtype)
+            torch.set_grad_enabled(grad)
+            torch.set_num_threads(threads)
+            with contextlib.suppress(OSError):
+                os.chdir(cwd)
+
+
+def _run_task(task: Task, cfg: WorkerConfig, guard: _StateGuard) -> TaskResult:
+    out, err = io.StringIO(), io.StringIO()
+    before = _live_groups()
+    start = time.perf_counter()
+    result = TaskResult(rank=cfg.rank, ok=True)
+    with guard.around_test(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            fn = _load_function(task)
+            kwargs = dict(task.kwargs)
+            for name in RANK_LOCAL_FIXTURES:
+                if name in kwargs:
+                    kwargs[name] = _rank_local_value(name, cfg)
+            fn(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - report everything, incl. SystemExit
+            result.ok = False
+            result.error = _format_error(exc)
+    result.duration_s = time.perf_counter() - start
+    result.stdout, result.stderr = out.getvalue(), err.getvalue()
+    if not dist.is_initialized():
+        result.needs_reinit = True
+    else:
+        # Groups the test made itself would pile up sockets test after test.
+        for group in _live_groups() - before - _cached_groups():
+            if group is not dist.GroupMember.WORLD:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(group)
+    return result
+
+
+def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
+    """Entry point of a pooled rank: join the group, then serve tasks until told to stop."""
+    _die_with_parent()
+    os.environ.update(cfg.env)
+    torch.set_num_threads(1)
+    stack_file = open(cfg.stack_file, "a", buffering=1)  # noqa: SIM115 - lives as long as we do
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    guard = _StateGuard(torch.random.default_generator.get_state())
+    generation = 0
+    try:
+        _init_group(cfg, generation)
+        conn.send(("ready", cfg.rank))
+    except BaseException as exc:  # noqa: BLE001
+        conn.send(("init-failed", "".join(traceback.format_exception(exc))))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break  # the pool went away: nothing left to serve
+        kind = message[0]
+        if kind == "run":
+            conn.send(("result", _run_task(message[1], cfg, guard)))
+        elif kind == "reinit":
+            generation = message[1]
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = str(generation)
+            _destroy_group()
+            try:
+                _init_group(cfg, generation)
+                conn.send(("ready", cfg.rank))
+            except BaseException as exc:  # noqa: BLE001
+                conn.send(("init-failed", "".join(traceback.format_exception(exc))))
+                return
+        elif kind == "stop":
+            break
+    _destroy_group()

@@ -1,0 +1,168 @@
+"""``hp-run``: launch a script on N local CPU ranks, as ``torchrun`` would.
+
+Every rank gets the environment ``torchrun --standalone`` gives it (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), so a
+training script written for a cluster runs unchanged on a laptop, and the same
+script runs unchanged under ``torchrun`` later: nothing here is needed at run
+time.
+
+When one rank fails, the others are given a few seconds to finish and are then
+stopped, and the launcher names the rank that failed first, so a crash never
+turns into a silent hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_env(rank: int, world_size: int, master_port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment one rank sees, matching torchrun's variable names."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world_size),
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "hp-run",
+        }
+    )
+    # torchrun's default: one intra-op thread per rank unless the user chose.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _pump(stream: IO[bytes], rank: int, sink: IO[str]) -> None:
+    for raw in iter(stream.readline, b""):
+        sink.write(f"[rank{rank}]: {raw.decode(errors='replace')}")
+        sink.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hp-run",
+        description="Run a script on N local CPU ranks with the environment torchrun would set.",
+    )
+    parser.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, required=True, help="number of ranks")
+    parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    parser.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
+    parser.add_argument(
+        "--grace", type=float, default=5.0, help="seconds the other ranks get after one fails (default 5)"
+    )
+    parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
+    parser.add_argument("script", help="the script (or module with -m) to run")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hp-run``; returns the first failing rank's exit code, or 0."""
+    args = _parser().parse_args(argv)
+    if args.nproc < 1:
+        _parser().error(f"-n must be at least 1, got {args.nproc}")
+    if not args.module and not os.path.exists(args.script):
+        _parser().error(f"script {args.script!r} does not exist (use -m to run a module)")
+    port = args.master_port or _free_port()
+    target = ["-m", args.script] if args.module else [args.script]
+    command = [sys.executable, "-u", *target, *args.script_args]
+    return launch(command, args.nproc, port, grace_s=args.grace, tag_output=args.tag_output)
+
+
+def launch(command: list[str], nproc: int, master_port: int, *, grace_s: float = 5.0, tag_output: bool = False) -> int:
+    """Start ``nproc`` copies of ``command`` and supervise them until all exit."""
+    pipe = subprocess.PIPE if tag_output else None
+    procs: list[subprocess.Popen[bytes]] = []
+    pumps: list[threading.Thread] = []
+    for rank in range(nproc):
+        proc = subprocess.Popen(
+            command, env=rank_env(rank, nproc, master_port), stdout=pipe, stderr=subprocess.STDOUT if pipe else None
+        )
+        procs.append(proc)
+        if tag_output and proc.stdout is not None:
+            pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True)
+            pump.start()
+            pumps.append(pump)
+    try:
+        code = _supervise(procs, grace_s)
+    except KeyboardInterrupt:
+        _stop(procs)
+        code = 130
+    for pump in pumps:
+        pump.join(2)
+    return code
+
+
+def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float) -> int:
+    first_failure: tuple[int, int] | None = None
+    stop_at: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if first_failure is None:
+            for rank, code in enumerate(codes):
+                if code not in (None, 0):
+                    first_failure = (rank, code)
+                    stop_at = time.monotonic() + grace_s
+                    print(
+                        f"[hp-run] rank {rank} exited with code {code}; the other ranks get "
+                        f"{grace_s:g} s to finish before they are stopped",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    break
+        if all(code is not None for code in codes):
+            break
+        if stop_at is not None and time.monotonic() >= stop_at:
+            running = [rank for rank, code in enumerate(codes) if code is None]
+            print(f"[hp-run] stopping ranks {running}, still running after rank {first_failure[0]} failed",
+                  file=sys.stderr, flush=True)  # type: ignore[index]
+            _stop(procs)
+            break
+        time.sleep(0.05)
+    if first_failure is not None:
+        return first_failure[1] if first_failure[1] > 0 else 128 - first_failure[1]
+    return 0
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 3.0
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(deadline - time.monotonic(), 0.01))
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,293 @@
+"""The pytest plugin: ``@pytest.mark.distributed(world_size=N)``.
+
+A marked test's body runs on N ranks of a pooled process group (see
+``hp_testing.pool``) and is reported once: passed when every rank passed, or
+failed with each failing rank's traceback labelled by rank, plus the Python
+stack of every rank that hung.
+
+Fixtures, resolved in the pytest process as usual, are pickled to the ranks;
+``rank``, ``world_size`` and ``device_mesh_factory`` are the exceptions: each
+rank computes its own value.
+
+Under plain ``torchrun -m pytest`` (RANK and WORLD_SIZE already set and no pool
+involved) the plugin steps aside: the test body runs in the calling process on
+the default group that ``hp_core.init_distributed`` creates. This is what makes
+every harness test also a ``torchrun`` test.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import pytest
+
+from hp_testing._worker import RANK_LOCAL_FIXTURES, Task
+from hp_testing.fixtures import DeviceMeshFactory, make_device_mesh_factory
+from hp_testing.pool import Outcome, WorkerPool
+
+MARKER = "distributed"
+BACKENDS = ("gloo",)
+_PLANNED_BACKENDS = ("nccl-emu", "hccl-emu")
+_DEFAULT_TIMEOUT_S = 60.0
+_SESSION_KEY = "hp-testing-session"
+
+
+class MarkerError(Exception):
+    """A ``distributed`` marker or fixture that cannot work; reported on its test."""
+
+
+class _RankLocal:
+    """Stands in for a rank-local fixture in the pytest process; each rank swaps in its value."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: differs per rank>"
+
+
+def _inline() -> bool:
+    """True when this process is itself one rank of a torchrun-style launch."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _marker(request: pytest.FixtureRequest, fixture: str) -> pytest.Mark:
+    marker = request.node.get_closest_marker(MARKER)
+    if marker is None:
+        pytest.fail(
+            f"fixture {fixture!r} of {request.node.nodeid} only exists in tests marked "
+            f"@pytest.mark.{MARKER}(world_size=N); add the marker",
+            pytrace=False,
+        )
+    return marker
+
+
+@pytest.fixture
+def rank(request: pytest.FixtureRequest) -> Any:
+    """This rank's index in the default group (0 .. world_size-1)."""
+    _marker(request, "rank")
+    return int(os.environ["RANK"]) if _inline() else _RankLocal("rank")
+
+
+@pytest.fixture
+def world_size(request: pytest.FixtureRequest) -> Any:
+    """The number of ranks running the test."""
+    _marker(request, "world_size")
+    return int(os.environ["WORLD_SIZE"]) if _inline() else _RankLocal("world_size")
+
+
+@pytest.fixture
+def device_mesh_factory(request: pytest.FixtureRequest) -> DeviceMeshFactory | _RankLocal:
+    """``factory(mesh_shape, mesh_dim_names=None)`` -> ``hp_core.DeviceMesh`` on this rank."""
+    _marker(request, "device_mesh_factory")
+    return make_device_mesh_factory() if _inline() else _RankLocal("device_mesh_factory")
+
+
+def _options(item: pytest.Item, marker: pytest.Mark, config: pytest.Config) -> tuple[int, str, float]:
+    """Validate the marker's arguments; a bad marker is a usage error, not a test failure."""
+    allowed = {"world_size", "backend", "timeout"}
+    unknown = set(marker.kwargs) - allowed
+    if marker.args or unknown:
+        raise MarkerError(
+            f"{item.nodeid}: @pytest.mark.{MARKER} takes keyword arguments {sorted(allowed)}, "
+            f"got positional {list(marker.args)} and unknown {sorted(unknown)}; "
+            f"write @pytest.mark.{MARKER}(world_size=2)"
+        )
+    world = marker.kwargs.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise MarkerError(
+            f"{item.nodeid}: world_size must be an int >= 1, got {world!r}; "
+            f"write @pytest.mark.{MARKER}(world_size=2)"
+        )
+    backend = marker.kwargs.get("backend", os.environ.get("HP_TEST_BACKEND", "gloo"))
+    if backend in _PLANNED_BACKENDS:
+        raise MarkerError(
+            f"{item.nodeid}: backend {backend!r} (NCCL/HCCL emulation) is not available in this "
+            f"version of hp-testing; use backend='gloo'"
+        )
+    if backend not in BACKENDS:
+        raise MarkerError(
+            f"{item.nodeid}: unknown backend {backend!r}; choose one of {list(BACKENDS)}"
+        )
+    timeout = marker.kwargs.get("timeout")
+    if timeout is None:
+        cli = config.getoption("hp_timeout")
+        timeout = cli if cli is not None else float(config.getini("hp_timeout") or _DEFAULT_TIMEOUT_S)
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise MarkerError(f"{item.nodeid}: timeout must be a positive number, got {timeout!r}")
+    return world, backend, float(timeout)
+
+
+class HarnessSession:
+    """Owns the pools of one pytest process; a pytest-forked child gets private pools."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.owner_pid = os.getpid()
+        self.pools: dict[tuple[int, str], WorkerPool] = {}
+
+    def pool(self, world_size: int, backend: str) -> WorkerPool:
+        key = (world_size, backend)
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = WorkerPool(world_size, backend=backend)
+            pool.start()
+            self.pools[key] = pool
+        return pool
+
+    def shutdown(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown()
+        self.pools.clear()
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """Fork every pool the selected tests need now, so they start while tests run."""
+        if _inline() or self.config.getoption("forked", False):
+            return
+        needed: set[tuple[int, str]] = set()
+        for item in session.items:
+            marker = item.get_closest_marker(MARKER)
+            if marker is not None:
+                try:
+                    world, backend, _ = _options(item, marker, self.config)
+                except MarkerError:
+                    continue  # reported when the test runs
+                needed.add((world, backend))
+        for world, backend in sorted(needed, reverse=True):
+            self.pool(world, backend)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:
+        marker = pyfuncitem.get_closest_marker(MARKER)
+        if marker is None:
+            return None
+        try:
+            world, backend, timeout = _options(pyfuncitem, marker, self.config)
+            task = None if _inline() else _task(pyfuncitem)
+        except MarkerError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        if task is None:
+            _run_inline(world)
+            return None  # pytest calls the function itself, in this process
+        if os.getpid() != self.owner_pid:
+            # A pytest-forked child: the parent's pools belong to the parent.
+            pool = WorkerPool(world, backend=backend)
+            pool.start()
+            try:
+                outcome = pool.run(task, timeout)
+            finally:
+                pool.shutdown()
+        else:
+            outcome = self.pool(world, backend).run(task, timeout)
+        _report(pyfuncitem, outcome, backend)
+        return True
+
+    def pytest_sessionfinish(self) -> None:
+        if os.getpid() == self.owner_pid:
+            self.shutdown()
+
+
+def _run_inline(world: int) -> None:
+    from hp_core import init_distributed
+
+    actual = int(os.environ["WORLD_SIZE"])
+    if actual != world:
+        pytest.skip(f"needs world_size={world}; this launch has WORLD_SIZE={actual}")
+    init_distributed()
+
+
+def _task(item: pytest.Function) -> Task:
+    import sys
+
+    kwargs: dict[str, Any] = {}
+    for name in item._fixtureinfo.argnames:
+        value = item.funcargs[name]
+        if name in RANK_LOCAL_FIXTURES:
+            kwargs[name] = None
+            continue
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise MarkerError(
+                f"{item.nodeid}: fixture {name!r} returned {type(value).__name__}, which cannot be "
+                f"sent to the ranks ({exc}); distributed tests take only picklable fixtures: "
+                f"build the object inside the test instead"
+            ) from None
+        kwargs[name] = value
+    module = item.module
+    assert module is not None
+    return Task(
+        nodeid=item.nodeid,
+        module_name=module.__name__,
+        module_file=str(module.__file__),
+        class_name=item.cls.__name__ if item.cls is not None else None,
+        function_name=item.originalname,
+        kwargs=kwargs,
+        sys_path=list(sys.path),
+    )
+
+
+def _report(item: pytest.Function, outcome: Outcome, backend: str) -> None:
+    for rank, result in sorted(outcome.results.items()):
+        if result.stdout:
+            item.add_report_section("call", f"stdout rank {rank}", result.stdout)
+        if result.stderr:
+            item.add_report_section("call", f"stderr rank {rank}", result.stderr)
+    if outcome.ok:
+        return
+    parts = [_headline(outcome, backend)]
+    for rank in outcome.failed_ranks():
+        parts.append(f"{'-' * 20} rank {rank} failed {'-' * 20}\n{outcome.results[rank].error.rstrip()}")
+    for rank, code in sorted(outcome.died.items()):
+        parts.append(f"{'-' * 20} rank {rank} died {'-' * 20}\nthe process exited with code {code}")
+    for rank, stack in sorted(outcome.hung.items()):
+        parts.append(f"{'-' * 20} rank {rank} hung; its Python stack {'-' * 20}\n{stack}")
+    pytest.fail("\n".join(parts), pytrace=False)
+
+
+def _headline(outcome: Outcome, backend: str) -> str:
+    what = []
+    if outcome.failed_ranks():
+        what.append(f"failed on rank(s) {outcome.failed_ranks()}")
+    if outcome.died:
+        what.append(f"rank(s) {sorted(outcome.died)} died")
+    if outcome.hung:
+        if outcome.timed_out:
+            what.append(
+                f"rank(s) {sorted(outcome.hung)} still running after the {outcome.timeout_s:g} s "
+                f"timeout (raise it with @pytest.mark.{MARKER}(..., timeout=S) or --hp-timeout)"
+            )
+        else:
+            what.append(f"rank(s) {sorted(outcome.hung)} stopped answering after the failure")
+    return f"distributed test on {outcome.world_size} rank(s) over {backend}: " + "; ".join(what)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("hp-testing", "multi-process tests (hp-testing)")
+    group.addoption(
+        "--hp-timeout",
+        dest="hp_timeout",
+        type=float,
+        default=None,
+        help="seconds before a distributed test counts as hung (default: ini hp_timeout, 60)",
+    )
+    parser.addini("hp_timeout", "default per-test timeout in seconds for distributed tests", default="60")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(world_size=N, backend='gloo', timeout=60): run the test body on N ranks "
+        "of a pooled process group and report it once",
+    )
+    if not config.pluginmanager.has_plugin(_SESSION_KEY):
+        config.pluginmanager.register(HarnessSession(config), _SESSION_KEY)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.pluginmanager.get_plugin(_SESSION_KEY)
+    if isinstance(session, HarnessSession) and os.getpid() == session.owner_pid:
+        session.shutdown()

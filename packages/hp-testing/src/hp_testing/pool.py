@@ -1,0 +1,356 @@
+"""A pool of rank processes kept alive for a whole pytest session.
+
+Spawning ranks per test costs seconds (torch's ``MultiProcessTestCase`` pays
+about 2.6 s per 2-rank test); a pooled rank costs a pipe round trip. The pool
+keeps that speed without letting one test poison the next:
+
+- a test that fails cleanly on every rank gets a fresh default process group
+  (a new store prefix, milliseconds), because a half-run test may leave
+  unmatched collectives queued;
+- a test that hangs, or whose ranks stop answering a few seconds after one
+  rank failed, gets every still-running rank's Python stack printed, then the
+  whole pool is killed and re-forked (a fraction of a second: the forkserver
+  has torch imported already);
+- a rank that dies (``os._exit``, a segfault) is reported with its exit code,
+  and the pool is re-forked likewise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from hp_testing._worker import Task, TaskResult, WorkerConfig, worker_main
+
+_CTX: Any = None
+_STORE: Any = None
+_STORE_PID: int | None = None
+
+DEFAULT_GRACE_S = 3.0
+DEFAULT_START_TIMEOUT_S = 180.0
+
+
+def _context() -> Any:
+    """The forkserver context, preloading torch once for every rank ever forked."""
+    global _CTX
+    if _CTX is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["hp_testing._worker"])
+        _CTX = ctx
+    return _CTX
+
+
+def _store() -> Any:
+    """One TCPStore server per pytest process; every pool uses its own key prefix.
+
+    The server lives in the parent so it survives any rank being killed.
+    A forked child (pytest-forked) cannot use its parent's server thread, so it
+    starts its own.
+    """
+    global _STORE, _STORE_PID
+    if _STORE is None or _STORE_PID != os.getpid():
+        import torch.distributed as dist
+
+        _STORE = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=300),
+            use_libuv=True,
+        )
+        _STORE_PID = os.getpid()
+    return _STORE
+
+
+@dataclass
+class Outcome:
+    """Everything the pool learnt about one task across its ranks."""
+
+    world_size: int
+    results: dict[int, TaskResult] = field(default_factory=dict)
+    hung: dict[int, str] = field(default_factory=dict)  # rank -> stack dump
+    died: dict[int, int | None] = field(default_factory=dict)  # rank -> exit code
+    timed_out: bool = False
+    timeout_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.hung
+            and not self.died
+            and len(self.results) == self.world_size
+            and all(r.ok for r in self.results.values())
+        )
+
+    def failed_ranks(self) -> list[int]:
+        return sorted(r for r, res in self.results.items() if not res.ok)
+
+
+class PoolError(RuntimeError):
+    """The pool could not start or recover its ranks."""
+
+
+class WorkerPool:
+    """``world_size`` rank processes sharing one default process group."""
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        env: dict[str, str] | None = None,
+        pg_timeout_s: float = 300.0,
+        grace_s: float = DEFAULT_GRACE_S,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self.grace_s = grace_s
+        self._env = dict(env or {})
+        self._pg_timeout_s = pg_timeout_s
+        self._generation = 0
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self._stack_dir = tempfile.mkdtemp(prefix=f"hp-pool-{world_size}-")
+        self._ready = False
+        self.restarts = 0
+        self.reinits = 0
+        self._key = f"ws{world_size}-{os.getpid()}-{id(self):x}"
+
+    # -- lifecycle -------------------------------------------------------
+
+    def start(self) -> None:
+        """Fork the ranks; they join the group in the background (see ``wait_ready``)."""
+        ctx = _context()
+        store = _store()
+        self._generation += 1
+        self._procs, self._conns = [], []
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            cfg = WorkerConfig(
+                rank=rank,
+                world_size=self.world_size,
+                store_host="127.0.0.1",
+                store_port=store.port,
+                pool_key=f"{self._key}-g{self._generation}",
+                backend=self.backend,
+                pg_timeout_s=self._pg_timeout_s,
+                stack_file=self._stack_path(rank),
+                env=self._rank_env(rank, store.port),
+            )
+            proc = ctx.Process(
+                target=worker_main, args=(cfg, child), name=f"hp-rank-{rank}", daemon=True
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._ready = False
+
+    def _rank_env(self, rank: int, port: int) -> dict[str, str]:
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.world_size),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            # Like torchrun's agent store: an env:// init connects as a client,
+            # under a key prefix that changes with each new process group.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(self._generation),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+        env.update(self._env)
+        return env
+
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank{rank}.stack")
+
+    def wait_ready(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Block until every rank has joined the process group."""
+        if self._ready:
+            return
+        deadline = time.monotonic() + timeout_s
+        waiting = set(range(self.world_size))
+        errors: dict[int, str] = {}
+        while waiting:
+            left = deadline - time.monotonic()
+            by_obj = {self._conns[r]: r for r in waiting}
+            by_obj.update({self._procs[r].sentinel: r for r in waiting})
+            ready = wait(list(by_obj), timeout=max(left, 0))
+            if not ready:
+                break
+            for obj in ready:
+                rank = by_obj[obj]
+                if rank not in waiting:
+                    continue
+                msg = self._recv(rank)
+                if msg is None:
+                    self._procs[rank].join(1)
+                    errors[rank] = f"exited with code {self._procs[rank].exitcode} while starting"
+                elif msg[0] == "init-failed":
+                    errors[rank] = msg[1]
+                elif msg[0] != "ready":
+                    continue
+                waiting.discard(rank)
+        if waiting or errors:
+            detail = "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+            missing = f"ranks {sorted(waiting)} did not join within {timeout_s:.0f} s\n" if waiting else ""
+            self._kill()
+            raise PoolError(f"could not start a {self.world_size}-rank pool:\n{missing}{detail}")
+        self._ready = True
+
+    def _recv(self, rank: int) -> Any:
+        conn = self._conns[rank]
+        try:
+            if conn.poll():
+                return conn.recv()
+        except (EOFError, OSError):
+            return None
+        return None if not self._procs[rank].is_alive() else ("pending",)
+
+    def shutdown(self) -> None:
+        """Stop every rank; kill the ones that do not stop within a second."""
+        for conn in self._conns:
+            with contextlib.suppress(Exception):
+                conn.send(("stop",))
+        deadline = time.monotonic() + 1.0
+        for proc in self._procs:
+            proc.join(max(deadline - time.monotonic(), 0))
+        self._kill()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._stack_dir):
+                os.unlink(os.path.join(self._stack_dir, name))
+            os.rmdir(self._stack_dir)
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                with contextlib.suppress(Exception):
+                    proc.kill()
+        for proc in self._procs:
+            proc.join(5)
+        for conn in self._conns:
+            with contextlib.suppress(Exception):
+                conn.close()
+        self._procs, self._conns = [], []
+        self._ready = False
+
+    def restart(self) -> None:
+        """Kill every rank and fork a new set (after a hang or a dead rank)."""
+        self._kill()
+        self.restarts += 1
+        self.start()
+        self.wait_ready()
+
+    def reinit(self) -> None:
+        """Give the live ranks a fresh default process group (after a clean failure)."""
+        self._generation += 1
+        self.reinits += 1
+        for conn in self._conns:
+            conn.send(("reinit", self._generation))
+        self._ready = False
+        try:
+            self.wait_ready(timeout_s=60.0)
+        except PoolError:
+            self.restart()
+
+    # -- running ---------------------------------------------------------
+
+    def run(self, task: Task, timeout_s: float) -> Outcome:
+        """Run ``task`` on every rank; always leaves the pool ready for the next task."""
+        self.wait_ready()
+        outcome = Outcome(world_size=self.world_size, timeout_s=timeout_s)
+        pending = set(range(self.world_size))
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(("run", task))
+            except (BrokenPipeError, OSError):
+                outcome.died[rank] = self._procs[rank].exitcode
+                pending.discard(rank)
+        deadline = time.monotonic() + timeout_s
+        fail_deadline: float | None = None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if fail_deadline is None else min(deadline, fail_deadline)
+            by_obj: dict[Any, int] = {self._conns[r]: r for r in pending}
+            by_obj.update({self._procs[r].sentinel: r for r in pending})
+            ready = wait(list(by_obj), timeout=max(limit - now, 0))
+            if not ready:
+                outcome.timed_out = fail_deadline is None or deadline <= fail_deadline
+                break
+            for obj in ready:
+                rank = by_obj[obj]
+                if rank not in pending:
+                    continue
+                msg = self._recv(rank)
+                if msg is None:
+                    self._procs[rank].join(1)
+                    outcome.died[rank] = self._procs[rank].exitcode
+                elif msg[0] == "result":
+                    outcome.results[rank] = msg[1]
+                else:
+                    continue
+                pending.discard(rank)
+                bad = rank in outcome.died or not outcome.results[rank].ok
+                if bad and fail_deadline is None:
+                    fail_deadline = time.monotonic() + self.grace_s
+        if pending:
+            outcome.hung = self._dump_stacks(sorted(pending))
+        self._recover(outcome)
+        return outcome
+
+    def _recover(self, outcome: Outcome) -> None:
+        if outcome.hung or outcome.died:
+            self.restart()
+        elif not outcome.ok or any(r.needs_reinit for r in outcome.results.values()):
+            self.reinit()
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Ask each hung rank for its Python stack (see [Note: stack dumps of hung ranks])."""
+        offsets = {}
+        for rank in ranks:
+            path = self._stack_path(rank)
+            offsets[rank] = os.path.getsize(path) if os.path.exists(path) else 0
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        stacks: dict[int, str] = {}
+        deadline = time.monotonic() + 2.0
+        for rank in ranks:
+            path = self._stack_path(rank)
+            text, last_size = "", -1
+            while time.monotonic() < deadline:
+                size = os.path.getsize(path) if os.path.exists(path) else 0
+                if size > offsets[rank] and size == last_size:
+                    break  # the dump stopped growing
+                last_size = size
+                time.sleep(0.05)
+            with contextlib.suppress(OSError), open(path) as f:
+                f.seek(offsets[rank])
+                text = f.read()
+            stacks[rank] = _trim_stack(text) or "(no stack: the rank did not answer SIGUSR1)"
+        return stacks
+
+
+def _trim_stack(text: str) -> str:
+    """Drop the harness's own frames (the worker loop, multiprocessing) from a dump."""
+    kept = []
+    for line in text.strip().splitlines():
+        if "hp_testing/_worker.py" in line or "/multiprocessing/" in line or 'File "<string>"' in line:
+            continue
+        kept.append(line)
+    return "\n".join(kept)

@@ -1,0 +1,341 @@
+"""The distributed marker end to end: inner pytest sessions with planted bugs.
+
+Each test runs a small pytest session in this process (``pytester``) whose
+tests use ``@pytest.mark.distributed`` and checks what a user would see.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+HEADER = "import os\nimport pytest\nimport torch\nimport torch.distributed as dist\n"
+
+
+def _write(pytester: pytest.Pytester, body: str, name: str = "test_inner") -> None:
+    pytester.makepyfile(**{name: HEADER + textwrap.dedent(body)})
+
+
+def _forkserver_children() -> list[int]:
+    """Live rank processes: children of the multiprocessing forkserver."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if server is None:
+        return []
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == server and fields[0] != "Z":
+            kids.append(int(entry))
+    return kids
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_collective_passes_on_every_world_size(pytester: pytest.Pytester, world: int) -> None:
+    _write(
+        pytester,
+        f"""
+        @pytest.mark.distributed(world_size={world})
+        def test_sum(rank, world_size):
+            assert world_size == {world}
+            assert dist.get_rank() == rank and dist.get_world_size() == {world}
+            t = torch.tensor([rank + 1.0])
+            dist.all_reduce(t)
+            assert t.item() == {world} * ({world} + 1) / 2
+        """,
+    )
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_failing_rank_is_named_with_its_traceback(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.mark.distributed(world_size=2)
+        def test_bad(rank):
+            print(f"hello from {rank}")
+            assert rank == 0, f"rank {rank} disagrees"
+
+        @pytest.mark.distributed(world_size=2)
+        def test_next_is_clean(rank):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """,
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*failed on rank(s) [[]1[]]*",
+            "*rank 1 failed*",
+            "*assert rank == 0*",
+            "*rank 1 disagrees*",
+            "*Captured stdout rank 1*",
+            "hello from 1",
+        ]
+    )
+    assert "rank 0 failed" not in result.stdout.str()
+
+
+def test_hang_prints_stack_then_pool_recovers(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.mark.distributed(world_size=2, timeout=2)
+        def test_hangs(rank):
+            if rank == 1:
+                dist.all_reduce(torch.ones(1))  # rank 0 never joins
+
+        @pytest.mark.distributed(world_size=2)
+        def test_after_hang(rank):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """,
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*rank(s) [[]1[]] still running after the 2 s timeout*",
+            "*rank 1 hung; its Python stack*",
+            "*test_inner.py*line 9 in test_hangs*",
+        ]
+    )
+
+
+def test_rank_failure_stops_blocked_peers_within_seconds(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.mark.distributed(world_size=2, timeout=600)
+        def test_raises_while_peer_waits(rank):
+            if rank == 0:
+                raise ValueError("boom on rank 0")
+            dist.all_reduce(torch.ones(1))
+
+        @pytest.mark.distributed(world_size=2)
+        def test_after(rank):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """,
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert "ValueError: boom on rank 0" in out
+    assert "rank(s) [1] stopped answering after the failure" in out
+    assert "still running after the 600 s timeout" not in out
+
+
+def test_dead_rank_is_reported_with_exit_code(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.mark.distributed(world_size=2)
+        def test_exits(rank):
+            if rank == 1:
+                os._exit(7)
+
+        @pytest.mark.distributed(world_size=2)
+        def test_after(rank):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """,
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*rank(s) [[]1[]] died*", "*exited with code 7*"])
+
+
+def test_fixtures_and_parametrize_reach_the_ranks(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.fixture
+        def scale():
+            return 3
+
+        @pytest.mark.distributed(world_size=2)
+        @pytest.mark.parametrize("k", [1, 5])
+        def test_params(rank, world_size, k, scale, tmp_path):
+            (tmp_path / f"rank{rank}").write_text(str(k * scale))
+            dist.barrier()
+            seen = sorted(p.read_text() for p in tmp_path.iterdir())
+            assert seen == [str(k * scale)] * world_size
+
+        class TestInClass:
+            @pytest.mark.distributed(world_size=2)
+            def test_method(self, rank):
+                t = torch.tensor([float(rank)])
+                dist.broadcast(t, src=1)
+                assert t.item() == 1.0
+        """,
+    )
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=3)
+
+
+def test_state_does_not_leak_between_tests(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        import torch.distributed.distributed_c10d as c10d
+
+        HERE = os.path.dirname(os.path.abspath(__file__))
+
+        @pytest.mark.distributed(world_size=2)
+        def test_a_dirty(rank):
+            with open(os.path.join(HERE, f"rng{rank}"), "w") as f:
+                f.write(repr(torch.rand(1).item()))
+            torch.rand(100)
+            os.environ["HP_LEAK"] = "1"
+            torch.set_default_dtype(torch.float64)
+            dist.new_group([0, 1])
+
+        @pytest.mark.distributed(world_size=2)
+        def test_b_clean(rank):
+            assert "HP_LEAK" not in os.environ
+            assert torch.get_default_dtype() == torch.float32
+            assert len(c10d._world.pg_map) == 1, "the group test_a made is still alive"
+            with open(os.path.join(HERE, f"rng{rank}")) as f:
+                first_draw_of_a = f.read()
+            assert repr(torch.rand(1).item()) == first_draw_of_a, "RNG state leaked from test_a"
+        """,
+    )
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+def test_destroyed_default_group_is_rebuilt(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.mark.distributed(world_size=2)
+        def test_destroys(rank):
+            dist.destroy_process_group()
+
+        @pytest.mark.distributed(world_size=2)
+        def test_after(rank):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """,
+    )
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+def test_usage_errors_are_clear(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        def test_rank_without_marker(rank):
+            pass
+
+        @pytest.mark.distributed(world_size=0)
+        def test_zero(rank):
+            pass
+
+        @pytest.mark.distributed(world_size=2, backend="mpi")
+        def test_backend(rank):
+            pass
+
+        @pytest.mark.distributed(world_size=2)
+        def test_unpicklable(rank, lock):
+            pass
+
+        @pytest.fixture
+        def lock():
+            import threading
+            return threading.Lock()
+        """,
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    out = result.stdout.str()
+    assert result.ret != 0
+    assert "only exists in tests marked @pytest.mark.distributed" in out
+    assert "world_size must be an int >= 1, got 0" in out
+    assert "unknown backend 'mpi'" in out
+
+
+def test_unpicklable_fixture_names_the_fixture(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.fixture
+        def lock():
+            import threading
+            return threading.Lock()
+
+        @pytest.mark.distributed(world_size=2)
+        def test_unpicklable(rank, lock):
+            pass
+        """,
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*fixture 'lock' returned lock, which cannot be sent to the ranks*"])
+
+
+def test_exitfirst_stops_after_first_failure(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.mark.distributed(world_size=2)
+        def test_1(rank):
+            assert False
+
+        @pytest.mark.distributed(world_size=2)
+        def test_2(rank):
+            pass
+        """,
+    )
+    pytester.runpytest("-x", "-p", "no:cacheprovider").assert_outcomes(failed=1)
+
+
+def test_no_rank_process_outlives_the_session(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.mark.distributed(world_size=4, timeout=2)
+        def test_hang(rank):
+            if rank == 3:
+                dist.all_reduce(torch.ones(1))
+
+        @pytest.mark.distributed(world_size=2)
+        def test_ok(rank):
+            pass
+        """,
+    )
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1, failed=1)
+    assert _forkserver_children() == []
+
+
+def test_forked_mode_runs_each_test_in_its_own_pool(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.mark.distributed(world_size=2)
+        def test_sum(rank):
+            t = torch.tensor([rank + 1.0])
+            dist.all_reduce(t)
+            assert t.item() == 3
+
+        @pytest.mark.distributed(world_size=2)
+        def test_fails(rank):
+            assert rank == 1
+        """,
+    )
+    result = pytester.runpytest_subprocess("--forked", "-p", "no:cacheprovider", timeout=240)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*rank 0 failed*"])

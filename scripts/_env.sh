@@ -1,0 +1,26 @@
+# Shared by scripts/demo.sh and scripts/test.sh: make (or reuse) the project's
+# virtual environment in .venv with every package installed editable.
+# Sourced, not run: it sets VENV and PY for the caller.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HP_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+STAMP="$VENV/.hp-installed"
+
+# Re-install when the requirements or any package's metadata changed since the
+# last run, so a fresh clone and an old checkout both end up consistent.
+want="$(cat "$ROOT"/scripts/requirements-*.txt "$ROOT"/packages/*/pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -x "$PY" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  base="${HP_PYTHON:-$(command -v python3.11 || command -v python3)}"
+  echo "[hp] preparing $VENV with $("$base" --version)" >&2
+  "$base" -m venv "$VENV"
+  # torch first and pinned exactly: the CPU wheel on this machine's disk.
+  # An unpinned torch would pull a CUDA build of several GB.
+  "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  "$PY" -m pip install -q --disable-pip-version-check -r "$ROOT/scripts/requirements-dev.txt"
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps \
+    -e "$ROOT/packages/hp-core" -e "$ROOT/packages/hp-dtensor" -e "$ROOT/packages/hp-fsdp" \
+    -e "$ROOT/packages/hp-pipeline" -e "$ROOT/packages/hp-testing"
+  echo "$want" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
