@@ -1,0 +1,374 @@
+"""The schedule IR: one :class:`MetaStep` per action, one list of them per rank.
+
+A pipeline schedule is plain data, an *order*: ``dict[rank, list[MetaStep]]``.
+Builders produce compute-only orders, :func:`~hp_pipeline.insert_comms` adds
+the point-to-point steps, :func:`~hp_pipeline.validate_order` checks them and
+:func:`~hp_pipeline.simulate` times them. Keeping schedules as data (rather than
+as code inside an executor) is what lets every one of those passes, and the
+tests, look at a schedule without running a model.
+
+[Note: text form]
+Every step prints as ``{stage}{code}{micro}``, the torch.distributed.pipelining
+convention, so ``"2F0"`` is "stage 2 runs the forward of micro-batch 0".
+
+============  ===============  ==================================================
+code          type             meaning
+============  ===============  ==================================================
+``F``         FWD              forward of one micro-batch through one stage
+``B``         BWD              full backward (input and weight gradients)
+``I``         BWD_INPUT        backward for the input gradient only (zero bubble)
+``W``         BWD_WEIGHT       backward for the weight gradient only (zero bubble)
+``SEND_F``    FWD_SEND         send the stage's output activation downstream
+``RECV_F``    FWD_RECV         receive the stage's input activation
+``SEND_B``    BWD_SEND         send the gradient of the stage's input upstream
+``RECV_B``    BWD_RECV         receive the gradient of the stage's output
+``LOAD``      DATA_LOAD        take the micro-batch from the data loader
+``SEND_D``    DATA_SEND        send the micro-batch (inputs, targets) to a stage
+``RECV_D``    DATA_RECV        receive the micro-batch from the loading stage
+``UNSHARD``   UNSHARD          FSDP: all-gather the stage's parameters
+``RESHARD``   RESHARD          FSDP: free the gathered parameters
+``REDUCE_GRAD`` REDUCE_GRAD    FSDP: reduce-scatter the stage's gradients
+============  ===============  ==================================================
+
+Communication steps name their peer stage. For activations and gradients the
+peer is the adjacent stage (``s + 1`` for ``SEND_F``/``RECV_B``, ``s - 1`` for
+``RECV_F``/``SEND_B``), so it is left out of the text: ``"0SEND_F1"`` sends
+micro-batch 1's activation from stage 0 to stage 1. A non-default peer, and
+every data step's peer, is written after an arrow that points the way the data
+flows: ``"0SEND_D3->5"`` (stage 0 sends micro-batch 3's data to stage 5) is
+matched by ``"5RECV_D3<-0"``. The FSDP steps act on a whole stage, so their
+micro-batch is optional: ``"1UNSHARD"``.
+"""
+
+from __future__ import annotations
+
+import csv
+import enum
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+__all__ = [
+    "MetaStep",
+    "MetaStepType",
+    "Order",
+    "format_order",
+    "read_order_csv",
+    "write_order_csv",
+]
+
+
+class MetaStepType(enum.Enum):
+    """What a :class:`MetaStep` does; the value is the step's text code."""
+
+    FWD = "F"
+    BWD = "B"
+    BWD_INPUT = "I"
+    BWD_WEIGHT = "W"
+    FWD_SEND = "SEND_F"
+    FWD_RECV = "RECV_F"
+    BWD_SEND = "SEND_B"
+    BWD_RECV = "RECV_B"
+    DATA_LOAD = "LOAD"
+    DATA_SEND = "SEND_D"
+    DATA_RECV = "RECV_D"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
+
+    @property
+    def code(self) -> str:
+        """The short code used in the text form (``"F"``, ``"SEND_B"``, ...)."""
+        return self.value
+
+    @property
+    def is_compute(self) -> bool:
+        """Forward or any kind of backward: the work the bubble is measured against."""
+        return self._value_ in _COMPUTE
+
+    @property
+    def is_backward(self) -> bool:
+        """A backward that produces the input gradient (``B`` or ``I``)."""
+        return self._value_ in _INPUT_GRAD
+
+    @property
+    def is_send(self) -> bool:
+        return self._value_ in _SENDS
+
+    @property
+    def is_recv(self) -> bool:
+        return self._value_ in _RECVS
+
+    @property
+    def is_comm(self) -> bool:
+        """A point-to-point step; it always has a peer stage."""
+        return self._value_ in _COMMS
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self._value_ in _FSDP
+
+
+# Sets of codes (plain strings hash faster than enum members, and these are hot).
+_COMPUTE = frozenset({"F", "B", "I", "W"})
+_INPUT_GRAD = frozenset({"B", "I"})
+_SENDS = frozenset({"SEND_F", "SEND_B", "SEND_D"})
+_RECVS = frozenset({"RECV_F", "RECV_B", "RECV_D"})
+_COMMS = _SENDS | _RECVS
+_FSDP = frozenset({"UNSHARD", "RESHARD", "REDUCE_GRAD"})
+
+_ORDINAL = {kind: index for index, kind in enumerate(MetaStepType)}
+
+# Send/recv type pairs; the matching step of a send sits on the peer stage.
+MATCHING_TYPE: dict[MetaStepType, MetaStepType] = {
+    MetaStepType.FWD_SEND: MetaStepType.FWD_RECV,
+    MetaStepType.FWD_RECV: MetaStepType.FWD_SEND,
+    MetaStepType.BWD_SEND: MetaStepType.BWD_RECV,
+    MetaStepType.BWD_RECV: MetaStepType.BWD_SEND,
+    MetaStepType.DATA_SEND: MetaStepType.DATA_RECV,
+    MetaStepType.DATA_RECV: MetaStepType.DATA_SEND,
+}
+
+# Offset of the default peer for activation and gradient traffic.
+_DEFAULT_PEER_OFFSET = {
+    MetaStepType.FWD_SEND: +1,
+    MetaStepType.BWD_RECV: +1,
+    MetaStepType.FWD_RECV: -1,
+    MetaStepType.BWD_SEND: -1,
+}
+
+_TEXT = re.compile(r"^(\d+)([A-Z_]+?)(\d*)(?:(->|<-)(\d+))?$")
+
+
+@dataclass(frozen=True)
+class MetaStep:
+    """One action of a pipeline schedule: ``type`` on ``stage_index`` for ``micro_index``.
+
+    Immutable and hashable, so steps can be dictionary keys and set members in
+    the passes. ``str(step)`` gives the text form described in the module
+    docstring and :meth:`parse` reads it back: ``MetaStep.parse(str(s)) == s``.
+
+    Args:
+        micro_index: the micro-batch, ``>= 0``. Only the FSDP steps (which act
+            on the whole stage) may leave it ``None``.
+        type: a :class:`MetaStepType`.
+        stage_index: the pipeline stage the step belongs to, ``>= 0``. For a
+            communication step it is the stage on *this* side of the transfer.
+        peer_stage: the stage on the other side of a communication step.
+            Activation and gradient steps default to the adjacent stage, data
+            steps must name it; every other type must leave it ``None``.
+    """
+
+    micro_index: int | None
+    type: MetaStepType
+    stage_index: int
+    peer_stage: int | None = None
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._check_and_normalise()
+        # Steps are hashed constantly by the passes, so the hash is computed once.
+        # Only ints go in (None -> -1, the type -> its ordinal): unlike str and,
+        # before Python 3.12, None, their hashes are the same in every process,
+        # so a pickled step stays a valid dict key on another rank.
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    -1 if self.micro_index is None else self.micro_index,
+                    _ORDINAL[self.type],
+                    self.stage_index,
+                    -1 if self.peer_stage is None else self.peer_stage,
+                )
+            ),
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def _check_and_normalise(self) -> None:
+        if not isinstance(self.type, MetaStepType):
+            raise TypeError(
+                f"MetaStep type must be a MetaStepType, got {self.type!r}; "
+                f"use e.g. MetaStepType.FWD or MetaStepType({self.type!r}) for a text code"
+            )
+        if not _is_index(self.stage_index):
+            raise ValueError(f"MetaStep stage_index must be an int >= 0, got {self.stage_index!r}")
+        if self.micro_index is None:
+            if not self.type.is_fsdp:
+                raise ValueError(
+                    f"MetaStep of type {self.type.name} needs a micro_index (an int >= 0); "
+                    "only UNSHARD, RESHARD and REDUCE_GRAD may leave it None"
+                )
+        elif not _is_index(self.micro_index):
+            raise ValueError(f"MetaStep micro_index must be an int >= 0 or None, got {self.micro_index!r}")
+        if not self.type.is_comm:
+            if self.peer_stage is not None:
+                raise ValueError(
+                    f"MetaStep of type {self.type.name} has no peer, got "
+                    f"peer_stage={self.peer_stage!r}; only SEND/RECV steps take one"
+                )
+            return
+        if self.peer_stage is None:
+            offset = _DEFAULT_PEER_OFFSET.get(self.type)
+            if offset is None:
+                raise ValueError(
+                    f"MetaStep of type {self.type.name} must name its peer_stage "
+                    "(the stage on the other side of the transfer), e.g. "
+                    f"MetaStep({self.micro_index}, MetaStepType.{self.type.name}, "
+                    f"{self.stage_index}, peer_stage=...)"
+                )
+            # Normalise so that the implicit and the explicit adjacent peer compare equal.
+            object.__setattr__(self, "peer_stage", self.stage_index + offset)
+        if not _is_index(self.peer_stage):
+            raise ValueError(
+                f"MetaStep {self.type.name} on stage {self.stage_index} has peer_stage="
+                f"{self.peer_stage!r}; the peer must be a stage index >= 0 (stage 0 has no "
+                "upstream stage to receive activations from or send gradients to)"
+            )
+        if self.peer_stage == self.stage_index:
+            raise ValueError(
+                f"MetaStep {self.type.name} on stage {self.stage_index} names itself as its "
+                "peer; a stage does not communicate with itself"
+            )
+
+    @property
+    def default_peer(self) -> int | None:
+        """The peer implied by the type (the adjacent stage), or ``None`` for data steps."""
+        offset = _DEFAULT_PEER_OFFSET.get(self.type)
+        return None if offset is None else self.stage_index + offset
+
+    def __str__(self) -> str:
+        micro = "" if self.micro_index is None else str(self.micro_index)
+        text = f"{self.stage_index}{self.type.code}{micro}"
+        if self.type.is_comm and self.peer_stage != self.default_peer:
+            arrow = "->" if self.type.is_send else "<-"
+            text += f"{arrow}{self.peer_stage}"
+        return text
+
+    def __repr__(self) -> str:
+        extra = "" if self.peer_stage is None else f", peer_stage={self.peer_stage}"
+        return f"MetaStep({self.micro_index!r}, MetaStepType.{self.type.name}, {self.stage_index}{extra})"
+
+    @classmethod
+    def parse(cls, text: str) -> MetaStep:
+        """Read the text form back (``"2F0"``, ``"0SEND_D3->5"``, ``"1UNSHARD"``)."""
+        match = _TEXT.match(text.strip())
+        if match is None:
+            raise ValueError(
+                f"cannot parse {text!r} as a MetaStep; expected "
+                "'{stage}{code}{micro}' such as '2F0', '1SEND_B3' or '0SEND_D3->5'"
+            )
+        stage, code, micro, arrow, peer = match.groups()
+        try:
+            step_type = MetaStepType(code)
+        except ValueError:
+            codes = ", ".join(t.code for t in MetaStepType)
+            raise ValueError(f"unknown step code {code!r} in {text!r}; known codes: {codes}") from None
+        if arrow is not None and (not step_type.is_comm or (arrow == "->") != step_type.is_send):
+            raise ValueError(f"{text!r}: '->peer' belongs to SEND steps and '<-peer' to RECV steps")
+        return cls(
+            int(micro) if micro else None,
+            step_type,
+            int(stage),
+            None if peer is None else int(peer),
+        )
+
+
+Order = dict[int, list[MetaStep]]
+"""A schedule: for each rank, the steps it runs, in order."""
+
+
+def _is_index(value: object) -> bool:
+    return type(value) is int and value >= 0  # not bool, which is an int too
+
+
+def format_order(
+    order: Mapping[int, Sequence[MetaStep]],
+    marks: Iterable[tuple[int, int]] = (),
+    *,
+    context: int = 8,
+) -> str:
+    """The rank x step grid: one row per rank, one column per position in its list.
+
+    Steps at the ``(rank, position)`` pairs in ``marks`` are drawn as ``>2F0<``.
+    When there are marks and the rows are long, only the columns from ``context``
+    before the first mark to ``context`` after the last are shown, so an error
+    message stays readable for a 16-micro-batch interleaved schedule.
+    """
+    marked = set(marks)
+    ranks = sorted(order)
+    if not ranks:
+        return "(empty order)"
+    length = max((len(order[r]) for r in ranks), default=0)
+    first, last = 0, length
+    if marked:
+        columns = [c for _, c in marked]
+        first = max(0, min(columns) - context)
+        last = min(length, max(columns) + context + 1)
+
+    def cell(rank: int, col: int) -> str:
+        steps = order[rank]
+        if col >= len(steps):
+            return ""
+        text = str(steps[col])
+        return f">{text}<" if (rank, col) in marked else text
+
+    width = max([len(cell(r, c)) for r in ranks for c in range(first, last)] + [len(str(last - 1))])
+    label = max(len(f"rank {r}") for r in ranks)
+    lines = [" " * label + " | " + " ".join(f"{c:>{width}}" for c in range(first, last)).rstrip()]
+    for rank in ranks:
+        cells = [f"{cell(rank, c):>{width}}" for c in range(first, last)]
+        prefix = "... " if first > 0 else ""
+        suffix = " ..." if last < len(order[rank]) else ""
+        lines.append(f"{f'rank {rank}':<{label}} | {prefix}{' '.join(cells).rstrip()}{suffix}")
+    return "\n".join(lines)
+
+
+def write_order_csv(order: Mapping[int, Sequence[MetaStep]], file: str | os.PathLike[str] | TextIO) -> None:
+    """Write ``order`` as CSV, one row per rank: the rank, then its steps' text forms.
+
+    Plain CSV so schedules can be diffed, kept as golden files and edited by hand.
+    """
+    if isinstance(file, (str, os.PathLike)):
+        with open(file, "w", newline="", encoding="utf-8") as handle:
+            write_order_csv(order, handle)
+        return
+    writer = csv.writer(file, lineterminator="\n")
+    for rank in sorted(order):
+        writer.writerow([rank, *(str(step) for step in order[rank])])
+
+
+def read_order_csv(file: str | os.PathLike[str] | TextIO) -> Order:
+    """Read an order written by :func:`write_order_csv` (blank cells are ignored)."""
+    if isinstance(file, (str, os.PathLike)):
+        with open(file, newline="", encoding="utf-8") as handle:
+            return read_order_csv(handle)
+    order: Order = {}
+    for line, row in enumerate(csv.reader(file), start=1):
+        cells = [c.strip() for c in row]
+        if not any(cells):
+            continue
+        try:
+            rank = int(cells[0])
+        except ValueError:
+            raise ValueError(
+                f"order CSV line {line}: the first cell must be the rank (an int), got {cells[0]!r}"
+            ) from None
+        if rank < 0 or rank in order:
+            raise ValueError(
+                f"order CSV line {line}: rank {rank} is negative or appears twice; write one row per rank"
+            )
+        steps = []
+        for col, text in enumerate(cells[1:], start=2):
+            if not text:
+                continue
+            try:
+                steps.append(MetaStep.parse(text))
+            except ValueError as exc:
+                raise ValueError(f"order CSV line {line}, column {col}: {exc}") from None
+        order[rank] = steps
+    return order

@@ -1,0 +1,296 @@
+"""``simulate``: time an order with per-step costs, exactly.
+
+People choose between schedules by their bubble and their activation memory;
+the simulator gives both without a cluster, in exact arithmetic
+(:class:`fractions.Fraction`), so the textbook formulas can be checked with
+``==`` rather than with a tolerance.
+
+[Note: timing model]
+* Every rank starts at time 0 and runs its list in order, one step at a time.
+* A compute step (and ``LOAD``, ``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) takes
+  its cost from :class:`StepCosts`. It starts when the rank is free and every
+  input from another rank has arrived (see ``_deps.py`` [Note: dependency model]).
+* An input from another rank arrives ``comm`` after it was sent. In an order with
+  communication steps it is sent when the sender reaches the ``SEND`` step; in
+  a compute-only order, when the producing step ends.
+* ``SEND`` and ``RECV`` take no time on the rank: sends are issued
+  asynchronously and receives are posted early and waited for by the step that
+  needs the data, which is how the executor runs them. Whether an order could
+  deadlock under blocking point-to-point is ``validate_order``'s question, not
+  the simulator's.
+
+[Note: bubble definitions]
+With ``compute[r]`` the time rank ``r`` spends in ``F``/``B``/``I``/``W`` and
+``idle[r] = makespan - compute[r]``:
+
+* ``bubble_ratio[r] = idle[r] / makespan``, the share of the step rank ``r``
+  does no model compute. GPipe and 1F1B with ``F = B`` and ``comm = 0`` give
+  exactly ``(p-1)/(m+p-1)``, the GPipe paper's figure.
+* ``bubble_overhead[r] = idle[r] / compute[r]``, the bubble relative to the ideal
+  (bubble-free) compute time, as in the Megatron-LM paper. Interleaved 1F1B with
+  ``v`` stages per rank, ``m`` a multiple of ``p``, ``F = B`` and ``comm = 0``
+  gives exactly ``(p-1)/(v*m)``; for GPipe and 1F1B it is ``(p-1)/m``.
+
+The two are related by ``ratio = overhead / (1 + overhead)``.
+
+[Note: live activations]
+A micro-batch's activations on a stage are live from the start of its ``F`` to
+the end of its last backward step there (``B``, or ``W`` when the backward is
+split: the weight gradient still needs the saved inputs). Where one step frees
+and another allocates at the same instant, the free counts first.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from fractions import Fraction
+from typing import NamedTuple
+
+from hp_pipeline._deps import OrderView
+from hp_pipeline.errors import ScheduleError
+from hp_pipeline.ir import MetaStep, MetaStepType
+from hp_pipeline.validate import validate_order
+
+__all__ = ["SimulationResult", "StepCosts", "TimedStep", "simulate"]
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """How long each kind of step takes, in any unit (all values become Fractions).
+
+    The defaults model a backward that costs twice the forward, split evenly
+    into input and weight gradients, with free communication.
+
+    Attributes:
+        forward: ``F``.
+        backward: a full ``B``.
+        backward_input: ``I``.
+        backward_weight: ``W``.
+        comm: latency from a SEND (or, in a compute-only order, from the
+            producing step) to the data being usable on the other rank.
+        data_load, unshard, reshard, reduce_grad: the remaining local steps.
+    """
+
+    forward: Fraction | float = 1
+    backward: Fraction | float = 2
+    backward_input: Fraction | float = 1
+    backward_weight: Fraction | float = 1
+    comm: Fraction | float = 0
+    data_load: Fraction | float = 0
+    unshard: Fraction | float = 0
+    reshard: Fraction | float = 0
+    reduce_grad: Fraction | float = 0
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            try:
+                exact = Fraction(value)
+            except (TypeError, ValueError):
+                raise TypeError(f"StepCosts.{field.name} must be a number, got {value!r}") from None
+            if exact < 0:
+                raise ValueError(f"StepCosts.{field.name} must be >= 0, got {value!r}")
+            object.__setattr__(self, field.name, exact)
+
+    def of(self, step_type: MetaStepType) -> Fraction:
+        """The cost of one step of ``step_type`` (0 for SEND/RECV, see the timing note)."""
+        name = _COST_FIELD.get(step_type)
+        return Fraction(0) if name is None else Fraction(getattr(self, name))
+
+
+_COST_FIELD = {
+    MetaStepType.FWD: "forward",
+    MetaStepType.BWD: "backward",
+    MetaStepType.BWD_INPUT: "backward_input",
+    MetaStepType.BWD_WEIGHT: "backward_weight",
+    MetaStepType.DATA_LOAD: "data_load",
+    MetaStepType.UNSHARD: "unshard",
+    MetaStepType.RESHARD: "reshard",
+    MetaStepType.REDUCE_GRAD: "reduce_grad",
+}
+
+
+class TimedStep(NamedTuple):
+    """A step and when it ran; SEND/RECV have ``start == end``."""
+
+    step: MetaStep
+    start: Fraction
+    end: Fraction
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What :func:`simulate` measured. See ``simulate.py`` for the exact definitions.
+
+    Attributes:
+        makespan: when the last step on any rank ends.
+        timeline: rank -> its steps with start and end times, in list order.
+        compute_time: rank -> time spent in ``F``/``B``/``I``/``W``.
+        idle_time: rank -> ``makespan - compute_time``.
+        bubble_ratio: rank -> ``idle / makespan`` ([Note: bubble definitions]).
+        bubble_overhead: rank -> ``idle / compute`` (ranks with compute only).
+        peak_activations: stage -> most micro-batches live at once.
+        peak_activations_per_rank: rank -> most (stage, micro-batch) pairs live at once.
+    """
+
+    makespan: Fraction
+    timeline: dict[int, list[TimedStep]]
+    compute_time: dict[int, Fraction]
+    idle_time: dict[int, Fraction]
+    bubble_ratio: dict[int, Fraction]
+    bubble_overhead: dict[int, Fraction]
+    peak_activations: dict[int, int]
+    peak_activations_per_rank: dict[int, int]
+
+    @property
+    def total_bubble_ratio(self) -> Fraction:
+        """Idle time over all ranks divided by ``num_ranks * makespan``."""
+        if not self.makespan:
+            return Fraction(0)
+        return sum(self.idle_time.values(), Fraction(0)) / (len(self.idle_time) * self.makespan)
+
+    @property
+    def total_idle_time(self) -> Fraction:
+        return sum(self.idle_time.values(), Fraction(0))
+
+
+def simulate(
+    order: Mapping[int, Sequence[MetaStep]],
+    costs: StepCosts | None = None,
+    *,
+    validate: bool = True,
+) -> SimulationResult:
+    """Run ``order`` on a model of the machine and report makespan, bubbles and memory.
+
+    Works on compute-only orders (what the builders return) and on orders with
+    communication steps (after :func:`~hp_pipeline.insert_comms`); with
+    ``comm = 0`` both give the same times.
+
+    Args:
+        order: rank -> steps.
+        costs: per-step-type costs; ``StepCosts()`` if omitted.
+        validate: run :func:`~hp_pipeline.validate_order` first (recommended:
+            timing a broken order answers the wrong question).
+
+    Raises:
+        ScheduleError: the order is invalid (or, with ``validate=False``, stalls).
+    """
+    if validate:
+        validate_order(order)
+    costs = StepCosts() if costs is None else costs
+    view = OrderView(order)
+    timeline = _timeline(view, costs)
+    makespan = max((t.end for steps in timeline.values() for t in steps), default=Fraction(0))
+    compute = {
+        rank: sum((t.end - t.start for t in steps if t.step.type.is_compute), Fraction(0))
+        for rank, steps in timeline.items()
+    }
+    idle = {rank: makespan - busy for rank, busy in compute.items()}
+    ratio = {rank: (idle[rank] / makespan if makespan else Fraction(0)) for rank in timeline}
+    overhead = {rank: idle[rank] / busy for rank, busy in compute.items() if busy}
+    per_stage, per_rank = _peak_activations(view, timeline)
+    return SimulationResult(
+        makespan=makespan,
+        timeline=timeline,
+        compute_time=compute,
+        idle_time=idle,
+        bubble_ratio=ratio,
+        bubble_overhead=overhead,
+        peak_activations=per_stage,
+        peak_activations_per_rank=per_rank,
+    )
+
+
+def _timeline(view: OrderView, costs: StepCosts) -> dict[int, list[TimedStep]]:
+    """Start and end of every step under [Note: timing model]."""
+    order = view.order
+    head = {rank: 0 for rank in order}
+    clock = {rank: Fraction(0) for rank in order}
+    finished: dict[MetaStep, Fraction] = {}
+    sent: dict[MetaStep, Fraction] = {}
+    timeline: dict[int, list[TimedStep]] = {rank: [] for rank in order}
+    comm = Fraction(costs.comm)
+
+    def arrival(step: MetaStep) -> Fraction | None:
+        """When every cross-rank input of ``step`` is usable, or None if one is not yet sent."""
+        latest = Fraction(0)
+        for edge in view.edges_into(step):
+            if view.same_rank(edge.producer.stage_index, step.stage_index):
+                continue
+            source = sent.get(edge.send) if view.has_comms else finished.get(edge.producer)
+            if source is None:
+                return None
+            latest = max(latest, source + comm)
+        return latest
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, steps in order.items():
+            while head[rank] < len(steps):
+                step = steps[head[rank]]
+                now = clock[rank]
+                if step.type.is_comm:
+                    if step.type.is_send:
+                        sent[step] = now
+                    timeline[rank].append(TimedStep(step, now, now))
+                else:
+                    ready = arrival(step)
+                    if ready is None:
+                        break
+                    start = max(now, ready)
+                    end = start + costs.of(step.type)
+                    finished[step] = end
+                    clock[rank] = end
+                    timeline[rank].append(TimedStep(step, start, end))
+                head[rank] += 1
+                progress = True
+    stuck = [(rank, head[rank]) for rank in sorted(order) if head[rank] < len(order[rank])]
+    if stuck:
+        raise ScheduleError(
+            "the simulation stalls: these steps wait for inputs that are never sent "
+            "(run validate_order for the reason)",
+            order,
+            [f"rank {r} waits in {order[r][p]}" for r, p in stuck],
+            stuck,
+        )
+    return timeline
+
+
+def _peak_activations(
+    view: OrderView, timeline: Mapping[int, Sequence[TimedStep]]
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Peak live micro-batches per stage and per rank ([Note: live activations])."""
+    start: dict[tuple[int, int], Fraction] = {}
+    end: dict[tuple[int, int], Fraction] = {}
+    for steps in timeline.values():
+        for timed in steps:
+            step = timed.step
+            if step.micro_index is None:
+                continue
+            key = (step.stage_index, step.micro_index)
+            if step.type is MetaStepType.FWD:
+                start[key] = timed.start
+            elif step.type in (MetaStepType.BWD, MetaStepType.BWD_WEIGHT):
+                end[key] = max(end.get(key, timed.end), timed.end)
+    events: dict[int, list[tuple[Fraction, int]]] = defaultdict(list)
+    for key, t0 in start.items():
+        events[key[0]].append((t0, +1))
+        if key in end:
+            events[key[0]].append((end[key], -1))
+
+    def peak(evs: list[tuple[Fraction, int]]) -> int:
+        best = live = 0
+        for _, delta in sorted(evs):  # -1 sorts before +1: frees first at equal times
+            live += delta
+            best = max(best, live)
+        return best
+
+    per_stage = {stage: peak(events[stage]) for stage in sorted(view.stage_rank)}
+    per_rank = {}
+    for rank in sorted(view.order):
+        merged = [e for stage, r in view.stage_rank.items() if r == rank for e in events[stage]]
+        per_rank[rank] = peak(merged)
+    return per_stage, per_rank
