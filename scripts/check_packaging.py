@@ -20,6 +20,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -46,8 +47,10 @@ def build_wheels() -> None:
         shutil.rmtree(DIST)
     for pkg in packages():
         run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(DIST), str(pkg)])
-    print(f"[packaging] built {len(list(DIST.glob('*.whl')))} wheels: "
-          + ", ".join(sorted(w.name for w in DIST.glob("*.whl"))))
+    print(
+        f"[packaging] built {len(list(DIST.glob('*.whl')))} wheels: "
+        + ", ".join(sorted(w.name for w in DIST.glob("*.whl")))
+    )
 
 
 def third_party_site() -> None:
@@ -71,12 +74,29 @@ def check_alone(pkg: pathlib.Path) -> None:
     py = env / "bin" / "python"
     site = run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     pathlib.Path(site, "third_party.pth").write_text(str(THIRD_PARTY) + "\n")
-    run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index",
-         "--find-links", str(DIST), name])
-    installed = run([str(py), "-c", (
-        "import importlib.metadata as m\n"
-        "print(' '.join(sorted(d.metadata['Name'] for d in m.distributions() if d.metadata['Name'].startswith('hp-'))))"
-    )]).stdout.split()
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "-q",
+            "--no-index",
+            "--find-links",
+            str(DIST),
+            name,
+        ]
+    )
+    names = "sorted(d.metadata['Name'] for d in m.distributions() if d.metadata['Name'].startswith('hp-'))"
+    installed = run(
+        [
+            str(py),
+            "-c",
+            f"import importlib.metadata as m\nprint(' '.join({names}))",
+        ]
+    ).stdout.split()
     siblings = {d.split(">")[0].split("=")[0].strip() for d in meta["dependencies"] if d.startswith("hp-")}
     expected = sorted({name} | siblings | _transitive(siblings))
     if installed != expected:
@@ -97,7 +117,9 @@ def _transitive(names: set[str]) -> set[str]:
     for pkg in packages():
         meta = tomllib.loads((pkg / "pyproject.toml").read_text())["project"]
         if meta["name"] in names:
-            deps = {d.split(">")[0].split("=")[0].strip() for d in meta["dependencies"] if d.startswith("hp-")}
+            deps = {
+                d.split(">")[0].split("=")[0].strip() for d in meta["dependencies"] if d.startswith("hp-")
+            }
             out |= deps | _transitive(deps)
     return out
 

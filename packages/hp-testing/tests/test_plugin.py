@@ -317,8 +317,10 @@ def test_no_rank_process_outlives_the_session(pytester: pytest.Pytester) -> None
             pass
         """,
     )
+    before = set(_forkserver_children())  # the outer session's own pools, if any
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1, failed=1)
-    assert _forkserver_children() == []
+    left = set(_forkserver_children()) - before
+    assert left == set(), f"rank processes {sorted(left)} outlived the inner session"
 
 
 def test_forked_mode_runs_each_test_in_its_own_pool(pytester: pytest.Pytester) -> None:
@@ -339,3 +341,44 @@ def test_forked_mode_runs_each_test_in_its_own_pool(pytester: pytest.Pytester) -
     result = pytester.runpytest_subprocess("--forked", "-p", "no:cacheprovider", timeout=240)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*rank 0 failed*"])
+
+
+def test_same_tests_run_under_plain_torchrun(pytester: pytest.Pytester) -> None:
+    _write(
+        pytester,
+        """
+        @pytest.mark.distributed(world_size=2)
+        def test_sum(rank, world_size, device_mesh_factory):
+            assert rank == int(os.environ["RANK"]) and world_size == 2
+            mesh = device_mesh_factory((2,), ("dp",))
+            t = torch.tensor([rank + 1.0])
+            dist.all_reduce(t, group=mesh.get_group("dp"))
+            assert t.item() == 3
+
+        @pytest.mark.distributed(world_size=4)
+        def test_needs_four(rank):
+            pass
+        """,
+    )
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        str(pytester.path / "test_inner.py"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=pytester.path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count("1 passed, 1 skipped") == 2, out
+    assert "needs world_size=4; this launch has WORLD_SIZE=2" in out

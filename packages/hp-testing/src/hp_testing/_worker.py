@@ -28,10 +28,11 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -163,7 +164,7 @@ def _import_test_module(name: str, path: str) -> ModuleType:
             rewrite_asserts(tree, source, path)
         except Exception:  # pytest internals moved: plain asserts still work
             tree = ast.parse(source, filename=path)
-        exec(compile(tree, path, "exec"), module.__dict__)  # noqa: S102
+        exec(compile(tree, path, "exec"), module.__dict__)
     except BaseException:
         sys.modules.pop(name, None)
         raise
@@ -188,13 +189,14 @@ def _load_function(task: Task) -> Callable[..., Any]:
     ):
         module = _import_test_module(task.module_name, task.module_file)
     if task.class_name is None:
-        return getattr(module, task.function_name)  # type: ignore[no-any-return]
+        fn: Callable[..., Any] = getattr(module, task.function_name)
+        return fn
     instance = getattr(module, task.class_name)()
     setup = getattr(instance, "setup_method", None)
-    fn = getattr(instance, task.function_name)
+    method: Callable[..., Any] = getattr(instance, task.function_name)
     if setup is not None:
-        setup(fn)
-    return fn  # type: ignore[no-any-return]
+        setup(method)
+    return method
 
 
 def _rank_local_value(name: str, cfg: WorkerConfig) -> Any:
@@ -249,7 +251,7 @@ def _run_task(task: Task, cfg: WorkerConfig, guard: _StateGuard) -> TaskResult:
                 if name in kwargs:
                     kwargs[name] = _rank_local_value(name, cfg)
             fn(**kwargs)
-        except BaseException as exc:  # noqa: BLE001 - report everything, incl. SystemExit
+        except BaseException as exc:
             result.ok = False
             result.error = _format_error(exc)
     result.duration_s = time.perf_counter() - start
@@ -277,7 +279,7 @@ def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
     try:
         _init_group(cfg, generation)
         conn.send(("ready", cfg.rank))
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         conn.send(("init-failed", "".join(traceback.format_exception(exc))))
         return
     while True:
@@ -295,7 +297,7 @@ def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
             try:
                 _init_group(cfg, generation)
                 conn.send(("ready", cfg.rank))
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 conn.send(("init-failed", "".join(traceback.format_exception(exc))))
                 return
         elif kind == "stop":

@@ -32,7 +32,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def rank_env(rank: int, world_size: int, master_port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+def rank_env(
+    rank: int, world_size: int, master_port: int, base: dict[str, str] | None = None
+) -> dict[str, str]:
     """The environment one rank sees, matching torchrun's variable names."""
     env = dict(os.environ if base is None else base)
     env.update(
@@ -69,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="hp-run",
         description="Run a script on N local CPU ranks with the environment torchrun would set.",
     )
-    parser.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, required=True, help="number of ranks")
+    parser.add_argument(
+        "-n", "--nproc-per-node", dest="nproc", type=int, required=True, help="number of ranks"
+    )
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
     parser.add_argument(
@@ -94,14 +98,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return launch(command, args.nproc, port, grace_s=args.grace, tag_output=args.tag_output)
 
 
-def launch(command: list[str], nproc: int, master_port: int, *, grace_s: float = 5.0, tag_output: bool = False) -> int:
+def launch(
+    command: list[str], nproc: int, master_port: int, *, grace_s: float = 5.0, tag_output: bool = False
+) -> int:
     """Start ``nproc`` copies of ``command`` and supervise them until all exit."""
     pipe = subprocess.PIPE if tag_output else None
     procs: list[subprocess.Popen[bytes]] = []
     pumps: list[threading.Thread] = []
     for rank in range(nproc):
         proc = subprocess.Popen(
-            command, env=rank_env(rank, nproc, master_port), stdout=pipe, stderr=subprocess.STDOUT if pipe else None
+            command,
+            env=rank_env(rank, nproc, master_port),
+            stdout=pipe,
+            stderr=subprocess.STDOUT if pipe else None,
         )
         procs.append(proc)
         if tag_output and proc.stdout is not None:
@@ -125,7 +134,7 @@ def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float) -> int:
         codes = [p.poll() for p in procs]
         if first_failure is None:
             for rank, code in enumerate(codes):
-                if code not in (None, 0):
+                if code is not None and code != 0:
                     first_failure = (rank, code)
                     stop_at = time.monotonic() + grace_s
                     print(
@@ -137,10 +146,13 @@ def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float) -> int:
                     break
         if all(code is not None for code in codes):
             break
-        if stop_at is not None and time.monotonic() >= stop_at:
+        if first_failure is not None and stop_at is not None and time.monotonic() >= stop_at:
             running = [rank for rank, code in enumerate(codes) if code is None]
-            print(f"[hp-run] stopping ranks {running}, still running after rank {first_failure[0]} failed",
-                  file=sys.stderr, flush=True)  # type: ignore[index]
+            print(
+                f"[hp-run] stopping ranks {running}, still running after rank {first_failure[0]} failed",
+                file=sys.stderr,
+                flush=True,
+            )
             _stop(procs)
             break
         time.sleep(0.05)

@@ -108,9 +108,7 @@ def _options(item: pytest.Item, marker: pytest.Mark, config: pytest.Config) -> t
             f"version of hp-testing; use backend='gloo'"
         )
     if backend not in BACKENDS:
-        raise MarkerError(
-            f"{item.nodeid}: unknown backend {backend!r}; choose one of {list(BACKENDS)}"
-        )
+        raise MarkerError(f"{item.nodeid}: unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     timeout = marker.kwargs.get("timeout")
     if timeout is None:
         cli = config.getoption("hp_timeout")

@@ -56,7 +56,7 @@ def _store() -> Any:
     starts its own.
     """
     global _STORE, _STORE_PID
-    if _STORE is None or _STORE_PID != os.getpid():
+    if _STORE is None or os.getpid() != _STORE_PID:
         import torch.distributed as dist
 
         _STORE = dist.TCPStore(
@@ -148,9 +148,7 @@ class WorkerPool:
                 stack_file=self._stack_path(rank),
                 env=self._rank_env(rank, store.port),
             )
-            proc = ctx.Process(
-                target=worker_main, args=(cfg, child), name=f"hp-rank-{rank}", daemon=True
-            )
+            proc = ctx.Process(target=worker_main, args=(cfg, child), name=f"hp-rank-{rank}", daemon=True)
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -189,7 +187,7 @@ class WorkerPool:
         errors: dict[int, str] = {}
         while waiting:
             left = deadline - time.monotonic()
-            by_obj = {self._conns[r]: r for r in waiting}
+            by_obj: dict[Any, int] = {self._conns[r]: r for r in waiting}
             by_obj.update({self._procs[r].sentinel: r for r in waiting})
             ready = wait(list(by_obj), timeout=max(left, 0))
             if not ready:
