@@ -103,7 +103,9 @@ def main() -> None:
         help="float64 by default: Adam divides by sqrt(v), which turns float32 rounding in the "
         "gradient sum into visible parameter noise; in float64 the runs agree to ~1e-12",
     )
-    parser.add_argument("--tolerance", type=float, default=None, help="default 1e-9 (float64), 1e-3 (float32)")
+    parser.add_argument(
+        "--tolerance", type=float, default=None, help="default 1e-9 (float64), 1e-3 (float32)"
+    )
     args = parser.parse_args()
     tolerance = args.tolerance if args.tolerance is not None else (1e-9 if args.dtype == "float64" else 1e-3)
     torch.set_default_dtype(getattr(torch, args.dtype))
@@ -160,9 +162,7 @@ def main() -> None:
         print(f"largest loss difference from single-process training: {worst_loss_gap:.3e}")
         print(f"largest parameter difference from single-process training: {diff:.3e}")
         if not (math.isfinite(diff) and diff <= tolerance and worst_loss_gap <= tolerance):
-            raise SystemExit(
-                f"data-parallel training drifted from the single-process run (> {tolerance:g})"
-            )
+            raise SystemExit(f"data-parallel training drifted from the single-process run (> {tolerance:g})")
     torch.distributed.destroy_process_group()
 
 
