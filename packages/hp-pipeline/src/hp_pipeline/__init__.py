@@ -1,9 +1,10 @@
-"""hp_pipeline: pipeline schedules as data, the passes over them, and (later) the executor.
+"""hp_pipeline: pipeline schedules as data, the passes over them, and the executor that runs them.
 
 A schedule is an *order*: for each rank, the list of :class:`MetaStep` it runs.
 Builders make compute-only orders; :func:`insert_comms` adds the point-to-point
 steps; :func:`validate_order` proves an order complete and deadlock-free;
-:func:`simulate` times it; :func:`render_order` draws it.
+:func:`simulate` times it; :func:`render_order` draws it. The schedule
+classes (:class:`Schedule1F1B`, ...) run an order over :class:`PipelineStage`\\ s.
 """
 
 from hp_pipeline.__about__ import __version__
@@ -18,7 +19,9 @@ from hp_pipeline.builders import (
     stages_on_rank,
 )
 from hp_pipeline.comms import insert_comms
-from hp_pipeline.errors import ScheduleError
+from hp_pipeline.errors import PipelineStepError, ScheduleError, StageFailure
+from hp_pipeline.fsdp import ShardedModule, add_fsdp_steps, is_sharded_module
+from hp_pipeline.grads import TiedGroup, clip_grad_norm_, global_grad_norm
 from hp_pipeline.ir import (
     MetaStep,
     MetaStepType,
@@ -27,30 +30,60 @@ from hp_pipeline.ir import (
     read_order_csv,
     write_order_csv,
 )
+from hp_pipeline.microbatch import REPLICATE, TensorChunkSpec, merge_chunks, split_args_kwargs
 from hp_pipeline.render import render_order
+from hp_pipeline.schedules import (
+    PipelineSchedule,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBV,
+    ScheduleZeroBubble,
+)
 from hp_pipeline.simulate import SimulationResult, StepCosts, TimedStep, simulate
+from hp_pipeline.stage import PipelineStage, TensorMeta
 from hp_pipeline.validate import validate_order
 
 __all__ = [
+    "REPLICATE",
     "MetaStep",
     "MetaStepType",
     "Order",
+    "PipelineSchedule",
+    "PipelineStage",
+    "PipelineStepError",
+    "Schedule1F1B",
     "ScheduleError",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleZBV",
+    "ScheduleZeroBubble",
+    "ShardedModule",
     "SimulationResult",
+    "StageFailure",
     "StepCosts",
+    "TensorChunkSpec",
+    "TensorMeta",
+    "TiedGroup",
     "TimedStep",
     "__version__",
+    "add_fsdp_steps",
     "build_1f1b_order",
     "build_gpipe_order",
     "build_interleaved_1f1b_order",
     "build_zbv_order",
     "build_zero_bubble_h1_order",
+    "clip_grad_norm_",
     "format_order",
+    "global_grad_norm",
     "insert_comms",
     "interleaved_round_size",
+    "is_sharded_module",
+    "merge_chunks",
     "read_order_csv",
     "render_order",
     "simulate",
+    "split_args_kwargs",
     "stage_to_rank",
     "stages_on_rank",
     "validate_order",

@@ -1,0 +1,495 @@
+"""The executor: run one rank's list of :class:`MetaStep` for one training step.
+
+[Note: posting and waiting]
+The rank's steps are cut into *blocks*: the communication steps between two
+compute steps, then the compute step. Right before compute step ``k`` the
+executor posts, as one ``batch_isend_irecv``, the sends of block ``k`` (their
+payloads were produced by earlier compute) and the receives of block ``k+1``,
+one compute step ahead of where ``insert_comms`` put them. A receive is waited
+only right before the compute step that consumes it; sends are waited at the
+end of the step. This is deadlock-free for any order that passes
+``validate_order``: every rank posts its communication in its list's order,
+its list is a subsequence of one global sequence in which each SEND/RECV pair
+is a single event, and so a rank blocked on a handle always waits for a peer
+that is blocked on something strictly earlier in that sequence; the chain
+ends at a rank that can progress.
+
+[Note: first step]
+The first step of a schedule also learns the tensor metadata ([Note: tensor
+metadata] in :mod:`hp_pipeline.stage`). It runs every transfer blocking, in
+list order, with a small header object ahead of the tensors: the list of
+:class:`~hp_pipeline.stage.TensorMeta` for activations, an "ok" for gradients,
+or a failure record. Later steps send tensors only.
+
+[Note: failures]
+A pipeline failure is hard to report well: when stage 2 raises, stage 3 is
+blocked in a receive that will never be matched and stage 1 in a receive of
+gradients, and a plain ``raise`` leaves them hanging until the process-group
+timeout, with the real error on one rank only. Instead:
+
+* an exception raised by *compute* (the module, ``loss_fn``, autograd, a
+  shape check) does not unwind the step. The rank records it and *drains*:
+  it keeps executing its list, skipping compute but posting every send and
+  receive, so no peer is ever left waiting. On the first step the failure
+  record travels in the headers, so downstream ranks stop computing too; on
+  later steps a draining rank sends zeros of the cached shapes (peers compute
+  on them, harmlessly, and their results are thrown away);
+* every handle is waited, then all ranks of the pipeline group exchange one
+  failure flag (a one-element all-reduce); when any is set they gather the
+  failure records and every rank raises the same :class:`PipelineStepError`,
+  naming the rank, stage and step that failed and the original traceback.
+  The process group stays healthy, so the caller may catch it, fix the input
+  and step again;
+* an exception raised by *communication* (a peer died, a timeout) cannot be
+  drained around: the rank waits what it posted (with ``abort_timeout``),
+  then raises at once. Peers learn of it from their own broken connections or
+  timeouts.
+
+We chose in-band draining over a store-based side channel because it needs
+no polling of a store in the hot path, keeps working without a TCPStore (any
+launcher), and leaves the communicator usable; its cost is the one-element
+all-reduce per step. ``KeyboardInterrupt`` and other ``BaseException``\\ s are
+not drained: they propagate at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp_pipeline.errors import PipelineStepError, StageFailure
+from hp_pipeline.fsdp import is_sharded_module
+from hp_pipeline.ir import MetaStep, MetaStepType
+from hp_pipeline.stage import PipelineStage, TensorMeta
+
+__all__: list[str] = []
+
+T = MetaStepType
+_BACKWARD_TYPES = frozenset({T.BWD, T.BWD_INPUT, T.BWD_WEIGHT, T.BWD_SEND, T.BWD_RECV, T.REDUCE_GRAD})
+_OK = "ok"
+
+
+@dataclass
+class _Block:
+    comms: list[MetaStep]
+    action: MetaStep | None
+
+
+def _blocks(steps: Sequence[MetaStep]) -> list[_Block]:
+    blocks: list[_Block] = []
+    pending: list[MetaStep] = []
+    for step in steps:
+        if step.type.is_comm:
+            pending.append(step)
+        else:
+            blocks.append(_Block(pending, step))
+            pending = []
+    if pending:
+        blocks.append(_Block(pending, None))
+    return blocks
+
+
+class _CommError(Exception):
+    """Communication failed; the step cannot be drained (see [Note: failures])."""
+
+
+class StepRunner:
+    """Runs one rank's steps; one instance per schedule, reused across steps."""
+
+    def __init__(
+        self,
+        stages: dict[int, PipelineStage],
+        steps: Sequence[MetaStep],
+        peer_rank: Callable[[int], int],
+        group: dist.ProcessGroup | None,
+        *,
+        training: bool,
+        abort_timeout: float = 10.0,
+    ) -> None:
+        self.stages = stages
+        self.training = training
+        self.steps = [s for s in steps if training or s.type not in _BACKWARD_TYPES]
+        self.blocks = _blocks(self.steps)
+        self.peer_rank = peer_rank
+        self.group = group
+        self.abort_timeout = abort_timeout
+        self.rank = dist.get_rank()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.failure: StageFailure | None = None  # this rank's own failure
+        self.draining = False
+        self._peer_failure: StageFailure | None = None  # a failure header received on the first step
+        self._outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._recv_work: dict[tuple[T, int, int], Any] = {}
+        self._recv_bufs: dict[tuple[T, int, int], list[torch.Tensor]] = {}
+        self._send_work: list[Any] = []
+        self._unsharded: dict[int, Any] = {}
+
+    # -- entry point ------------------------------------------------------------
+
+    def run(
+        self,
+        arg_mbs: list[tuple[Any, ...]] | None,
+        kwarg_mbs: list[dict[str, Any]] | None,
+        targets: list[Any] | None,
+        loss_fn: Any,
+        scale: float,
+        *,
+        first_step: bool,
+        pre_failure: StageFailure | None = None,
+    ) -> StageFailure | None:
+        """Run the steps; returns this rank's own failure (if any) after every handle is waited."""
+        self._reset()
+        self.arg_mbs, self.kwarg_mbs, self.targets = arg_mbs, kwarg_mbs, targets
+        self.loss_fn, self.scale = loss_fn, scale
+        if pre_failure is not None:
+            self.failure, self.draining = pre_failure, True
+        for stage in self.stages.values():
+            stage._begin_step()
+            self._prepare_sharded(stage)
+        try:
+            if first_step:
+                self._run_blocking()
+            else:
+                self._run_overlapped()
+        except _CommError as exc:
+            self._abort(exc)
+        finally:
+            for stage in self.stages.values():
+                stage._clear()
+        return self.failure
+
+    # -- compute ------------------------------------------------------------------
+
+    def _fail(self, step: MetaStep | None, exc: BaseException) -> None:
+        if self.failure is None:
+            stage = None if step is None else step.stage_index
+            self.failure = StageFailure(
+                rank=self.rank,
+                stage=stage,
+                step="" if step is None else str(step),
+                error=f"{type(exc).__name__}: {exc}",
+                traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                exception=exc,
+            )
+        self.draining = True
+
+    def _prepare_sharded(self, stage: PipelineStage) -> None:
+        module = stage.submod
+        if self.training and is_sharded_module(module):
+            setter = getattr(module, "set_requires_gradient_sync", None)
+            if callable(setter):
+                setter(False)
+
+    def _act(self, step: MetaStep) -> None:
+        if step.type.is_fsdp:
+            # Run even while draining: data-parallel peers of this stage wait in these collectives.
+            try:
+                self._fsdp(step)
+            except Exception as exc:
+                self._fail(step, exc)
+            return
+        if self.draining:
+            return
+        try:
+            self._compute(step)
+        except _CommError:
+            raise
+        except Exception as exc:
+            self._fail(step, exc)
+
+    def _fsdp(self, step: MetaStep) -> None:
+        module: Any = self.stages[step.stage_index].submod
+        if not is_sharded_module(module):
+            return
+        if step.type is T.UNSHARD:
+            self._unsharded[step.stage_index] = module.unshard()
+        elif step.type is T.RESHARD:
+            module.reshard()
+        else:
+            setter = getattr(module, "set_requires_gradient_sync", None)
+            if callable(setter):
+                setter(True)
+            module.reduce_grad()
+
+    def _compute(self, step: MetaStep) -> None:
+        stage = self.stages[step.stage_index]
+        s, i = step.stage_index, step.micro_index
+        assert i is not None
+        handle = self._unsharded.pop(s, None)
+        if handle is not None and callable(getattr(handle, "wait", None)):
+            handle.wait()
+        if step.type is T.FWD:
+            self._forward(stage, i)
+            return
+        if step.type in (T.BWD, T.BWD_INPUT) and not stage.is_last:
+            self._fetch_output_grads(stage, i)
+        if step.type is T.BWD:
+            stage.backward_one_chunk(i, self.scale)
+        elif step.type is T.BWD_INPUT:
+            stage.backward_input(i, self.scale)
+        else:
+            stage.backward_weight(i, self.scale)
+
+    def _forward(self, stage: PipelineStage, i: int) -> None:
+        s = stage.stage_index
+        kwargs = None
+        if stage.is_first:
+            if self.arg_mbs is None or self.kwarg_mbs is None:
+                raise RuntimeError(f"stage 0 runs on rank {self.rank} but step() received no inputs here")
+            args: tuple[Any, ...] = self.arg_mbs[i]
+            kwargs = self.kwarg_mbs[i]
+        elif (s - 1) in self.stages:
+            args = self._outputs.pop((s - 1, i))
+            stage.inputs_meta[i] = self.stages[s - 1].outputs_meta[i]
+        else:
+            args = tuple(self._take_recv((T.FWD_RECV, s, i)))
+        with torch.set_grad_enabled(self.training):
+            outputs = stage.forward_one_chunk(i, args, kwargs, keep_for_backward=self.training)
+            if stage.is_last:
+                if self.training:
+                    if self.targets is None:
+                        raise ValueError(
+                            f"stage {s} is the last stage and the schedule has a loss_fn, but step() "
+                            "got no target on this rank; pass step(..., target=labels) here"
+                        )
+                    stage.compute_loss(i, self.loss_fn, self.targets[i])
+                return
+        metas = tuple(TensorMeta.of(t) for t in outputs)
+        cached = stage.outputs_meta.get(i)
+        if not self._learning and cached != metas:
+            raise ValueError(
+                f"stage {s} output of micro-batch {i} is {[str(m) for m in metas]} but the first step "
+                f"produced {[str(m) for m in cached or ()]}; shapes and dtypes are fixed at the first "
+                "step of a schedule (peers allocate receive buffers from them): keep the batch shape "
+                "constant or build a new schedule"
+            )
+        stage.outputs_meta[i] = metas
+        self._outputs[(s, i)] = tuple(t.contiguous() for t in outputs)
+
+    def _fetch_output_grads(self, stage: PipelineStage, i: int) -> None:
+        s = stage.stage_index
+        if (s + 1) in self.stages:
+            nxt = self.stages[s + 1]._micro[i]
+            grads: list[torch.Tensor | None] = list(nxt.input_grads or ())
+            nxt.input_grads = None
+        else:
+            grads = list(self._take_recv((T.BWD_RECV, s, i)))
+        metas = stage.outputs_meta[i]
+        it = iter(grads)
+        stage._micro[i].output_grads = tuple(next(it) if m.requires_grad else None for m in metas)
+
+    # -- payloads -----------------------------------------------------------------
+
+    def _send_tensors(self, step: MetaStep) -> list[torch.Tensor]:
+        s, i = step.stage_index, step.micro_index
+        assert i is not None
+        stage = self.stages[s]
+        if step.type is T.FWD_SEND:
+            if not self.draining:
+                return list(self._outputs.pop((s, i)))
+            return [m.zeros(stage.device) for m in stage.outputs_meta[i]]
+        metas = [m for m in stage.inputs_meta[i] if m.requires_grad]
+        state = stage._micro.get(i)
+        grads = None if (self.draining or state is None) else state.input_grads
+        if grads is None:
+            return [m.zeros(stage.device) for m in metas]
+        if state is not None:
+            state.input_grads = None
+        return [
+            (m.zeros(stage.device) if g is None else g.contiguous())
+            for g, m in zip(grads, metas, strict=True)
+        ]
+
+    def _recv_metas(self, step: MetaStep) -> list[TensorMeta]:
+        stage = self.stages[step.stage_index]
+        assert step.micro_index is not None
+        if step.type is T.FWD_RECV:
+            return list(stage.inputs_meta[step.micro_index])
+        return [m for m in stage.outputs_meta[step.micro_index] if m.requires_grad]
+
+    def _take_recv(self, key: tuple[T, int, int]) -> list[torch.Tensor]:
+        work = self._recv_work.pop(key, None)
+        if work is not None:
+            self._wait(work)
+        return self._recv_bufs.pop(key)
+
+    # -- communication ------------------------------------------------------------
+
+    @property
+    def _learning(self) -> bool:
+        return self._first_step
+
+    def _wait(self, work: Any) -> None:
+        try:
+            work.wait()
+        except Exception as exc:
+            raise _CommError(str(exc)) from exc
+
+    def _run_overlapped(self) -> None:
+        """Later steps: batched, posted one compute step early ([Note: posting and waiting])."""
+        from hp_core import P2POp, batch_isend_irecv
+
+        self._first_step = False
+        blocks = self.blocks
+        group = self.group
+
+        def post(sends: list[MetaStep], recvs: list[MetaStep]) -> None:
+            ops: list[P2POp] = []
+            keys = []
+            for step in sends:
+                peer = self.peer_rank(step.peer_stage)  # type: ignore[arg-type]
+                ops += [P2POp("isend", t, peer, group) for t in self._send_tensors(step)]
+            for step in recvs:
+                stage = self.stages[step.stage_index]
+                bufs = [m.empty(stage.device) for m in self._recv_metas(step)]
+                key = (step.type, step.stage_index, step.micro_index)
+                self._recv_bufs[key] = bufs  # type: ignore[index]
+                peer = self.peer_rank(step.peer_stage)  # type: ignore[arg-type]
+                ops += [P2POp("irecv", b, peer, group) for b in bufs]
+                keys.append(key)
+            if not ops:
+                return
+            try:
+                work = batch_isend_irecv(ops)
+            except Exception as exc:
+                raise _CommError(str(exc)) from exc
+            for key in keys:
+                self._recv_work[key] = work  # type: ignore[index]
+            if sends:
+                self._send_work.append(work)
+
+        try:
+            if blocks:
+                post([], [s for s in blocks[0].comms if s.type.is_recv])
+            for k, block in enumerate(blocks):
+                following = blocks[k + 1].comms if k + 1 < len(blocks) else []
+                post([s for s in block.comms if s.type.is_send], [s for s in following if s.type.is_recv])
+                if block.action is not None:
+                    self._act(block.action)
+        finally:
+            self._drain_handles()
+
+    def _drain_handles(self) -> None:
+        """Wait every posted handle (sends and receives nobody consumed)."""
+        pending = self._send_work + list(self._recv_work.values())
+        self._send_work, self._recv_work = [], {}
+        errors = []
+        for work in pending:
+            try:
+                work.wait()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise _CommError(str(errors[0])) from errors[0]
+
+    def _run_blocking(self) -> None:
+        """The first step: every transfer blocking, with headers ([Note: first step])."""
+        self._first_step = True
+        for block in self.blocks:
+            for step in block.comms:
+                if step.type.is_send:
+                    self._blocking_send(step)
+                else:
+                    self._blocking_recv(step)
+            if block.action is not None:
+                self._act(block.action)
+
+    def _blocking_send(self, step: MetaStep) -> None:
+        from hp_core import send, send_object
+
+        peer = self.peer_rank(step.peer_stage)  # type: ignore[arg-type]
+        s, i = step.stage_index, step.micro_index
+        assert i is not None
+        if self.draining:
+            header: Any = self.failure if self.failure is not None else self._peer_failure
+            self._outputs.pop((s, i), None)
+            try:
+                send_object(_header_of(header), peer, self.group)
+            except Exception as exc:
+                raise _CommError(str(exc)) from exc
+            return
+        tensors = self._send_tensors(step)
+        header = self.stages[s].outputs_meta[i] if step.type is T.FWD_SEND else _OK
+        try:
+            send_object(header, peer, self.group)
+            for t in tensors:
+                send(t, peer, self.group)
+        except Exception as exc:
+            raise _CommError(str(exc)) from exc
+
+    def _blocking_recv(self, step: MetaStep) -> None:
+        from hp_core import recv, recv_object
+
+        peer = self.peer_rank(step.peer_stage)  # type: ignore[arg-type]
+        s, i = step.stage_index, step.micro_index
+        assert i is not None
+        try:
+            header = recv_object(peer, self.group)
+        except Exception as exc:
+            raise _CommError(str(exc)) from exc
+        if isinstance(header, StageFailure):
+            if not self.draining:
+                self._peer_failure = header
+                self.draining = True
+            return
+        stage = self.stages[s]
+        if step.type is T.FWD_RECV:
+            stage.inputs_meta[i] = tuple(header)
+        bufs = [m.empty(stage.device) for m in self._recv_metas(step)]
+        try:
+            for b in bufs:
+                recv(b, peer, self.group)
+        except Exception as exc:
+            raise _CommError(str(exc)) from exc
+        self._recv_bufs[(step.type, s, i)] = bufs
+
+    _first_step: bool = False
+
+    def _abort(self, exc: _CommError) -> None:
+        pending = self._send_work + list(self._recv_work.values())
+        self._send_work, self._recv_work = [], {}
+        for work in pending:
+            try:
+                work.wait(datetime.timedelta(seconds=self.abort_timeout))
+            except Exception:  # best effort: the communicator is already broken
+                pass
+        cause = exc.__cause__ or exc
+        raise PipelineStepError(
+            f"pipeline communication failed on rank {self.rank}: {type(cause).__name__}: {cause}. "
+            "The process group may be unusable; peers of this rank fail when their own "
+            "communication breaks or times out.",
+            [],
+        ) from cause
+
+
+def _header_of(failure: StageFailure | None) -> StageFailure:
+    assert failure is not None
+    return failure.portable()
+
+
+def exchange_failures(
+    failure: StageFailure | None, group: dist.ProcessGroup | None, device: torch.device
+) -> list[StageFailure]:
+    """Agree across the pipeline group on whether the step failed; the failure records if so."""
+    from hp_core import all_gather_object, all_reduce
+
+    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
+    all_reduce(flag, "sum", group)
+    if int(flag.item()) == 0:
+        return []
+    gathered = all_gather_object(None if failure is None else failure.portable(), group)
+    return [f for f in gathered if f is not None]
+
+
+def raise_step_error(failures: list[StageFailure], own: StageFailure | None) -> None:
+    """Raise the same :class:`PipelineStepError` on every rank, chained to the local exception."""
+    error = PipelineStepError.from_failures(failures)
+    raise error from (own.exception if own is not None else None)

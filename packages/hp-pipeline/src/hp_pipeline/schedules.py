@@ -1,0 +1,414 @@
+"""The schedule classes: a builder's order plus the executor, behind torch-pipelining's interface.
+
+Each class picks a builder and a placement; everything else is shared:
+
+==========================  ===========================  =====================  ===========
+class                       builder                      stages per rank        placement
+==========================  ===========================  =====================  ===========
+``ScheduleGPipe``           ``build_gpipe_order``        1                      ``stage = rank``
+``Schedule1F1B``            ``build_1f1b_order``         1                      ``stage = rank``
+``ScheduleInterleaved1F1B`` ``build_interleaved_...``    ``v >= 1`` (a list)    loop
+``ScheduleZeroBubble``      ``build_zero_bubble_h1_...`` 1                      ``stage = rank``
+``ScheduleZBV``             ``build_zbv_order``          2 (a list)             V
+==========================  ===========================  =====================  ===========
+
+``.order`` is the whole pipeline's order with communication (and, when the
+stage modules are sharded, FSDP steps) inserted; ``.step()`` runs this rank's
+row of it. Every rank of the pipeline calls ``step()``: the rank of stage 0
+with the batch, the rank of the last stage with ``target=`` (and ``losses=``),
+the others with neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp_pipeline.builders import (
+    build_1f1b_order,
+    build_gpipe_order,
+    build_interleaved_1f1b_order,
+    build_zbv_order,
+    build_zero_bubble_h1_order,
+    stage_to_rank,
+    stages_on_rank,
+)
+from hp_pipeline.builders.placement import Style
+from hp_pipeline.comms import insert_comms
+from hp_pipeline.errors import StageFailure
+from hp_pipeline.executor import StepRunner, exchange_failures, raise_step_error
+from hp_pipeline.fsdp import add_fsdp_steps, is_sharded_module
+from hp_pipeline.grads import TiedGroup, clip_grad_norm_, sync_tied
+from hp_pipeline.ir import Order
+from hp_pipeline.microbatch import ChunkSpec, TensorChunkSpec, merge_chunks, split_args_kwargs
+from hp_pipeline.stage import PipelineStage
+
+__all__ = [
+    "PipelineSchedule",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleZBV",
+    "ScheduleZeroBubble",
+]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class PipelineSchedule:
+    """Shared machinery of every schedule; use one of the subclasses.
+
+    Args:
+        stage_or_stages: this rank's :class:`PipelineStage` (or the list of them
+            for the multi-stage schedules).
+        n_microbatches: ``m``, how many pieces each batch is cut into.
+        loss_fn: ``loss_fn(output, target) -> scalar`` applied on the last
+            stage to each micro-batch. Without it the schedule runs forward
+            only (no ``B``/``I``/``W`` steps); pass it on every rank.
+        args_chunk_spec / kwargs_chunk_spec: how each argument of ``step`` is
+            split (see :mod:`hp_pipeline.microbatch`); default: tensors along
+            dim 0, other values replicated.
+        output_merge_spec: dim along which the last stage's outputs are
+            concatenated (default 0).
+        scale_grads: scale gradients by ``1/m`` (seeded into each micro-batch's
+            backward), so ``m`` micro-batches of a mean loss give the gradient of
+            the whole batch's mean loss. ``False`` sums them.
+        abort_timeout: seconds to wait for each pending handle when
+            communication itself fails (see [Note: failures]).
+    """
+
+    _style: Style = "loop"
+    _name = "PipelineSchedule"
+
+    def __init__(
+        self,
+        stage_or_stages: PipelineStage | Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        *,
+        args_chunk_spec: Sequence[ChunkSpec | None] | None = None,
+        kwargs_chunk_spec: Mapping[str, ChunkSpec | None] | None = None,
+        output_merge_spec: int = 0,
+        scale_grads: bool = True,
+        abort_timeout: float = 10.0,
+    ) -> None:
+        stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
+        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
+            raise TypeError(
+                f"{self._name} needs PipelineStage objects, got "
+                f"{[type(s).__name__ for s in stages] or 'nothing'}"
+            )
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(f"{self._name}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
+        self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
+        self._args_chunk_spec = args_chunk_spec
+        self._kwargs_chunk_spec = kwargs_chunk_spec
+        self._output_merge_spec = output_merge_spec
+        self.scale_grads = scale_grads
+        groups = {id(s.group) for s in stages}
+        if len(groups) != 1:
+            raise ValueError(f"{self._name}: all stages of a rank must use the same process group")
+        self.group: dist.ProcessGroup | None = stages[0].group
+        self.num_ranks = dist.get_world_size(self.group)
+        self.group_rank = dist.get_rank(self.group)
+        self._global_ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        self._stages = {s.stage_index: s for s in sorted(stages, key=lambda s: s.stage_index)}
+        self._check_placement(stages)
+        order = self._build(self.num_ranks, n_microbatches)
+        sharded = [s for s in self._stages.values() if is_sharded_module(s.submod)]
+        if sharded:
+            # [Note: FSDP protocol]: every rank is assumed to compose the same way.
+            order = add_fsdp_steps(order, range(self.num_stages))
+        self.order: Order = insert_comms(order)
+        self._runner = StepRunner(
+            self._stages,
+            self.order[self.group_rank],
+            self._peer_rank,
+            self.group,
+            training=loss_fn is not None,
+            abort_timeout=abort_timeout,
+        )
+        self._learned = False
+        self._tied: list[TiedGroup] = []
+
+    # -- construction -------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        return next(iter(self._stages.values())).num_stages
+
+    @property
+    def stages(self) -> list[PipelineStage]:
+        """This rank's stages, by stage index."""
+        return list(self._stages.values())
+
+    def _expected_num_stages(self, p: int, local: int) -> int:
+        return p
+
+    def _build(self, p: int, m: int) -> Order:
+        raise NotImplementedError
+
+    def _check_placement(self, stages: list[PipelineStage]) -> None:
+        p = self.num_ranks
+        total = self._expected_num_stages(p, len(stages))
+        counts = {s.num_stages for s in stages}
+        if counts != {total}:
+            raise ValueError(
+                f"{self._name} over {p} ranks with {len(stages)} stage(s) per rank runs {total} stages, "
+                f"but the stages say num_stages={sorted(counts)}; build them with num_stages={total}"
+            )
+        per_rank = total // p
+        want = stages_on_rank(self.group_rank, p, per_rank, style=self._style)
+        have = sorted(self._stages)
+        if have != sorted(want) or len(have) != len(stages):
+            raise ValueError(
+                f"{self._name}: rank {self.group_rank} of {p} must host stages {sorted(want)} "
+                f"({self._style} placement), got {[s.stage_index for s in stages]}"
+            )
+
+    def _peer_rank(self, stage: int) -> int:
+        return self._global_ranks[stage_to_rank(stage, self.num_ranks, style=self._style)]
+
+    # -- running ------------------------------------------------------------------
+
+    def step(
+        self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None, **kwargs: Any
+    ) -> Any:
+        """Run one step over the whole batch; returns the merged output on the last stage's rank.
+
+        Every rank of the pipeline calls it. Per-micro-batch losses are appended
+        to ``losses`` on the last stage's rank. If any rank fails, every rank
+        raises the same :class:`~hp_pipeline.PipelineStepError`.
+        """
+        m = self._n_microbatches
+        pre_failure: StageFailure | None = None
+        arg_mbs = kwarg_mbs = targets = None
+        try:
+            for stage in self._stages.values():
+                stage._check_materialized()
+            if 0 in self._stages:
+                if not args and not kwargs:
+                    raise ValueError(
+                        f"rank {dist.get_rank()} hosts stage 0 but step() got no inputs; pass the batch "
+                        "here, e.g. schedule.step(x)"
+                    )
+                arg_mbs, kwarg_mbs = split_args_kwargs(
+                    args, kwargs, m, self._args_chunk_spec, self._kwargs_chunk_spec
+                )
+            if (self.num_stages - 1) in self._stages and target is not None:
+                targets = split_args_kwargs((target,), {}, m, [self._target_spec(target)])[0]
+                targets = [t[0] for t in targets]
+        except Exception as exc:
+            pre_failure = _failure_outside_steps(exc)
+        scale = 1.0 / m if self.scale_grads else 1.0
+        own = self._runner.run(
+            arg_mbs,
+            kwarg_mbs,
+            targets,
+            self._loss_fn,
+            scale,
+            first_step=not self._learned,
+            pre_failure=pre_failure,
+        )
+        device = next(iter(self._stages.values())).device
+        failures = exchange_failures(own, self.group, device)
+        if failures:
+            raise_step_error(failures, own)
+        self._learned = True
+        if self._tied and self._loss_fn is not None:
+            sync_tied(self._tied, self._modules(), self._rank_of_stage(), self.group, values=False)
+        return self._finish(losses)
+
+    @staticmethod
+    def _target_spec(target: Any) -> ChunkSpec | None:
+        return TensorChunkSpec(0) if isinstance(target, torch.Tensor) else None
+
+    def _finish(self, losses: list[torch.Tensor] | None) -> Any:
+        last = self._stages.get(self.num_stages - 1)
+        if last is None:
+            return None
+        micro = [last._last_outputs[i] for i in range(self._n_microbatches)]
+        if losses is not None and self._loss_fn is not None:
+            losses.extend(last._last_losses[i] for i in range(self._n_microbatches))
+        return merge_chunks(micro, self._output_merge_spec)
+
+    # -- tied weights and clipping -------------------------------------------------
+
+    def _modules(self) -> dict[int, torch.nn.Module]:
+        return {s: stage.submod for s, stage in self._stages.items()}
+
+    def _rank_of_stage(self) -> dict[int, int]:
+        return {s: self._peer_rank(s) for s in range(self.num_stages)}
+
+    def tie_parameters(self, name: str, stages: Mapping[int, str], *, sync_values: bool = True) -> TiedGroup:
+        """Declare a weight shared by several stages ([Note: tied parameters]).
+
+        ``stages`` maps stage index -> the parameter's name in that stage's
+        module, e.g. ``{0: "embed.weight", 3: "head.weight"}``. Call it on every
+        rank, in the same order. After each training step the copies'
+        gradients are summed; with ``sync_values`` the first stage's value is
+        copied to the other copies now.
+        """
+        bad = sorted(s for s in stages if not 0 <= s < self.num_stages)
+        if bad:
+            raise ValueError(
+                f"tie_parameters({name!r}): stages {bad} do not exist (0 .. {self.num_stages - 1})"
+            )
+        tie = TiedGroup(name, dict(stages))
+        tie.local_params(self._modules())  # fail early on a wrong name
+        self._tied.append(tie)
+        if sync_values:
+            sync_tied([tie], self._modules(), self._rank_of_stage(), self.group, values=True)
+        return tie
+
+    def parameters_for_norm(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters, with each tied weight counted on its first owning stage only."""
+        skip: set[int] = set()
+        modules = self._modules()
+        for tie in self._tied:
+            first = min(tie.stages)
+            for s, p in tie.local_params(modules).items():
+                if s != first:
+                    skip.add(id(p))
+        seen: set[int] = set()
+        params = []
+        for stage in self._stages.values():
+            for p in stage.submod.parameters():
+                if id(p) not in skip and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip every stage's gradients by the pipeline's global norm ([Note: global norm]).
+
+        Call it on every rank after ``step()``. Returns the global norm.
+        """
+        return clip_grad_norm_(
+            self.parameters_for_norm(),
+            max_norm,
+            norm_type,
+            group=self.group,
+            error_if_nonfinite=error_if_nonfinite,
+            also_scale=[p for stage in self._stages.values() for p in stage.submod.parameters()],
+        )
+
+
+def _failure_outside_steps(exc: Exception) -> StageFailure:
+    import traceback
+
+    return StageFailure(
+        rank=dist.get_rank(),
+        stage=None,
+        step="",
+        error=f"{type(exc).__name__}: {exc}",
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        exception=exc,
+    )
+
+
+class _SingleStage(PipelineSchedule):
+    def __init__(
+        self,
+        stage: PipelineStage,
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(stage, PipelineStage):
+            if isinstance(stage, Sequence) and len(stage) == 1:
+                stage = stage[0]
+            else:
+                raise TypeError(
+                    f"{self._name} runs one stage per rank; pass this rank's PipelineStage, got "
+                    f"{type(stage).__name__}"
+                    + (
+                        f" of {len(stage)} stages (use ScheduleInterleaved1F1B)"
+                        if isinstance(stage, Sequence)
+                        else ""
+                    )
+                )
+        super().__init__(stage, n_microbatches, loss_fn, **options)
+
+
+class ScheduleGPipe(_SingleStage):
+    """GPipe: all forwards, then all backwards; ``m`` micro-batches of activations live at the turn."""
+
+    _name = "ScheduleGPipe"
+
+    def _build(self, p: int, m: int) -> Order:
+        return build_gpipe_order(p, m)
+
+
+class Schedule1F1B(_SingleStage):
+    """1F1B (PipeDream-Flush): GPipe's bubble with at most ``p`` live micro-batches on stage 0."""
+
+    _name = "Schedule1F1B"
+
+    def _build(self, p: int, m: int) -> Order:
+        return build_1f1b_order(p, m)
+
+
+class ScheduleZeroBubble(_SingleStage):
+    """ZB-H1: backward split into input and weight gradients; about a third of 1F1B's bubble."""
+
+    _name = "ScheduleZeroBubble"
+
+    def _build(self, p: int, m: int) -> Order:
+        return build_zero_bubble_h1_order(p, m)
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B: ``v`` stages per rank (loop placement), a ``v``-fold smaller bubble."""
+
+    _name = "ScheduleInterleaved1F1B"
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        **options: Any,
+    ) -> None:
+        self._v = 1 if isinstance(stages, PipelineStage) else len(stages)
+        super().__init__(stages, n_microbatches, loss_fn, **options)
+
+    def _expected_num_stages(self, p: int, local: int) -> int:
+        return p * local
+
+    def _build(self, p: int, m: int) -> Order:
+        return build_interleaved_1f1b_order(p, m, self._v)
+
+
+class ScheduleZBV(PipelineSchedule):
+    """ZB-V: two stages per rank in a V (rank ``r`` holds ``r`` and ``2p-1-r``), split backward."""
+
+    _name = "ScheduleZBV"
+    _style: Style = "v"
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        **options: Any,
+    ) -> None:
+        if isinstance(stages, PipelineStage) or len(stages) != 2:
+            count = 1 if isinstance(stages, PipelineStage) else len(stages)
+            raise ValueError(
+                f"ScheduleZBV runs exactly 2 stages per rank (r and 2p-1-r), got {count}; pass "
+                "[PipelineStage(chunk_a, r, 2 * p), PipelineStage(chunk_b, 2 * p - 1 - r, 2 * p)]"
+            )
+        super().__init__(stages, n_microbatches, loss_fn, **options)
+
+    def _expected_num_stages(self, p: int, local: int) -> int:
+        return 2 * p
+
+    def _build(self, p: int, m: int) -> Order:
+        return build_zbv_order(p, m)

@@ -1,0 +1,427 @@
+"""Multi-process parity: every schedule against a single-process copy of the same model and data.
+
+Each rank builds the whole model from one seed, keeps a deep copy as the
+reference, and cuts its own stages out of another copy. Five training steps
+later the pipeline's outputs, losses, every gradient and the parameters after
+SGD must equal the reference's (fp32, rtol=1e-5, atol=1e-6).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hp_pipeline import (
+    PipelineStage,
+    PipelineStepError,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBV,
+    ScheduleZeroBubble,
+    stages_on_rank,
+)
+from torch import nn
+
+RTOL, ATOL = 1e-5, 1e-6
+WIDTH, BATCH, STEPS = 6, 24, 5
+
+
+class Block(nn.Module):
+    """``(h, mask) -> (tanh(linear(h)) * mask, mask)``: a float that needs grad, an int passed through."""
+
+    def __init__(self, last: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.last = last
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> Any:
+        h = torch.tanh(self.linear(h)) * mask.to(h.dtype)
+        return h if self.last else (h, mask)
+
+
+class Reference(nn.Module):
+    def __init__(self, blocks: list[Block]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out: Any = (h, mask)
+        for block in self.blocks:
+            out = block(*out) if isinstance(out, tuple) else out
+        return out
+
+
+def make_blocks(num_stages: int) -> list[Block]:
+    torch.manual_seed(1234)
+    return [Block(last=i == num_stages - 1) for i in range(num_stages)]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(BATCH, WIDTH, generator=gen)
+    mask = (torch.rand(BATCH, 1, generator=gen) > 0.2).long()
+    y = torch.randn(BATCH, WIDTH, generator=gen)
+    return x, mask, y
+
+
+SCHEDULES = {
+    # name: (class, world size, n_microbatches, stages per rank, placement)
+    "gpipe-2": (ScheduleGPipe, 2, 4, 1, "loop"),
+    "1f1b-4": (Schedule1F1B, 4, 8, 1, "loop"),
+    "interleaved-2x2": (ScheduleInterleaved1F1B, 2, 4, 2, "loop"),
+    "interleaved-4x2": (ScheduleInterleaved1F1B, 4, 4, 2, "loop"),
+    "zb-h1-4": (ScheduleZeroBubble, 4, 6, 1, "loop"),
+    "zbv-2": (ScheduleZBV, 2, 4, 2, "v"),
+}
+
+
+def _params(name: str) -> Any:
+    return pytest.param(
+        name, marks=pytest.mark.distributed(world_size=SCHEDULES[name][1], timeout=90), id=name
+    )
+
+
+def build(name: str, rank: int, loss_fn: Any = None) -> tuple[Any, list[PipelineStage], Reference]:
+    cls, p, m, v, style = SCHEDULES[name]
+    num_stages = p * v
+    blocks = make_blocks(num_stages)
+    reference = Reference(copy.deepcopy(blocks))
+    mine = stages_on_rank(rank, p, v, style=style)
+    stages = [PipelineStage(copy.deepcopy(blocks[s]), s, num_stages) for s in mine]
+    if loss_fn is None:
+        loss_fn = nn.functional.mse_loss
+    schedule = cls(stages if v > 1 else stages[0], m, loss_fn)
+    return schedule, stages, reference
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("name", [_params(n) for n in SCHEDULES])
+def test_schedule_matches_single_process(rank, world_size, name):
+    schedule, stages, reference = build(name, rank)
+    _, _, m, _, _ = SCHEDULES[name]
+    num_stages = schedule.num_stages
+    opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, mask, y = batch(step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        ref_out = reference(x, mask)
+        ref_loss = nn.functional.mse_loss(ref_out, y)
+        ref_loss.backward()
+        ref_micro_losses = [
+            nn.functional.mse_loss(reference(a, b), c).detach()
+            for a, b, c in zip(x.tensor_split(m), mask.tensor_split(m), y.tensor_split(m), strict=True)
+        ]
+        losses: list[torch.Tensor] = []
+        has_first = 0 in schedule._stages
+        has_last = num_stages - 1 in schedule._stages
+        out = schedule.step(*((x, mask) if has_first else ()), target=y if has_last else None, losses=losses)
+        if has_last:
+            close(out, ref_out.detach(), f"step {step} output")
+            assert len(losses) == m
+            for i, (got, want) in enumerate(zip(losses, ref_micro_losses, strict=True)):
+                close(got, want, f"step {step} loss of micro-batch {i}")
+        else:
+            assert out is None and losses == []
+        for stage in stages:
+            ref_block = reference.blocks[stage.stage_index]
+            for (pname, got), want in zip(
+                stage.submod.named_parameters(), ref_block.parameters(), strict=True
+            ):
+                assert got.grad is not None, f"stage {stage.stage_index} {pname} has no grad"
+                close(got.grad, want.grad, f"step {step} stage {stage.stage_index} {pname}.grad")
+        opt.step()
+        ref_opt.step()
+        for stage in stages:
+            ref_block = reference.blocks[stage.stage_index]
+            for got, want in zip(stage.submod.parameters(), ref_block.parameters(), strict=True):
+                close(got.detach(), want.detach(), f"step {step} stage {stage.stage_index} param")
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_forward_only_and_unscaled_grads(rank, world_size):
+    # Without loss_fn the schedule runs forwards only; scale_grads=False sums micro-batch grads.
+    blocks = make_blocks(2)
+    reference = Reference(copy.deepcopy(blocks))
+    stage = PipelineStage(copy.deepcopy(blocks[rank]), rank, 2)
+    x, mask, y = batch(0)
+    infer = Schedule1F1B(stage, 2)
+    out = infer.step(x, mask) if rank == 0 else infer.step()
+    if rank == 1:
+        close(out, reference(x, mask).detach(), "forward-only output")
+    assert all(p.grad is None for p in stage.submod.parameters())
+    train = ScheduleGPipe(stage, 4, nn.functional.mse_loss, scale_grads=False)
+    train.step(x, mask) if rank == 0 else train.step(target=y)
+    nn.functional.mse_loss(reference(x, mask), y).backward()
+    for got, want in zip(stage.submod.parameters(), reference.blocks[rank].parameters(), strict=True):
+        close(got.grad, want.grad * 4, "unscaled grad (sum over 4 micro-batches)")
+
+
+# -- failures ----------------------------------------------------------------------
+
+
+class Exploding(nn.Module):
+    """Wraps a block and raises in the forward of chosen calls."""
+
+    def __init__(self, inner: nn.Module, fail_on_calls: set[int]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+        self.fail_on_calls = fail_on_calls
+
+    def forward(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls in self.fail_on_calls:
+            raise ValueError(f"boom in call {self.calls}")
+        return self.inner(*args)
+
+
+@pytest.mark.parametrize(
+    "schedule_name, failing_stage, fail_call",
+    [
+        pytest.param(
+            "1f1b-4", 2, 2, marks=pytest.mark.distributed(world_size=4, timeout=60), id="1f1b-first-step"
+        ),
+        pytest.param(
+            "1f1b-4", 0, 11, marks=pytest.mark.distributed(world_size=4, timeout=60), id="1f1b-later-step"
+        ),
+        pytest.param(
+            "zbv-2", 3, 7, marks=pytest.mark.distributed(world_size=2, timeout=60), id="zbv-later-step"
+        ),
+    ],
+)
+def test_exception_reaches_every_rank(rank, world_size, schedule_name, failing_stage, fail_call):
+    cls, p, m, v, style = SCHEDULES[schedule_name]
+    num_stages = p * v
+    blocks = make_blocks(num_stages)
+    mine = stages_on_rank(rank, p, v, style=style)
+    modules = {
+        s: Exploding(copy.deepcopy(blocks[s]), {fail_call} if s == failing_stage else set()) for s in mine
+    }
+    stages = [PipelineStage(modules[s], s, num_stages) for s in mine]
+    schedule = cls(stages if v > 1 else stages[0], m, nn.functional.mse_loss)
+    failing_rank = next(r for r in range(p) if failing_stage in stages_on_rank(r, p, v, style=style))
+    x, mask, y = batch(0)
+    args = (x, mask) if 0 in mine else ()
+    target = y if num_stages - 1 in mine else None
+    raised = None
+    for _ in range(3):  # the failure comes on the first step or on the second
+        try:
+            schedule.step(*args, target=target)
+        except PipelineStepError as exc:
+            raised = exc
+            break
+    assert raised is not None, "no rank saw the failure"
+    text = str(raised)
+    assert f"rank {failing_rank}" in text and f"boom in call {fail_call}" in text, text
+    assert [f.rank for f in raised.failures] == [failing_rank]
+    if rank == failing_rank:
+        assert isinstance(raised.__cause__, ValueError)
+    # Nothing hangs and the communicator still works: the next step runs on every rank.
+    for stage in stages:
+        stage.submod.zero_grad()
+    losses: list[torch.Tensor] = []
+    schedule.step(*args, target=target, losses=losses)
+    if target is not None:
+        assert len(losses) == m and all(torch.isfinite(t) for t in losses)
+    dist.barrier()
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_missing_input_is_reported_everywhere(rank, world_size):
+    blocks = make_blocks(2)
+    stage = PipelineStage(copy.deepcopy(blocks[rank]), rank, 2)
+    schedule = Schedule1F1B(stage, 2, nn.functional.mse_loss)
+    with pytest.raises(PipelineStepError, match=r"rank 0 .*got no inputs"):
+        schedule.step(target=batch(0)[2]) if rank == 1 else schedule.step()
+
+
+# -- tied weights and global clipping ------------------------------------------------
+
+VOCAB = 11
+
+
+class First(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(self.embed(ids)))
+
+
+class Mid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(h))
+
+
+class Last(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.linear(h)))
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("1f1b", marks=pytest.mark.distributed(world_size=2, timeout=60)),
+        pytest.param("zbv", marks=pytest.mark.distributed(world_size=2, timeout=60)),
+    ],
+)
+def test_tied_embedding_and_global_clip(rank, world_size, name):
+    v, style, cls = (1, "loop", Schedule1F1B) if name == "1f1b" else (2, "v", ScheduleZBV)
+    num_stages = world_size * v
+    torch.manual_seed(7)
+    ref = nn.ModuleList([First(), *[Mid() for _ in range(num_stages - 2)], Last()])
+    ref[-1].head.weight = ref[0].embed.weight  # the single-process model really shares the weight
+    mine = stages_on_rank(rank, world_size, v, style=style)
+    stages = [PipelineStage(copy.deepcopy(ref[s]), s, num_stages) for s in mine]
+    with torch.no_grad():  # make the pipeline's copies start different: tie_parameters must fix it
+        for stage in stages:
+            if stage.stage_index == num_stages - 1:
+                stage.submod.head.weight.add_(1.0)
+    schedule = cls(stages if v > 1 else stages[0], 4, lm_loss)
+    schedule.tie_parameters("embedding", {0: "embed.weight", num_stages - 1: "head.weight"})
+    by_stage = {s.stage_index: s.submod for s in stages}
+    if num_stages - 1 in by_stage:
+        close(by_stage[num_stages - 1].head.weight.detach(), ref[0].embed.weight.detach(), "synced value")
+    opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, VOCAB, (8, 3), generator=gen)
+        target = torch.randint(0, VOCAB, (8, 3), generator=gen)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        h = ids
+        for module in ref:
+            h = module(h)
+        lm_loss(h, target).backward()
+        schedule.step(
+            *((ids,) if 0 in by_stage else ()), target=target if num_stages - 1 in by_stage else None
+        )
+        tied_grad = ref[0].embed.weight.grad
+        if 0 in by_stage:
+            close(by_stage[0].embed.weight.grad, tied_grad, f"step {step} embedding grad")
+        if num_stages - 1 in by_stage:
+            close(by_stage[num_stages - 1].head.weight.grad, tied_grad, f"step {step} lm_head grad")
+        norm = schedule.clip_grad_norm_(0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        close(norm, ref_norm, f"step {step} global grad norm")
+        assert norm > 0.05, "the test must actually clip"
+        for stage in stages:
+            for (pname, got), want in zip(
+                stage.submod.named_parameters(), ref[stage.stage_index].parameters(), strict=True
+            ):
+                close(got.grad, want.grad, f"step {step} stage {stage.stage_index} {pname}.grad after clip")
+        opt.step()
+        ref_opt.step()
+        for stage in stages:
+            for got, want in zip(stage.submod.parameters(), ref[stage.stage_index].parameters(), strict=True):
+                close(got.detach(), want.detach(), f"step {step} stage {stage.stage_index} param")
+
+
+# -- FSDP protocol, meta-device stages -----------------------------------------------
+
+
+class FakeSharded(nn.Module):
+    """Implements the FSDP protocol by counting calls and checking when they happen."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.log: list[str] = []
+        self.gathered = False
+        self.sync = True
+
+    def unshard(self) -> None:
+        self.log.append("unshard")
+        self.gathered = True
+
+    def reshard(self) -> None:
+        self.log.append("reshard")
+        self.gathered = False
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        self.log.append(f"sync={requires}")
+        self.sync = requires
+
+    def reduce_grad(self) -> None:
+        assert self.sync, "reduce_grad must run with gradient sync on"
+        self.log.append("reduce_grad")
+
+    def forward(self, *args: Any) -> Any:
+        assert self.gathered, "forward ran on resharded parameters"
+        self.log.append("F")
+        return self.inner(*args)
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_fsdp_protocol_calls(rank, world_size):
+    blocks = make_blocks(2)
+    module = FakeSharded(copy.deepcopy(blocks[rank]))
+    stage = PipelineStage(module, rank, 2)
+    schedule = Schedule1F1B(stage, 4, nn.functional.mse_loss)
+    assert any(s.type.is_fsdp for s in schedule.order[rank])
+    x, mask, y = batch(0)
+    for _ in range(2):
+        module.log.clear()
+        schedule.step(x, mask) if rank == 0 else schedule.step(target=y)
+        log = module.log
+        assert log.count("unshard") == 1 and log.count("reshard") == 1 and log.count("reduce_grad") == 1
+        assert log.count("F") == 4
+        assert log[0] == "sync=False" and log[1] == "unshard"
+        assert log[-3:] == ["sync=True", "reduce_grad", "reshard"]
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_stage_built_on_meta(rank, world_size):
+    blocks = make_blocks(2)
+    with torch.device("meta"):
+        module = Block(last=rank == 1)
+    stage = PipelineStage(module, rank, 2)
+    assert stage.device.type != "meta"
+    schedule = ScheduleGPipe(stage, 2, nn.functional.mse_loss)
+    x, mask, y = batch(0)
+    args, target = ((x, mask), None) if rank == 0 else ((), y)
+    with pytest.raises(PipelineStepError, match="meta device"):
+        schedule.step(*args, target=target)
+    module.to_empty(device=stage.device)
+    module.load_state_dict(blocks[rank].state_dict())
+    schedule.step(*args, target=target)
+    if rank == 1:
+        assert all(m.shape == (BATCH // 2, WIDTH) for m in stage.inputs_meta[0][:1])
+        assert stage.inputs_meta[0][1].dtype == torch.int64 and not stage.inputs_meta[0][1].requires_grad
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_schedule_rejects_wrong_placement(rank, world_size):
+    with pytest.raises(ValueError, match=rf"rank {rank} of 2 must host stages \[{rank}\]"):
+        Schedule1F1B(PipelineStage(nn.Linear(2, 2), 1 - rank, 2), 2)
+    with pytest.raises(ValueError, match=r"runs 4 stages.*num_stages=\[2\]"):
+        ScheduleInterleaved1F1B([PipelineStage(nn.Linear(2, 2), rank, 2)] * 2, 2)
+    with pytest.raises(ValueError, match="exactly 2 stages per rank"):
+        ScheduleZBV([PipelineStage(nn.Linear(2, 2), rank, 4)], 2)
+    with pytest.raises(ValueError, match=r"must host stages \[0, 3\]|must host stages \[1, 2\]"):
+        ScheduleZBV([PipelineStage(nn.Linear(2, 2), rank, 4), PipelineStage(nn.Linear(2, 2), rank + 2, 4)], 2)
