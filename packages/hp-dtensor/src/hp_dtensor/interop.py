@@ -1,0 +1,118 @@
+"""Lossless conversion to and from ``torch.distributed.tensor.DTensor``.
+
+Both sides describe the same thing (a local tensor, a mesh, placements, the
+global shape and stride), so conversion re-wraps the same local tensor
+without communication. The torch mesh is ``DeviceMesh.to_torch()`` of the
+hp_core mesh, built on the same process groups. Ragged layouts have no torch
+equivalent (torch assumes ``torch.chunk`` sizes) and are refused.
+Both directions are differentiable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hp_core import DeviceMesh
+
+from hp_dtensor.dtensor import DTensor
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+
+__all__ = ["from_torch_dtensor", "to_torch_dtensor"]
+
+_meshes: dict[int, DeviceMesh] = {}
+
+
+def _to_torch_placement(placement: Placement) -> Any:
+    from torch.distributed.tensor import Partial as TPartial
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+
+    if isinstance(placement, Shard):
+        return TShard(placement.dim)
+    if isinstance(placement, Partial):
+        return TPartial(placement.reduce_op)
+    return TReplicate()
+
+
+def _from_torch_placement(placement: Any) -> Placement:
+    if placement.is_shard():
+        return Shard(placement.dim)
+    if placement.is_partial():
+        return Partial(str(placement.reduce_op))
+    if placement.is_replicate():
+        return Replicate()
+    raise ValueError(f"from_torch_dtensor: placement {placement!r} has no hp_dtensor equivalent.")
+
+
+def to_torch_dtensor(tensor: DTensor) -> torch.Tensor:
+    """The same tensor as a ``torch.distributed.tensor.DTensor`` on ``mesh.to_torch()``."""
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    if not isinstance(tensor, DTensor):
+        raise TypeError(f"to_torch_dtensor: expected an hp_dtensor.DTensor, got {type(tensor).__name__}.")
+    layout = tensor._layout
+    if layout.ragged is not None:
+        raise ValueError(
+            f"to_torch_dtensor: the tensor has ragged per-rank sizes ({layout}), which torch DTensor cannot "
+            "represent; redistribute it first, e.g. .redistribute(placements=[Replicate()] * mesh.ndim)."
+        )
+    torch_mesh = layout.mesh.to_torch()
+    _meshes[id(torch_mesh)] = layout.mesh
+    return TorchDTensor.from_local(
+        tensor.to_local(),
+        torch_mesh,
+        [_to_torch_placement(p) for p in layout.placements],
+        run_check=False,
+        shape=torch.Size(layout.shape),
+        stride=layout.stride,
+    )
+
+
+def from_torch_dtensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None) -> DTensor:
+    """An hp_dtensor DTensor over ``device_mesh`` holding a torch DTensor's local tensor.
+
+    ``device_mesh`` may be omitted for tensors whose torch mesh came from
+    :func:`to_torch_dtensor` or ``DeviceMesh.to_torch()`` of a mesh seen there.
+    """
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    if not isinstance(tensor, TorchDTensor):
+        raise TypeError(f"from_torch_dtensor: expected a torch DTensor, got {type(tensor).__name__}.")
+    mesh = device_mesh if device_mesh is not None else _meshes.get(id(tensor.device_mesh))
+    if mesh is None:
+        raise ValueError(
+            "from_torch_dtensor: pass device_mesh= (the hp_core mesh whose to_torch() the tensor uses); "
+            "this torch mesh was not created through to_torch_dtensor."
+        )
+    if tuple(mesh.shape) != tuple(tensor.device_mesh.shape):
+        raise ValueError(
+            f"from_torch_dtensor: device_mesh has shape {mesh.shape} but the tensor's torch mesh has "
+            f"{tuple(tensor.device_mesh.shape)}; pass the matching mesh."
+        )
+    placements = [_from_torch_placement(p) for p in tensor.placements]
+    return (
+        DTensor.from_local(tensor.to_local(), mesh, placements, shape=None, run_check=False)
+        if _even(tensor)
+        else _from_uneven(tensor, mesh, placements)
+    )
+
+
+def _even(tensor: Any) -> bool:
+    local = tensor.to_local()
+    sizes = list(local.shape)
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if placement.is_shard():
+            sizes[placement.dim] *= tensor.device_mesh.size(mesh_dim)
+    return tuple(sizes) == tuple(tensor.shape)
+
+
+def _from_uneven(tensor: Any, mesh: DeviceMesh, placements: list[Placement]) -> DTensor:
+    # torch's uneven shards follow torch.chunk, which is our default rule: no gather needed.
+    from hp_dtensor.dtensor import _FromLocal
+    from hp_dtensor.layout import Layout, normalize_placements
+
+    local = tensor.to_local()
+    normalized = normalize_placements(placements, mesh, local.dim(), "from_torch_dtensor")
+    layout = Layout(mesh, normalized, tuple(tensor.shape), tuple(tensor.stride()))
+    return _FromLocal.apply(local, layout)

@@ -1,0 +1,10 @@
+"""Op sharding rules, one module per op family, and the dispatcher that applies them.
+
+Importing this package registers every rule (each family module registers its
+ops in :data:`hp_dtensor.ops.dispatch.RULES` at import).
+"""
+
+from hp_dtensor.ops import matrix, norms, pointwise, reductions, views  # noqa: F401  (registration)
+from hp_dtensor.ops.dispatch import RULES, Decision, register
+
+__all__ = ["RULES", "Decision", "register"]

@@ -1,0 +1,413 @@
+"""The dispatcher: sharding rule -> redistribute inputs -> local op -> wrap outputs.
+
+A rule looks at the op and its DTensor arguments' layouts and returns a
+:class:`Decision`: the placements each DTensor argument must have, and the
+placements of each output tensor. The dispatcher redistributes, runs the op
+on the local tensors, and builds each output's layout from its global shape
+and stride, which it gets by running the op on meta tensors (cached).
+
+[Note: fallback]
+An op without a rule (or a rule that declines) runs replicated: every input
+is gathered to ``Replicate``, the op runs on full tensors on every rank, and
+an output with the shape of the first DTensor input is cut back to that
+input's placements (other outputs stay replicated). It is always correct and
+never fast, so the first use of each such op logs a warning naming it.
+
+[Note: plain tensors]
+Plain tensors mixed with DTensors are taken as replicated: every rank holds
+the same full value (scalars, masks, the optimizer's step counters).
+
+[Note: ragged inputs]
+Rules assume ``torch.chunk`` sizes. Ops that keep the layout (pointwise,
+in-place, foreach) carry a ragged layout through; every other op first
+gathers the ragged dims, so rules never see one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from hp_dtensor.dtensor import DTensor
+from hp_dtensor.layout import Layout, mesh_key
+from hp_dtensor.placements import Placement, Replicate
+from hp_dtensor.redistribute import redistribute_local
+
+__all__ = ["RULES", "Decision", "OpCall", "dispatch", "register"]
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Decision:
+    """What a rule wants: target placements per DTensor input (by flat position) and per output.
+
+    ``inputs`` maps the position of a DTensor in the flattened ``(args,
+    kwargs)`` to its required placements; positions not listed stay as they
+    are. ``outputs`` has one entry per output tensor in flattened order
+    (None for non-tensor outputs). ``inplace`` marks ops that return their
+    first argument.
+    """
+
+    inputs: dict[int, tuple[Placement, ...]] = field(default_factory=dict)
+    outputs: list[tuple[Placement, ...] | None] = field(default_factory=list)
+    inplace: bool = False
+    size_arg: int | None = None  # positional arg holding the global output size (view, expand)
+
+
+@dataclass
+class OpCall:
+    """An op call as rules see it."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    flat: list[Any]
+    positions: list[int]  # flat positions of the DTensors
+
+    def layout(self, position: int) -> Layout:
+        """The layout of the DTensor at flat ``position``."""
+        return self.flat[position]._layout
+
+    def position_of(self, arg: Any) -> int:
+        """The flat position of a DTensor argument (by identity)."""
+        for p in self.positions:
+            if self.flat[p] is arg:
+                return p
+        raise KeyError("argument is not a DTensor of this call")
+
+
+Rule = Callable[[OpCall], Decision | None]
+RULES: dict[Any, Rule] = {}
+LAYOUT_PRESERVING: set[Any] = set()  # ops that may carry ragged layouts (see [Note: ragged inputs])
+_warned: set[str] = set()
+_resolved: set[Any] = set()
+_meta_cache: dict[Any, Any] = {}
+_decision_cache: dict[Any, Decision | None] = {}
+
+
+def register(*ops: Any, keeps_layout: bool = False) -> Callable[[Rule], Rule]:
+    """Register ``rule`` for every op (an OpOverload or an OpOverloadPacket for all overloads)."""
+
+    def wrap(rule: Rule) -> Rule:
+        for op in ops:
+            overloads = [getattr(op, name) for name in op.overloads()] if hasattr(op, "overloads") else [op]
+            for overload in overloads:
+                RULES[overload] = rule
+                if keeps_layout:
+                    LAYOUT_PRESERVING.add(overload)
+        return rule
+
+    return wrap
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _leaf_key(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        layout = value._layout
+        return ("D", layout.shape, layout.stride, value.dtype, layout.placements, layout.ragged is not None)
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.device.type)
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return (type(value), value)
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        layout = value._layout
+        return torch.empty_strided(layout.shape, layout.stride, dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(tuple(value.shape), value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+def _mesh_of(call_flat: Sequence[Any], positions: Sequence[int], func: Any) -> Any:
+    mesh = call_flat[positions[0]]._layout.mesh
+    for p in positions[1:]:
+        other = call_flat[p]._layout.mesh
+        if other is not mesh and mesh_key(other) != mesh_key(mesh):
+            raise ValueError(
+                f"{func}: DTensor arguments live on different meshes ({mesh!r} and {other!r}); an op "
+                "needs all of its DTensors on one mesh. Move one with full_tensor() + distribute_tensor()."
+            )
+    return mesh
+
+
+def _output_meta(func: Any, key: Any, flat: list[Any], spec: Any) -> Any:
+    if key is not None and key in _meta_cache:
+        return _meta_cache[key]
+    meta_args, meta_kwargs = pytree.tree_unflatten([_to_meta(v) for v in flat], spec)
+    result = func(*meta_args, **meta_kwargs)
+    if key is not None:
+        _meta_cache[key] = result
+    return result
+
+
+def _warn_fallback(func: Any) -> None:
+    name = str(func)
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"hp_dtensor: no sharding rule for {name}; it runs replicated (inputs gathered, computed on "
+            "full tensors, output cut back). Results are right but slow; see [Note: fallback].",
+            stacklevel=3,
+        )
+
+
+def _replicate(flat: list[Any], positions: Sequence[int]) -> list[Any]:
+    out = list(flat)
+    for p in positions:
+        dt = flat[p]
+        local, _ = redistribute_local(dt._local, dt._layout, (Replicate(),) * dt._layout.mesh.ndim)
+        out[p] = local
+    return out
+
+
+def _lift_plain(flat: list[Any], positions: list[int], mesh: Any) -> tuple[list[Any], list[int]]:
+    """Plain tensors with dims become replicated DTensors (see [Note: plain tensors]); scalars stay."""
+    out = list(flat)
+    for i, value in enumerate(flat):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
+            replicate = (Replicate(),) * mesh.ndim
+            out[i] = DTensor(value, Layout(mesh, replicate, tuple(value.shape), tuple(value.stride())))
+    return out, [i for i, v in enumerate(out) if isinstance(v, DTensor)]
+
+
+def dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: Rule) -> Any:
+    """``_foreach_*`` ops: ``rule`` decides per element; the op runs once over all local elements."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, v in enumerate(flat) if isinstance(v, DTensor)]
+    mesh = _mesh_of(flat, positions, func)
+    a, k = pytree.tree_unflatten(flat, spec)
+    decision = rule(OpCall(func, a, k, flat, positions))
+    assert decision is not None
+    local_flat = list(flat)
+    for p in positions:
+        dt = flat[p]
+        target = decision.inputs.get(p)
+        if target is not None and target != dt._layout.placements:
+            local, layout = redistribute_local(dt._local, dt._layout, target)
+            if decision.inplace and _is_first_list_member(args, dt):
+                dt._local, dt._layout = local, layout
+            local_flat[p] = local
+        else:
+            local_flat[p] = dt._local
+    local_args, local_kwargs = pytree.tree_unflatten(local_flat, spec)
+    result = func(*local_args, **local_kwargs)
+    if decision.inplace:
+        return None if result is None else args[0]
+    wrapped = []
+    for index, value in enumerate(result):
+        source = args[0][index]
+        placements = decision.outputs[index]
+        if not isinstance(source, DTensor) or placements is None:
+            wrapped.append(value)
+            continue
+        layout = source._layout
+        if placements != layout.placements:
+            layout = Layout(mesh, placements, layout.shape, layout.stride)
+        wrapped.append(DTensor(value, layout))
+    return wrapped
+
+
+def _is_first_list_member(args: tuple[Any, ...], dt: Any) -> bool:
+    return isinstance(args[0], (list, tuple)) and any(x is dt for x in args[0])
+
+
+# -- the dispatcher ----------------------------------------------------------------------------
+
+
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``)."""
+    special = SPECIAL.get(func)
+    rule = RULES.get(func)
+    if special is None and rule is None and func not in _resolved:
+        _resolved.add(func)
+        from hp_dtensor.ops.pointwise import resolve_by_tag
+
+        resolve_by_tag(func)
+        special = SPECIAL.get(func)
+        rule = RULES.get(func)
+    if special is not None:
+        return special(args, kwargs)
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, v in enumerate(flat) if isinstance(v, DTensor)]
+    mesh = _mesh_of(flat, positions, func)
+    if len(positions) != sum(1 for v in flat if isinstance(v, torch.Tensor)):
+        flat, positions = _lift_plain(flat, positions, mesh)
+    if func not in LAYOUT_PRESERVING and any(flat[p]._layout.ragged is not None for p in positions):
+        flat = list(flat)
+        for p in positions:  # see [Note: ragged inputs]
+            dt = flat[p]
+            if dt._layout.ragged is not None:
+                local, layout = redistribute_local(dt._local, dt._layout, dt._layout.placements)
+                flat[p] = DTensor(local, layout)
+    key: Any = None
+    leaf_keys = [_leaf_key(v) for v in flat]
+    if all(k is not None for k in leaf_keys):
+        key = (func, tuple(leaf_keys), mesh_key(mesh))
+    decision: Decision | None = None
+    if rule is not None:
+        if key is not None and key in _decision_cache:
+            decision = _decision_cache[key]
+        else:
+            a, k = pytree.tree_unflatten(flat, spec)
+            decision = rule(OpCall(func, a, k, flat, positions))
+            if key is not None:
+                _decision_cache[key] = decision
+    if decision is None:
+        return _fallback(func, flat, spec, positions, mesh)
+    return _run(func, flat, spec, positions, decision, key, mesh)
+
+
+def _run(
+    func: Any, flat: list[Any], spec: Any, positions: list[int], decision: Decision, key: Any, mesh: Any
+) -> Any:
+    local_flat = list(flat)
+    for p in positions:
+        dt = flat[p]
+        target = decision.inputs.get(p)
+        if target is not None and target != dt._layout.placements:
+            if decision.inplace and p == positions[0]:
+                # The op writes into its first argument: move that DTensor itself first.
+                local, layout = redistribute_local(dt._local, dt._layout, target)
+                dt._local, dt._layout = local, layout
+                local_flat[p] = local
+            else:
+                local_flat[p], _ = redistribute_local(dt._local, dt._layout, target)
+        else:
+            local_flat[p] = dt._local
+    local_args, local_kwargs = pytree.tree_unflatten(local_flat, spec)
+    meta = None
+    if decision.size_arg is not None:
+        # The op takes the global output size; the local op needs this rank's piece of it.
+        meta = _output_meta(func, key, flat, spec)
+        placements = decision.outputs[0]
+        assert placements is not None
+        out_layout = Layout(mesh, placements, tuple(meta.shape), tuple(meta.stride()))
+        local_args = list(local_args)
+        local_args[decision.size_arg] = list(out_layout.local_shape())
+    result = func(*local_args, **local_kwargs)
+    if decision.inplace:
+        return flat[positions[0]]
+    if meta is None:
+        meta = _output_meta(func, key, flat, spec)
+    return _wrap(result, meta, decision.outputs, mesh, flat, positions)
+
+
+def _wrap(
+    result: Any,
+    meta: Any,
+    placements: list[tuple[Placement, ...] | None],
+    mesh: Any,
+    flat: list[Any],
+    positions: list[int],
+) -> Any:
+    out_flat, out_spec = pytree.tree_flatten(result)
+    meta_flat, _ = pytree.tree_flatten(meta)
+    wrapped = []
+    index = 0
+    for value, m in zip(out_flat, meta_flat, strict=True):
+        if not isinstance(value, torch.Tensor):
+            wrapped.append(value)
+            continue
+        target = placements[index] if index < len(placements) else None
+        index += 1
+        if target is None:
+            wrapped.append(value)
+            continue
+        layout = Layout(mesh, target, tuple(m.shape), tuple(m.stride()))
+        for p in positions:  # carry a ragged table through shape-preserving ops
+            source = flat[p]._layout
+            if source.ragged is not None and source.shape == layout.shape and source.placements == target:
+                layout = Layout(mesh, target, layout.shape, layout.stride, ragged=source.ragged)
+                break
+        if tuple(value.shape) != layout.local_shape():
+            raise AssertionError(
+                f"hp_dtensor internal error: local result shape {tuple(value.shape)} does not match the "
+                f"layout {layout} (expected local shape {layout.local_shape()}); please report this."
+            )
+        wrapped.append(DTensor(value, layout))
+    return pytree.tree_unflatten(wrapped, out_spec)
+
+
+def _fallback(func: Any, flat: list[Any], spec: Any, positions: list[int], mesh: Any) -> Any:
+    """Replicate, compute, reshard (see [Note: fallback])."""
+    _warn_fallback(func)
+    full_flat = _replicate(flat, positions)
+    full_args, full_kwargs = pytree.tree_unflatten(full_flat, spec)
+    result = func(*full_args, **full_kwargs)
+    schema = getattr(func, "_schema", None)
+    if (
+        schema is not None
+        and schema.arguments
+        and schema.arguments[0].alias_info is not None
+        and schema.arguments[0].alias_info.is_write
+        and positions
+        and positions[0] == 0
+    ):
+        # In-place on a DTensor: write the new full value back into its own layout.
+        from hp_dtensor.redistribute import slice_for_layout
+
+        target = flat[0]
+        target._local.copy_(slice_for_layout(full_flat[0], target._layout))
+        return target
+    first = flat[positions[0]]._layout if positions else None
+    replicate = (Replicate(),) * mesh.ndim
+
+    def wrap(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        layout = Layout(mesh, replicate, tuple(value.shape), tuple(value.stride()))
+        if first is not None and tuple(value.shape) == first.shape and not first.has_partial():
+            local, new_layout = redistribute_local(value, layout, first.placements)
+            return DTensor(local, new_layout)
+        return DTensor(value, layout)
+
+    return pytree.tree_map(wrap, result)
+
+
+# -- ops handled directly ----------------------------------------------------------------------
+
+
+def _detach(args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTensor:
+    dt = args[0]
+    return DTensor(dt._local.detach(), dt._layout)
+
+
+def _alias(args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTensor:
+    dt = args[0]
+    return DTensor(torch.ops.aten.alias.default(dt._local), dt._layout)
+
+
+def _item(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    dt = args[0]
+    local, _ = redistribute_local(dt._local, dt._layout, (Replicate(),) * dt._layout.mesh.ndim)
+    return local.item()
+
+
+def _equal(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    full = []
+    for x in args[:2]:
+        if isinstance(x, DTensor):
+            x, _ = redistribute_local(x._local, x._layout, (Replicate(),) * x._layout.mesh.ndim)
+        full.append(x)
+    return bool(torch.equal(full[0], full[1]))
+
+
+SPECIAL: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
+    aten.detach.default: _detach,
+    aten.alias.default: _alias,
+    aten._local_scalar_dense.default: _item,
+    aten.equal.default: _equal,
+}

@@ -1,0 +1,209 @@
+"""Pointwise ops, in-place pointwise ops, ``_foreach_*`` ops, ``*_like`` factories and RNG fills.
+
+Pointwise ops (every aten op tagged ``pointwise``, found by tag on first
+use) compute each element from the elements at the same index, so any shard
+works as long as all inputs are cut the same way. Per mesh dim: if some input
+is ``Shard(d)``, every input takes the same cut (a broadcast input that has
+size 1 there, or lacks the dim, stays replicated); otherwise partial inputs
+are reduced unless the op is linear in them (see [Note: linear partials]).
+
+[Note: linear partials]
+A ``Partial(sum)`` value is a sum of terms, so ``f(sum x_r) = sum f(x_r)``
+only for linear ``f``: negation, scaling by a replicated value or scalar,
+casts, and adding two partials of the same op. Those keep the partial (and
+save a reduction); every other op reduces first. Max/min partials are reduced
+before any pointwise op.
+
+In-place ops keep their first argument's placements (the optimizer's
+parameters stay sharded) and move the other arguments to match, which is how
+``torch.optim.AdamW`` with ``foreach=True`` steps sharded parameters without
+gathering them: a partial gradient is reduced, a matching shard is used as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hp_dtensor.dtensor import DTensor
+from hp_dtensor.layout import Layout
+from hp_dtensor.ops.dispatch import LAYOUT_PRESERVING, RULES, SPECIAL, Decision, OpCall, register
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+from hp_dtensor.redistribute import slice_for_layout
+
+__all__ = ["pointwise_rule", "resolve_by_tag"]
+
+aten = torch.ops.aten
+
+_LINEAR_UNARY = {
+    aten.neg.default,
+    aten.neg_.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.mul.Scalar,
+    aten.div.Scalar,
+    aten.mul_.Scalar,
+    aten.div_.Scalar,
+    aten.zero_.default,
+    aten.copy_.default,
+}
+_LINEAR_ADD = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}
+_LINEAR_MUL = {aten.mul.Tensor, aten.div.Tensor, aten.mul_.Tensor, aten.div_.Tensor}
+
+
+def _keeps_partial(func: Any, placements: list[Placement], first_partial: int, n_plain: int) -> bool:
+    """Whether ``func`` is linear in its partial inputs on this mesh dim ([Note: linear partials])."""
+    partials = [p for p in placements if isinstance(p, Partial)]
+    op = partials[0]
+    if not isinstance(op, Partial) or op.reduce_op not in ("sum", "avg") or any(p != op for p in partials):
+        return False
+    if func in _LINEAR_UNARY:
+        return len(placements) == 1 or (func is aten.copy_.default and placements[0] == op)
+    if func in _LINEAR_ADD:
+        return len(partials) == len(placements) and n_plain == 0
+    if func in _LINEAR_MUL:
+        return len(partials) == 1 and (func not in (aten.div.Tensor, aten.div_.Tensor) or first_partial == 0)
+    return False
+
+
+def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bool | None = None) -> Decision:
+    """Placements for a pointwise op over the DTensors at ``positions`` (default: all of them)."""
+    func = call.func
+    positions = call.positions if positions is None else positions
+    if inplace is None:
+        inplace = torch.Tag.inplace in func.tags
+    layouts = [call.layout(p) for p in positions]
+    mesh = layouts[0].mesh
+    if inplace:
+        out_shape = layouts[0].shape
+    else:
+        out_shape = tuple(torch.broadcast_shapes(*(layout.shape for layout in layouts)))
+    n_plain = sum(1 for v in call.flat if isinstance(v, torch.Tensor) and not isinstance(v, DTensor))
+    out_ndim = len(out_shape)
+    targets: list[list[Placement]] = [list(layout.placements) for layout in layouts]
+    out: list[Placement] = []
+
+    def aligned(layout: Layout, out_dim: int) -> int | None:
+        dim = out_dim - (out_ndim - layout.ndim)
+        if dim < 0 or layout.shape[dim] != out_shape[out_dim] or out_shape[out_dim] == 1:
+            return None
+        return dim
+
+    for m in range(mesh.ndim):
+        current = [layout.placements[m] for layout in layouts]
+        shard_out: int | None = None
+        order = [0] if inplace else range(len(layouts))
+        for i in order:
+            placement = current[i]
+            if isinstance(placement, Shard):
+                candidate = placement.dim + out_ndim - layouts[i].ndim
+                if aligned(layouts[i], candidate) is not None:
+                    shard_out = candidate
+                    break
+        if inplace and not isinstance(current[0], (Shard, Partial)):
+            shard_out = None
+        if shard_out is not None:
+            for i, layout in enumerate(layouts):
+                dim = aligned(layout, shard_out)
+                targets[i][m] = Shard(dim) if dim is not None else Replicate()
+            out.append(Shard(shard_out))
+            continue
+        if any(isinstance(p, Partial) for p in current):
+            first = next(i for i, p in enumerate(current) if isinstance(p, Partial))
+            keep = _keeps_partial(func, current, first, n_plain)
+            if inplace and not isinstance(current[0], Partial):
+                keep = False
+            if keep:
+                out.append(current[first])
+                continue
+        for i in range(len(layouts)):
+            targets[i][m] = Replicate()
+        out.append(Replicate())
+    inputs = {p: tuple(t) for p, t in zip(positions, targets, strict=True)}
+    return Decision(inputs=inputs, outputs=[tuple(out)], inplace=inplace)
+
+
+def _foreach_rule(call: OpCall) -> Decision:
+    func = call.func
+    inplace = torch.Tag.inplace in func.tags or str(func).split(".")[1].endswith("_")
+    lists = [a for a in call.args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    decision = Decision(inplace=inplace)
+    for index in range(len(lists[0])):
+        elements = [lst[index] for lst in lists if isinstance(lst[index], DTensor)]
+        positions = [call.position_of(e) for e in elements]
+        sub = pointwise_rule(call, positions, inplace=inplace)
+        decision.inputs.update(sub.inputs)
+        decision.outputs.extend(sub.outputs)
+    return decision
+
+
+def _foreach_run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Foreach ops: one rule per element, then one local foreach call over all elements."""
+    from hp_dtensor.ops.dispatch import dispatch_foreach
+
+    return dispatch_foreach(func, args, kwargs, _foreach_rule)
+
+
+def resolve_by_tag(func: Any) -> Any:
+    """Find a rule for an op not registered by name, from its tags (called once per op)."""
+    name = str(func)
+    if name.startswith("aten._foreach_") and not name.startswith(("aten._foreach_norm", "aten._foreach_max")):
+        SPECIAL[func] = lambda args, kwargs: _foreach_run(func, args, kwargs)
+        return SPECIAL[func]
+    if torch.Tag.pointwise in func.tags:
+        RULES[func] = pointwise_rule
+        LAYOUT_PRESERVING.add(func)
+        return pointwise_rule
+    if torch.Tag.nondeterministic_seeded in func.tags and torch.Tag.inplace in func.tags:
+        SPECIAL[func] = lambda args, kwargs: _random_fill(func, args, kwargs)
+        return SPECIAL[func]
+    return None
+
+
+register(aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, keeps_layout=True)(
+    lambda call: pointwise_rule(call, inplace=True)
+)
+register(aten._to_copy.default, keeps_layout=True)(lambda call: pointwise_rule(call, inplace=False))
+
+
+@register(
+    aten.empty_like.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    keeps_layout=True,
+)
+def like_rule(call: OpCall) -> Decision:
+    """``*_like`` factories: the input's cut, no communication; partial inputs give replicated values."""
+    layout = call.layout(call.positions[0])
+    out = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
+    return Decision(outputs=[out])
+
+
+@register(
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty_strided.default,
+)
+def new_factory_rule(call: OpCall) -> Decision:
+    """``new_*`` factories take the global size, so each rank builds the whole (replicated) tensor."""
+    return Decision(outputs=[(Replicate(),) * call.layout(call.positions[0]).mesh.ndim])
+
+
+def _random_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """In-place RNG fills (dropout's ``bernoulli_``): draw the full tensor, keep this rank's piece.
+
+    Every rank draws the same full tensor from the same generator state, so
+    the values equal a single process's draw on the global tensor, whatever
+    the placements; the price is a full-size temporary.
+    """
+    target = args[0]
+    layout: Layout = target._layout
+    full = torch.empty(layout.shape, dtype=target.dtype, device=target._local.device)
+    rest = tuple(a.full_tensor().detach() if isinstance(a, DTensor) else a for a in args[1:])
+    func(full, *rest, **kwargs)
+    target._local.copy_(slice_for_layout(full, layout))
+    return target

@@ -1,0 +1,107 @@
+"""Placements: how one mesh dim holds a tensor.
+
+A DTensor carries one placement per mesh dim. Each says what the ranks along
+that mesh dim hold of the global tensor:
+
+* ``Shard(dim)``: consecutive pieces along tensor dim ``dim``, cut like
+  ``torch.chunk`` (the last ranks may hold fewer rows, or none);
+* ``Replicate()``: every rank holds the same values;
+* ``Partial(reduce_op)``: every rank holds a term, and the global value is the
+  reduction (``sum``, ``avg``, ``max`` or ``min``) of the terms.
+
+Placements are frozen dataclasses: equal by value and hashable, so layouts
+built from them can key caches of sharding decisions and redistribution plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PARTIAL_OPS", "Partial", "Placement", "Replicate", "Shard"]
+
+PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+
+
+class Placement:
+    """Base class of the three placements; use the ``is_*`` helpers instead of isinstance chains."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        """Whether this is a ``Shard`` (on ``dim`` when given)."""
+        return False
+
+    def is_replicate(self) -> bool:
+        """Whether this is ``Replicate()``."""
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        """Whether this is a ``Partial`` (with ``reduce_op`` when given)."""
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    """Pieces of tensor dim ``dim``, one per rank along the mesh dim, cut like ``torch.chunk``.
+
+    ``dim`` may be negative when given by users; layouts normalise it against
+    the tensor's rank, so ``Shard(-1)`` on a 2-D tensor compares equal to
+    ``Shard(1)`` once it is part of a DTensor.
+    """
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"Shard(dim): dim must be an int, got {self.dim!r}.")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    """The same full values on every rank along the mesh dim."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """Every rank holds a term; the global value is their ``reduce_op`` (sum, avg, max, min).
+
+    Produced by ops such as ``S(1) @ S(0)`` (a sum of partial products) and
+    resolved lazily: the reduction happens only when a later op or a
+    redistribute needs the value, which lets a reduce-scatter replace an
+    all-reduce when the consumer wants shards.
+    """
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in PARTIAL_OPS:
+            raise ValueError(
+                f"Partial(reduce_op={self.reduce_op!r}) is not supported; use one of {list(PARTIAL_OPS)}."
+            )
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or reduce_op == self.reduce_op
+
+    def __repr__(self) -> str:
+        return f"Partial({self.reduce_op!r})"
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"

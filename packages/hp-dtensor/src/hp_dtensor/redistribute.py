@@ -1,0 +1,201 @@
+"""Redistribution execution: run a plan's steps on local tensors, with autograd.
+
+Each step is one collective along one mesh dim (see :mod:`hp_dtensor.planner`).
+Uneven shards are padded to the largest shard of the line before a collective
+and cut back afterwards, so every collective sees equal pieces; the sizes come
+from the layout (no communication to learn them).
+
+Collectives are called through the module ``hp_core.collectives`` at call
+time, so a test can count them by wrapping that module's functions.
+
+[Note: gradient placements]
+Redistribution does not change the global value, so its gradient is the
+output's gradient, whatever its placements. The backward moves it to the
+input's placements, except that mesh dims where the input was ``Partial`` get
+``Replicate``: a partial input's terms each receive the whole gradient
+(d(sum of terms) / d(term) = 1), so the gradient there is replicated.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import hp_core.collectives as hc
+import torch
+
+from hp_dtensor.layout import Layout, chunk_sizes
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+from hp_dtensor.planner import RedistributeStep, plan_redistribute
+
+__all__ = ["redistribute_local", "slice_for_layout"]
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    return [0, *itertools.accumulate(sizes)][:-1]
+
+
+def _all_gather(local: torch.Tensor, layout: Layout, mesh_dim: int, dim: int) -> torch.Tensor:
+    sizes = layout.line_sizes(mesh_dim, dim)
+    x = local.movedim(dim, 0).contiguous()
+    out = x.new_empty((sum(sizes), *x.shape[1:]))
+    uneven = any(s != sizes[0] for s in sizes)
+    hc.all_gather_into_tensor(out, x, layout.mesh.get_group(mesh_dim), input_sizes=sizes if uneven else None)
+    return out.movedim(0, dim).contiguous()
+
+
+def _chunk(local: torch.Tensor, mesh: Any, mesh_dim: int, dim: int) -> torch.Tensor:
+    sizes = chunk_sizes(local.shape[dim], mesh.size(mesh_dim))
+    index = mesh.get_local_rank(mesh_dim)
+    return local.narrow(dim, _offsets(sizes)[index], sizes[index]).contiguous()
+
+
+def _all_reduce(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    buffer = local.clone(memory_format=torch.contiguous_format)
+    hc.all_reduce(buffer, op, mesh.get_group(mesh_dim))
+    return buffer
+
+
+def _reduce_scatter(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int, dim: int) -> torch.Tensor:
+    n = mesh.size(mesh_dim)
+    index = mesh.get_local_rank(mesh_dim)
+    sizes = chunk_sizes(local.shape[dim], n)
+    largest = max(sizes)
+    x = local.movedim(dim, 0)
+    rest = tuple(x.shape[1:])
+    if all(s == largest for s in sizes):
+        source = x.contiguous()
+    else:
+        source = x.new_zeros((n * largest, *rest))
+        for k, (offset, size) in enumerate(zip(_offsets(sizes), sizes, strict=True)):
+            source[k * largest : k * largest + size].copy_(x[offset : offset + size])
+    out = x.new_empty((largest, *rest))
+    hc.reduce_scatter_tensor(out, source, op, mesh.get_group(mesh_dim))
+    return out[: sizes[index]].movedim(0, dim).contiguous()
+
+
+def _all_to_all(
+    local: torch.Tensor, layout: Layout, mesh_dim: int, src_dim: int, dst_dim: int
+) -> torch.Tensor:
+    mesh = layout.mesh
+    n = mesh.size(mesh_dim)
+    me = mesh.get_local_rank(mesh_dim)
+    src_sizes = layout.line_sizes(mesh_dim, src_dim)
+    dst_sizes = chunk_sizes(local.shape[dst_dim], n)
+    cell = 1
+    for d, size in enumerate(local.shape):
+        if d not in (src_dim, dst_dim):
+            cell *= size
+    pieces = [
+        local.narrow(dst_dim, offset, size).contiguous().reshape(-1)
+        for offset, size in zip(_offsets(dst_sizes), dst_sizes, strict=True)
+    ]
+    send = torch.cat(pieces)
+    in_splits = [local.shape[src_dim] * dst_sizes[k] * cell for k in range(n)]
+    out_splits = [src_sizes[k] * dst_sizes[me] * cell for k in range(n)]
+    recv = send.new_empty((sum(out_splits),))
+    hc.all_to_all_single(recv, send, out_splits, in_splits, mesh.get_group(mesh_dim))
+    shaped = []
+    for k, piece in enumerate(recv.split(out_splits)):
+        shape = list(local.shape)
+        shape[src_dim] = src_sizes[k]
+        shape[dst_dim] = dst_sizes[me]
+        shaped.append(piece.view(shape))
+    return torch.cat(shaped, dim=src_dim)
+
+
+def _to_partial(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    # A replicated value as terms whose reduction gives it back: for a sum one
+    # rank keeps the value and the others hold zeros (exact, unlike dividing);
+    # avg, max and min of equal terms are the term itself.
+    if op == "sum" and mesh.get_local_rank(mesh_dim) != 0:
+        return torch.zeros_like(local)
+    return local
+
+
+def _run_step(local: torch.Tensor, layout: Layout, step: RedistributeStep) -> torch.Tensor:
+    mesh, m, src, dst = layout.mesh, step.mesh_dim, step.src, step.dst
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return _all_gather(local, layout, m, src.dim)
+    if isinstance(src, Shard) and isinstance(dst, Shard):
+        return _all_to_all(local, layout, m, src.dim, dst.dim)
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return _chunk(local, mesh, m, dst.dim)
+    if isinstance(src, Replicate) and isinstance(dst, Partial):
+        return _to_partial(local, dst.reduce_op, mesh, m)
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        return _all_reduce(local, src.reduce_op, mesh, m)
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return _reduce_scatter(local, src.reduce_op, mesh, m, dst.dim)
+    raise AssertionError(f"no direct step {src} -> {dst}")
+
+
+def _next_layout(layout: Layout, mesh_dim: int, target: Placement) -> Layout:
+    placements = list(layout.placements)
+    source = placements[mesh_dim]
+    placements[mesh_dim] = target
+    if layout.ragged is None:
+        return Layout(layout.mesh, placements, layout.shape, layout.stride)
+    mesh_shape = layout.mesh.shape
+    n = mesh_shape[mesh_dim]
+    table = []
+    for coord in itertools.product(*(range(s) for s in mesh_shape)):
+        sizes = list(layout.local_shape_at(coord))
+        line = [[*coord[:mesh_dim], k, *coord[mesh_dim + 1 :]] for k in range(n)]
+        if isinstance(source, Shard):  # the shard dim becomes whole along this line
+            sizes[source.dim] = sum(layout.local_shape_at(c)[source.dim] for c in line)
+        if isinstance(target, Shard):
+            sizes[target.dim] = chunk_sizes(sizes[target.dim], n)[coord[mesh_dim]]
+        table.append(tuple(sizes))
+    return Layout(layout.mesh, placements, layout.shape, layout.stride, ragged=table)
+
+
+def slice_for_layout(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This rank's piece of the full (replicated) value under ``layout``, partial terms included."""
+    local = full
+    for dim, (offset, size) in enumerate(zip(layout.local_offset(), layout.local_shape(), strict=True)):
+        if size != full.shape[dim]:
+            local = local.narrow(dim, offset, size)
+    for mesh_dim, placement in enumerate(layout.placements):
+        if isinstance(placement, Partial):
+            local = _to_partial(local, placement.reduce_op, layout.mesh, mesh_dim)
+    return local.contiguous()
+
+
+def redistribute_local(
+    local: torch.Tensor, src: Layout, dst: Sequence[Placement] | Layout
+) -> tuple[torch.Tensor, Layout]:
+    """Move ``local`` (held under ``src``) to ``dst``; returns the new local tensor and its layout.
+
+    ``dst`` as placements means the default chunk sizes; a ragged target
+    Layout (used for gradients of ragged inputs) is reached through Replicate.
+    """
+    if isinstance(dst, Layout):
+        target_layout: Layout | None = dst
+        placements = dst.placements
+    else:
+        target_layout = None
+        placements = tuple(dst)
+    if src.placements == placements and (target_layout is None or target_layout == src):
+        if target_layout is None and src.ragged is None:
+            return local, src
+        if target_layout is not None:
+            return local, src
+    ragged = src.ragged is not None or (target_layout is not None and target_layout.ragged is not None)
+    if ragged:
+        # Ragged sizes: gather everything (sizes from the table), then cut the target's piece.
+        full, _ = _run_plan(local, src, tuple(Replicate() for _ in placements))
+        final = target_layout if target_layout is not None else src.with_placements(placements)
+        return slice_for_layout(full, final), final
+    return _run_plan(local, src, placements)
+
+
+def _run_plan(
+    local: torch.Tensor, layout: Layout, placements: tuple[Placement, ...]
+) -> tuple[torch.Tensor, Layout]:
+    plan = plan_redistribute(layout, placements, local.element_size())
+    for step in plan.steps:
+        local = _run_step(local, layout, step)
+        layout = _next_layout(layout, step.mesh_dim, step.dst)
+    return local, layout

@@ -1,0 +1,203 @@
+"""Tensor parallelism: parallel styles and ``parallelize_module``.
+
+A style shards one module's parameters and converts its inputs and outputs
+at the boundary, so the code inside the module runs unchanged on DTensors:
+
+* :class:`ColwiseParallel`: ``nn.Linear`` weight ``Shard(0)`` (output
+  features; bias ``Shard(0)``), ``nn.Embedding`` weight ``Shard(1)``. Input
+  replicated, output sharded on the last dim.
+* :class:`RowwiseParallel`: ``nn.Linear`` weight ``Shard(1)`` (input
+  features; bias replicated), ``nn.Embedding`` weight ``Shard(0)``. Input
+  sharded on the last dim, output partial and then reduced (all-reduce to
+  ``Replicate()``, or reduce-scatter to ``Shard(1)`` for sequence parallel).
+* :class:`SequenceParallel`: parameters replicated, activations sharded on
+  the sequence dim (norms and dropout between the two linear styles).
+
+``input_layouts`` say how a plain input tensor is laid out (it becomes a
+DTensor with ``from_local``); ``desired_input_layouts`` what the module
+needs; ``output_layouts`` what it hands on; ``use_local_output`` whether the
+next module gets a plain tensor. Same names and defaults as
+``torch.distributed.tensor.parallel``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from typing import Any
+
+from hp_core import DeviceMesh
+from torch import nn
+
+from hp_dtensor.dtensor import DTensor, distribute_tensor
+from hp_dtensor.placements import Placement, Replicate, Shard
+
+__all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel", "SequenceParallel", "parallelize_module"]
+
+
+def _convert_input(value: Any, mesh: DeviceMesh, given: Placement | None, desired: Placement | None) -> Any:
+    if given is None or desired is None or not hasattr(value, "dim"):
+        return value
+    if not isinstance(value, DTensor):
+        value = DTensor.from_local(value, mesh, [given])
+    if value.placements != (desired,):
+        value = value.redistribute(placements=[desired])
+    return value
+
+
+def _convert_output(value: Any, output: Placement, use_local: bool) -> Any:
+    if not isinstance(value, DTensor):
+        return value
+    if value.placements != (output,):
+        value = value.redistribute(placements=[output])
+    return value.to_local() if use_local else value
+
+
+def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement) -> None:
+    param = getattr(module, name, None)
+    if param is None or isinstance(param, DTensor):
+        return
+    dt = distribute_tensor(param.data, mesh, [placement])
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+class ParallelStyle:
+    """Base class: ``apply(module, mesh)`` shards parameters and installs the boundary hooks."""
+
+    input_layouts: Placement | None
+    desired_input_layouts: Placement | None
+    output_layouts: Placement
+    use_local_output: bool
+
+    def _params(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        raise NotImplementedError
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        """Shard ``module``'s parameters over the 1-D ``mesh`` and hook its forward."""
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"{type(self).__name__}: tensor parallelism takes a 1-D mesh, got a {mesh.ndim}-D mesh "
+                f"{mesh.shape}; pass the TP dim, e.g. mesh['tp']."
+            )
+        self._params(module, mesh)
+        given, desired = self.input_layouts, self.desired_input_layouts
+
+        def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            if not args:
+                return args
+            return (_convert_input(args[0], mesh, given, desired), *args[1:])
+
+        def post_hook(mod: nn.Module, args: Any, output: Any) -> Any:
+            return _convert_output(output, self.output_layouts, self.use_local_output)
+
+        module.register_forward_pre_hook(pre_hook)
+        module.register_forward_hook(post_hook)
+        return module
+
+
+class ColwiseParallel(ParallelStyle):
+    """Shard output features: replicated input in, last-dim-sharded output out."""
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        self.input_layouts = input_layouts or Replicate()
+        self.desired_input_layouts = Replicate()
+        self.output_layouts = output_layouts or Shard(-1)
+        self.use_local_output = use_local_output
+
+    def _params(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        if isinstance(module, nn.Linear):
+            _shard_param(module, "weight", mesh, Shard(0))
+            _shard_param(module, "bias", mesh, Shard(0))
+        elif isinstance(module, nn.Embedding):
+            _shard_param(module, "weight", mesh, Shard(1))
+        else:
+            raise TypeError(
+                f"ColwiseParallel supports nn.Linear and nn.Embedding, got {type(module).__name__}."
+            )
+
+
+class RowwiseParallel(ParallelStyle):
+    """Shard input features: last-dim-sharded input in, reduced output out."""
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        self.input_layouts = input_layouts or Shard(-1)
+        self.desired_input_layouts = Shard(-1)
+        self.output_layouts = output_layouts or Replicate()
+        self.use_local_output = use_local_output
+
+    def _params(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        if isinstance(module, nn.Linear):
+            _shard_param(module, "weight", mesh, Shard(1))
+            _shard_param(module, "bias", mesh, Replicate())
+        elif isinstance(module, nn.Embedding):
+            _shard_param(module, "weight", mesh, Shard(0))
+            self.desired_input_layouts = Replicate()
+            if self.input_layouts == Shard(-1):
+                self.input_layouts = Replicate()
+        else:
+            raise TypeError(
+                f"RowwiseParallel supports nn.Linear and nn.Embedding, got {type(module).__name__}."
+            )
+
+
+class SequenceParallel(ParallelStyle):
+    """Replicated parameters, activations sharded on ``sequence_dim`` (for norms and dropout)."""
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        self.input_layouts = Shard(sequence_dim)
+        self.desired_input_layouts = Shard(sequence_dim)
+        self.output_layouts = Shard(sequence_dim)
+        self.use_local_output = use_local_output
+
+    def _params(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                _shard_param(module, name, mesh, Replicate())
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    parallelize_plan: ParallelStyle | dict[str, ParallelStyle] | None = None,
+) -> nn.Module:
+    """Apply a style to ``module``, or each style of a plan to the submodules its key names.
+
+    Keys are dotted submodule names and may use ``fnmatch`` wildcards per
+    segment (``"layers.*.attn.q"``). A key that matches nothing is an error
+    that lists the module's names, so typos do not silently leave a layer
+    unsharded.
+    """
+    if parallelize_plan is None:
+        return module
+    if isinstance(parallelize_plan, ParallelStyle):
+        return parallelize_plan.apply(module, device_mesh)
+    names = [name for name, _ in module.named_modules() if name]
+    for pattern, style in parallelize_plan.items():
+        matched = [name for name in names if _match(pattern, name)]
+        if not matched:
+            raise KeyError(
+                f"parallelize_module: plan key {pattern!r} matches no submodule; the module has {names}."
+            )
+        for name in matched:
+            style.apply(module.get_submodule(name), device_mesh)
+    return module
+
+
+def _match(pattern: str, name: str) -> bool:
+    parts: Sequence[str] = pattern.split(".")
+    segments = name.split(".")
+    return len(parts) == len(segments) and all(
+        fnmatch.fnmatchcase(s, p) for s, p in zip(segments, parts, strict=True)
+    )

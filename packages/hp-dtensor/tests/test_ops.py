@@ -1,0 +1,107 @@
+"""Op rules against the same ops on full tensors: values and gradients (4 ranks)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hp_dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+
+def _check(fn, inputs, placements, mesh):  # type: ignore[no-untyped-def]
+    """Run ``fn`` on full tensors and on DTensors; compare outputs and input gradients."""
+    full = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    ref = fn(*full)
+    ref.sum().backward() if ref.dim() else ref.backward()
+    dts = [
+        distribute_tensor(t.clone().requires_grad_(t.is_floating_point()), mesh, p)
+        for t, p in zip(inputs, placements, strict=True)
+    ]
+    out = fn(*dts)
+    assert isinstance(out, DTensor), f"{fn} returned {type(out)}"
+    got = out.full_tensor()
+    torch.testing.assert_close(got, ref)
+    (got.sum() if got.dim() else got).backward()
+    for d, f in zip(dts, full, strict=True):
+        if f.grad is not None:
+            assert d.grad is not None
+            torch.testing.assert_close(d.grad.full_tensor(), f.grad)
+    return out
+
+
+@pytest.mark.distributed(world_size=4)
+def test_op_rules_match_full_tensors(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((4,))
+    torch.manual_seed(0)
+    a = torch.randn(6, 8, dtype=torch.float64)
+    b = torch.randn(8, 5, dtype=torch.float64)
+    bias = torch.randn(5, dtype=torch.float64)
+    S0, S1, R = [Shard(0)], [Shard(1)], [Replicate()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every op below has a rule: no fallback warning
+        # pointwise, broadcasting, uneven (6 rows over 4 ranks)
+        _check(lambda x, y: (x * 2 + y).sin(), [a, a], [S0, S1], mesh)
+        _check(lambda x, y: torch.relu(x) * y, [a, a[0]], [S1, R], mesh)
+        # matmul family: S(1) @ S(0) gives a partial sum
+        out = _check(lambda x, y: x @ y, [a, b], [S1, S0], mesh)
+        assert out.placements == (Partial("sum"),)
+        assert _check(lambda x, y: x @ y, [a, b], [S0, R], mesh).placements == (Shard(0),)
+        assert _check(lambda x, y: x @ y, [a, b], [R, S1], mesh).placements == (Shard(1),)
+        _check(lambda x, w, c: F.linear(x, w, c), [a, b.t().contiguous(), bias], [S1, S1, R], mesh)
+        _check(lambda x, w, c: F.linear(x, w, c), [a, b.t().contiguous(), bias], [R, S0, S0], mesh)
+        x3 = torch.randn(4, 3, 8, dtype=torch.float64)
+        _check(lambda x, y: torch.bmm(x, y), [x3, torch.randn(4, 8, 2, dtype=torch.float64)], [S0, S0], mesh)
+        # reductions
+        assert _check(lambda x: x.sum(0), [a], [S0], mesh).placements == (Partial("sum"),)
+        _check(lambda x: x.mean(1), [a], [S1], mesh)
+        _check(lambda x: x.sum(), [a], [S1], mesh)
+        # softmax family, norms
+        _check(lambda x: torch.softmax(x, -1), [a], [S0], mesh)
+        _check(lambda x: torch.log_softmax(x, -1), [a], [S1], mesh)
+        w = torch.randn(8, dtype=torch.float64)
+        _check(lambda x, g: F.layer_norm(x, (8,), g), [x3, w], [S0, R], mesh)
+        _check(lambda x, g: F.rms_norm(x, (8,), g), [x3, w], [S1, R], mesh)
+        # shape ops
+        _check(lambda x: x.view(4, 24).t().reshape(2, 48), [x3], [S0], mesh)
+        _check(lambda x: x.transpose(0, 1).permute(2, 0, 1).unsqueeze(0).flatten(2), [x3], [S1], mesh)
+        _check(lambda x: torch.cat([x, x * 2], 1), [a], [S0], mesh)
+        _check(lambda x: x.split(3, 0)[1] * 1.0, [a], [S1], mesh)
+        # embedding, column-wise
+        table = torch.randn(10, 8, dtype=torch.float64)
+        idx = torch.tensor([[1, 2, 9], [0, 0, 3]])
+        emb = _check(lambda t: F.embedding(idx, t), [table], [S1], mesh)
+        assert emb.placements == (Shard(2),)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_fallback_warns_once_and_is_right(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2, 2), ("dp", "tp"))
+    a = torch.randn(5, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="cumsum"):
+        _check(lambda x: torch.cumsum(x, 0), [a], [[Shard(0), Shard(1)]], mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check(lambda x: torch.cumsum(x, 1), [a], [[Shard(0), Replicate()]], mesh)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_dropout_matches_one_process(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((4,))
+    x = torch.randn(8, 6)
+    torch.manual_seed(3)
+    ref = F.dropout(x, 0.5)
+    torch.manual_seed(3)
+    out = F.dropout(distribute_tensor(x, mesh, [Shard(0)]), 0.5)
+    torch.testing.assert_close(out.full_tensor(), ref)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_mixed_meshes_are_refused(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh_a = device_mesh_factory((2,), ("a",))
+    mesh_b = device_mesh_factory((2,), ("b",))
+    x = distribute_tensor(torch.ones(4), mesh_a, [Shard(0)])
+    y = distribute_tensor(torch.ones(4), mesh_b, [Shard(0)])
+    with pytest.raises(ValueError, match="different meshes"):
+        _ = x + y
