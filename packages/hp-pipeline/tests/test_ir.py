@@ -50,7 +50,7 @@ def test_text_form_round_trips(step: MetaStep, text: str) -> None:
 
 def test_every_type_has_a_distinct_code() -> None:
     codes = [t.code for t in MetaStepType]
-    assert len(set(codes)) == len(codes) == 14
+    assert len(set(codes)) == len(codes) == 21  # 14 base types + 7 MPipe types
     assert all(MetaStepType(t.code) is t for t in MetaStepType)
 
 

@@ -31,6 +31,15 @@ from hp_pipeline.ir import (
     write_order_csv,
 )
 from hp_pipeline.microbatch import REPLICATE, TensorChunkSpec, merge_chunks, split_args_kwargs
+from hp_pipeline.mpipe import (
+    PPRankOwnedSampler,
+    ScheduleMPipe,
+    build_mpipe_order,
+    mpipe_order,
+    mpipe_owned_micros,
+    mpipe_owner,
+    strip_mpipe,
+)
 from hp_pipeline.render import render_order
 from hp_pipeline.schedules import (
     PipelineSchedule,
@@ -49,6 +58,7 @@ __all__ = [
     "MetaStep",
     "MetaStepType",
     "Order",
+    "PPRankOwnedSampler",
     "PipelineSchedule",
     "PipelineStage",
     "PipelineStepError",
@@ -56,6 +66,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "ScheduleMPipe",
     "ScheduleZBV",
     "ScheduleZeroBubble",
     "ShardedModule",
@@ -71,6 +82,7 @@ __all__ = [
     "build_1f1b_order",
     "build_gpipe_order",
     "build_interleaved_1f1b_order",
+    "build_mpipe_order",
     "build_zbv_order",
     "build_zero_bubble_h1_order",
     "clip_grad_norm_",
@@ -80,12 +92,16 @@ __all__ = [
     "interleaved_round_size",
     "is_sharded_module",
     "merge_chunks",
+    "mpipe_order",
+    "mpipe_owned_micros",
+    "mpipe_owner",
     "read_order_csv",
     "render_order",
     "simulate",
     "split_args_kwargs",
     "stage_to_rank",
     "stages_on_rank",
+    "strip_mpipe",
     "validate_order",
     "write_order_csv",
 ]

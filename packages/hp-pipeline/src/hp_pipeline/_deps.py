@@ -11,6 +11,18 @@ A step on stage ``s`` for micro-batch ``i`` depends on:
 * a send on the step that produced its payload, and the consumer of a payload
   on the receive that brought it.
 
+The loaded micro-batch comes from the stage whose ``LOAD`` names it; a plain
+order loads everything on stage 0, an MPipe order loads each micro-batch on
+its owning rank. MPipe adds (see :mod:`hp_pipeline.mpipe.order`):
+
+* ``F(0, i)`` on ``PF(o, i)``, the tower's features of micro-batch ``i`` made
+  on its owner stage ``o`` (``SEND_P``/``RECV_P`` when ``o`` is on another rank);
+* ``PF(o, i)`` on ``LOAD(o, i)`` when the owner loads the micro-batch;
+* ``PB(s, i)`` on the input-gradient backward of stage 0 (the gradient of the
+  features, ``SEND_PG``/``RECV_PG`` when ``s`` is on another rank) and on
+  ``PF(s, i)`` when the same stage ran the tower forward;
+* ``REDUCE_P`` (a collective over every rank) on every ``PB`` of its rank.
+
 An edge between stages on different ranks is carried by a SEND/RECV pair once
 communication is inserted; an edge within a rank is a local hand-off, ordered
 by the rank's list alone.
@@ -28,6 +40,8 @@ F = MetaStepType.FWD
 B = MetaStepType.BWD
 I = MetaStepType.BWD_INPUT  # noqa: E741 - the torch-pipelining name of the step
 W = MetaStepType.BWD_WEIGHT
+PF = MetaStepType.PREPROCESS_FWD
+PB = MetaStepType.PREPROCESS_BWD
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,18 @@ class OrderView:
         loaders = sorted({s.stage_index for s in self.position if s.type is MetaStepType.DATA_LOAD})
         self.loader_stage = loaders[0] if len(loaders) == 1 else None
         self.loader_stages = loaders
+        # micro-batch -> the stage that loads it / runs its tower forward (first one found).
+        self.loader_of: dict[int, int] = {}
+        self.preprocess_of: dict[int, int] = {}
+        self.preprocess_bwd_of_rank: dict[int, list[MetaStep]] = {}
+        for step, (rank, _) in self.position.items():
+            i = step.micro_index
+            if step.type is MetaStepType.DATA_LOAD and i is not None:
+                self.loader_of.setdefault(i, step.stage_index)
+            elif step.type is PF and i is not None:
+                self.preprocess_of.setdefault(i, step.stage_index)
+            elif step.type is PB:
+                self.preprocess_bwd_of_rank.setdefault(rank, []).append(step)
         self._edges: dict[MetaStep, list[Edge]] = {}
 
     # -- lookups --------------------------------------------------------------
@@ -142,7 +168,7 @@ class OrderView:
                         MetaStep(i, MetaStepType.FWD_RECV, s),
                     )
                 )
-            loader = self.loader_stage
+            loader = self.loader_of.get(i)
             if loader is not None and loader != s:
                 recv = MetaStep(i, MetaStepType.DATA_RECV, s, loader)
                 if recv in self.position:
@@ -154,6 +180,25 @@ class OrderView:
                             recv,
                         )
                     )
+            owner = self.preprocess_of.get(i)
+            if s == 0 and owner is not None:
+                edges.append(
+                    Edge(
+                        MetaStep(i, PF, owner),
+                        step,
+                        MetaStep(i, MetaStepType.PREPROCESS_SEND, owner, 0) if owner else MetaStep(i, PF, 0),
+                        MetaStep(i, MetaStepType.PREPROCESS_RECV, 0, owner) if owner else MetaStep(i, PF, 0),
+                    )
+                )
+        elif step.type is PB and 0 in self.stage_rank:
+            edges.append(
+                Edge(
+                    self.backward_input(0, i),
+                    step,
+                    MetaStep(i, MetaStepType.PREPROCESS_GRAD_SEND, 0, s) if s else step,
+                    MetaStep(i, MetaStepType.PREPROCESS_GRAD_RECV, s, 0) if s else step,
+                )
+            )
         elif step.type.is_backward and s + 1 < self.num_stages:
             edges.append(
                 Edge(
@@ -168,13 +213,25 @@ class OrderView:
     def local_inputs(self, step: MetaStep) -> list[MetaStep]:
         """Same-stage steps that must come earlier in the same rank's list."""
         i, s, t = step.micro_index, step.stage_index, step.type
+        if t is MetaStepType.PREPROCESS_REDUCE:
+            where = self.position.get(step)
+            return list(self.preprocess_bwd_of_rank.get(where[0], ())) if where else []
         if i is None:
             return []
+        if t is PF:
+            return [MetaStep(i, MetaStepType.DATA_LOAD, s)] if self.loader_of.get(i) == s else []
+        if t is PB:
+            fwd = MetaStep(i, PF, s)
+            return [fwd] if fwd in self.position else []
+        if t is MetaStepType.PREPROCESS_SEND:
+            return [MetaStep(i, PF, s)]
+        if t is MetaStepType.PREPROCESS_GRAD_SEND:
+            return [self.backward_input(s, i)]
         if t.is_backward:
             return [MetaStep(i, F, s)]
         if t is W:
             return [MetaStep(i, I, s)]
-        if t is F and s == self.loader_stage:
+        if t is F and s == self.loader_of.get(i):
             return [MetaStep(i, MetaStepType.DATA_LOAD, s)]
         if t is MetaStepType.FWD_SEND:
             return [MetaStep(i, F, s)]
@@ -192,6 +249,10 @@ class OrderView:
             return MetaStep(i, F, s)
         if t is MetaStepType.BWD_RECV:
             return self.backward_input(s, i)
+        if t is MetaStepType.PREPROCESS_RECV:
+            return MetaStep(i, F, s)
+        if t is MetaStepType.PREPROCESS_GRAD_RECV:
+            return MetaStep(i, PB, s)
         return None
 
 

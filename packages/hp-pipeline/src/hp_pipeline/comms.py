@@ -54,12 +54,16 @@ def insert_comms(
 
     Args:
         order: a compute-only order (``F``/``B``/``I``/``W``, optionally FSDP
-            steps), e.g. from a builder. It is validated first.
+            steps and MPipe's ``PF``/``PB``/``REDUCE_P`` and ``LOAD`` steps),
+            e.g. from a builder. It is validated first.
         data_stages: when given, the micro-batches are loaded on stage 0's rank
             (a ``LOAD`` step before each ``F`` of stage 0) and sent to each of
             these other stages that needs them (``SEND_D``/``RECV_D``), e.g.
             ``[num_stages - 1]`` for a loss stage that needs the targets. A
-            stage on stage 0's rank receives nothing: it reads the loaded batch.
+            stage on the loading rank receives nothing: it reads the loaded
+            batch. When the order already has ``LOAD`` steps (MPipe loads each
+            micro-batch on its owner), those are kept and the data goes from
+            each micro-batch's loading stage to these stages.
         costs: the step costs used to decide where transfers go; the default
             ``StepCosts()`` suits most cases. Any costs give a valid order.
 
@@ -72,19 +76,21 @@ def insert_comms(
             ``data_stages`` names a stage that does not exist.
     """
     view = OrderView(order)
-    present = sorted(
-        {s.type.name for s in view.position if s.type.is_comm or s.type is MetaStepType.DATA_LOAD}
-    )
+    present = sorted({s.type.name for s in view.position if s.type.is_comm})
     if present:
         raise ValueError(
             f"insert_comms takes a compute-only order, but this one already has {present} "
             "steps; pass the builder's order (F/B/I/W and FSDP steps only)"
         )
+    preloaded = bool(view.loader_of)
+    if preloaded and data_stages is None:
+        data_stages = ()
     validate_order(order)
     consumers: list[int] = []
     if data_stages is not None:
         consumers = _data_consumers(data_stages, view)
-        view = OrderView(_with_loads(view))
+        if not preloaded:
+            view = OrderView(_with_loads(view))
     costs = StepCosts() if costs is None else costs
     start = {
         timed.step: (timed.start, timed.end) for steps in _timeline(view, costs).values() for timed in steps
@@ -110,8 +116,7 @@ def _data_consumers(data_stages: Collection[int], view: OrderView) -> list[int]:
                 f"insert_comms: data_stages must be stage indices in 0 .. {view.num_stages - 1}, "
                 f"got {stage!r} in {sorted(data_stages, key=str)!r}"
             )
-    # Stage 0 loads; stages on its rank share the loaded batch without a transfer.
-    return [s for s in stages if not view.same_rank(s, 0)]
+    return stages
 
 
 def _with_loads(view: OrderView) -> Order:
@@ -128,18 +133,20 @@ def _with_loads(view: OrderView) -> Order:
 
 
 def _data_edges(view: OrderView, consumers: list[int]) -> list[Edge]:
-    micros = sorted(
-        s.micro_index for s in view.position if s.type is MetaStepType.DATA_LOAD and s.micro_index is not None
-    )
+    """One edge per micro-batch and data stage on another rank than the stage that loads it.
+
+    A stage on the loader's rank shares the loaded batch without a transfer.
+    """
     return [
         Edge(
-            MetaStep(i, MetaStepType.DATA_LOAD, 0),
+            MetaStep(i, MetaStepType.DATA_LOAD, loader),
             MetaStep(i, MetaStepType.FWD, stage),
-            MetaStep(i, MetaStepType.DATA_SEND, 0, stage),
-            MetaStep(i, MetaStepType.DATA_RECV, stage, 0),
+            MetaStep(i, MetaStepType.DATA_SEND, loader, stage),
+            MetaStep(i, MetaStepType.DATA_RECV, stage, loader),
         )
-        for i in micros
+        for i, loader in sorted(view.loader_of.items())
         for stage in consumers
+        if not view.same_rank(stage, loader)
     ]
 
 

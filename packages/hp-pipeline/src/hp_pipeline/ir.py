@@ -28,6 +28,13 @@ code          type             meaning
 ``UNSHARD``   UNSHARD          FSDP: all-gather the stage's parameters
 ``RESHARD``   RESHARD          FSDP: free the gathered parameters
 ``REDUCE_GRAD`` REDUCE_GRAD    FSDP: reduce-scatter the stage's gradients
+``PF``        PREPROCESS_FWD   MPipe: run the preprocess tower on the owning rank
+``PB``        PREPROCESS_BWD   MPipe: backpropagate through the tower
+``SEND_P``    PREPROCESS_SEND  MPipe: send the tower's features to stage 0
+``RECV_P``    PREPROCESS_RECV  MPipe: receive the tower's features on stage 0
+``SEND_PG``   PREPROCESS_GRAD_SEND  MPipe: send dL/dfeatures back to the owner
+``RECV_PG``   PREPROCESS_GRAD_RECV  MPipe: receive dL/dfeatures on the owner
+``REDUCE_P``  PREPROCESS_REDUCE  MPipe: sum the tower's gradients over the ranks
 ============  ===============  ==================================================
 
 Communication steps name their peer stage. For activations and gradients the
@@ -36,8 +43,11 @@ peer is the adjacent stage (``s + 1`` for ``SEND_F``/``RECV_B``, ``s - 1`` for
 micro-batch 1's activation from stage 0 to stage 1. A non-default peer, and
 every data step's peer, is written after an arrow that points the way the data
 flows: ``"0SEND_D3->5"`` (stage 0 sends micro-batch 3's data to stage 5) is
-matched by ``"5RECV_D3<-0"``. The FSDP steps act on a whole stage, so their
-micro-batch is optional: ``"1UNSHARD"``.
+matched by ``"5RECV_D3<-0"``; the MPipe transfers name their peer the same
+way (``"2SEND_P6->0"``, ``"0SEND_PG6->2"``). The FSDP steps and ``REDUCE_P``
+act on a whole stage (a collective), so their micro-batch is optional:
+``"1UNSHARD"``, ``"3REDUCE_P"``. The MPipe steps are described in
+:mod:`hp_pipeline.mpipe.order`.
 """
 
 from __future__ import annotations
@@ -77,6 +87,14 @@ class MetaStepType(enum.Enum):
     UNSHARD = "UNSHARD"
     RESHARD = "RESHARD"
     REDUCE_GRAD = "REDUCE_GRAD"
+    # MPipe (hp_pipeline.mpipe): the preprocess tower, run on the rank that owns a micro-batch.
+    PREPROCESS_FWD = "PF"
+    PREPROCESS_BWD = "PB"
+    PREPROCESS_SEND = "SEND_P"
+    PREPROCESS_RECV = "RECV_P"
+    PREPROCESS_GRAD_SEND = "SEND_PG"
+    PREPROCESS_GRAD_RECV = "RECV_PG"
+    PREPROCESS_REDUCE = "REDUCE_P"
 
     @property
     def code(self) -> str:
@@ -110,14 +128,26 @@ class MetaStepType(enum.Enum):
     def is_fsdp(self) -> bool:
         return self._value_ in _FSDP
 
+    @property
+    def is_preprocess(self) -> bool:
+        """An MPipe step (the tower's compute, its transfers and its gradient reduction)."""
+        return self._value_ in _PREPROCESS
+
+    @property
+    def whole_stage(self) -> bool:
+        """A step that may leave ``micro_index`` as ``None`` (FSDP steps, ``REDUCE_P``)."""
+        return self._value_ in _WHOLE_STAGE
+
 
 # Sets of codes (plain strings hash faster than enum members, and these are hot).
 _COMPUTE = frozenset({"F", "B", "I", "W"})
 _INPUT_GRAD = frozenset({"B", "I"})
-_SENDS = frozenset({"SEND_F", "SEND_B", "SEND_D"})
-_RECVS = frozenset({"RECV_F", "RECV_B", "RECV_D"})
+_SENDS = frozenset({"SEND_F", "SEND_B", "SEND_D", "SEND_P", "SEND_PG"})
+_RECVS = frozenset({"RECV_F", "RECV_B", "RECV_D", "RECV_P", "RECV_PG"})
 _COMMS = _SENDS | _RECVS
 _FSDP = frozenset({"UNSHARD", "RESHARD", "REDUCE_GRAD"})
+_PREPROCESS = frozenset({"PF", "PB", "SEND_P", "RECV_P", "SEND_PG", "RECV_PG", "REDUCE_P"})
+_WHOLE_STAGE = _FSDP | {"REDUCE_P"}
 
 _ORDINAL = {kind: index for index, kind in enumerate(MetaStepType)}
 
@@ -129,6 +159,10 @@ MATCHING_TYPE: dict[MetaStepType, MetaStepType] = {
     MetaStepType.BWD_RECV: MetaStepType.BWD_SEND,
     MetaStepType.DATA_SEND: MetaStepType.DATA_RECV,
     MetaStepType.DATA_RECV: MetaStepType.DATA_SEND,
+    MetaStepType.PREPROCESS_SEND: MetaStepType.PREPROCESS_RECV,
+    MetaStepType.PREPROCESS_RECV: MetaStepType.PREPROCESS_SEND,
+    MetaStepType.PREPROCESS_GRAD_SEND: MetaStepType.PREPROCESS_GRAD_RECV,
+    MetaStepType.PREPROCESS_GRAD_RECV: MetaStepType.PREPROCESS_GRAD_SEND,
 }
 
 # Offset of the default peer for activation and gradient traffic.
@@ -151,8 +185,8 @@ class MetaStep:
     docstring and :meth:`parse` reads it back: ``MetaStep.parse(str(s)) == s``.
 
     Args:
-        micro_index: the micro-batch, ``>= 0``. Only the FSDP steps (which act
-            on the whole stage) may leave it ``None``.
+        micro_index: the micro-batch, ``>= 0``. Only the FSDP steps and
+            ``REDUCE_P`` (which act on the whole stage) may leave it ``None``.
         type: a :class:`MetaStepType`.
         stage_index: the pipeline stage the step belongs to, ``>= 0``. For a
             communication step it is the stage on *this* side of the transfer.
@@ -198,10 +232,10 @@ class MetaStep:
         if not _is_index(self.stage_index):
             raise ValueError(f"MetaStep stage_index must be an int >= 0, got {self.stage_index!r}")
         if self.micro_index is None:
-            if not self.type.is_fsdp:
+            if not self.type.whole_stage:
                 raise ValueError(
                     f"MetaStep of type {self.type.name} needs a micro_index (an int >= 0); "
-                    "only UNSHARD, RESHARD and REDUCE_GRAD may leave it None"
+                    "only UNSHARD, RESHARD, REDUCE_GRAD and REDUCE_P may leave it None"
                 )
         elif not _is_index(self.micro_index):
             raise ValueError(f"MetaStep micro_index must be an int >= 0 or None, got {self.micro_index!r}")

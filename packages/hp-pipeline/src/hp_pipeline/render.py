@@ -32,6 +32,9 @@ COLOURS: dict[MetaStepType, str] = {
     MetaStepType.UNSHARD: "#b07aa1",
     MetaStepType.RESHARD: "#ff9da7",
     MetaStepType.REDUCE_GRAD: "#9c755f",
+    MetaStepType.PREPROCESS_FWD: "#edc948",
+    MetaStepType.PREPROCESS_BWD: "#e15759",
+    MetaStepType.PREPROCESS_REDUCE: "#af7aa1",
 }
 _COMM_COLOUR = "#555555"
 

@@ -123,15 +123,8 @@ class PipelineSchedule:
         if sharded:
             # [Note: FSDP protocol]: every rank is assumed to compose the same way.
             order = add_fsdp_steps(order, range(self.num_stages))
-        self.order: Order = insert_comms(order)
-        self._runner = StepRunner(
-            self._stages,
-            self.order[self.group_rank],
-            self._peer_rank,
-            self.group,
-            training=loss_fn is not None,
-            abort_timeout=abort_timeout,
-        )
+        self.order: Order = self._with_comms(order)
+        self._runner = self._make_runner(training=loss_fn is not None, abort_timeout=abort_timeout)
         self._learned = False
         self._tied: list[TiedGroup] = []
 
@@ -151,6 +144,19 @@ class PipelineSchedule:
 
     def _build(self, p: int, m: int) -> Order:
         raise NotImplementedError
+
+    def _with_comms(self, order: Order) -> Order:
+        return insert_comms(order)
+
+    def _make_runner(self, *, training: bool, abort_timeout: float) -> StepRunner:
+        return StepRunner(
+            self._stages,
+            self.order[self.group_rank],
+            self._peer_rank,
+            self.group,
+            training=training,
+            abort_timeout=abort_timeout,
+        )
 
     def _check_placement(self, stages: list[PipelineStage]) -> None:
         p = self.num_ranks

@@ -20,7 +20,8 @@ the simulator gives both without a cluster, in exact arithmetic
   the simulator's.
 
 [Note: bubble definitions]
-With ``compute[r]`` the time rank ``r`` spends in ``F``/``B``/``I``/``W`` and
+With ``compute[r]`` the time rank ``r`` spends in ``F``/``B``/``I``/``W`` (and
+MPipe's tower steps ``PF``/``PB``) and
 ``idle[r] = makespan - compute[r]``:
 
 * ``bubble_ratio[r] = idle[r] / makespan``, the share of the step rank ``r``
@@ -71,6 +72,9 @@ class StepCosts:
         comm: latency from a SEND (or, in a compute-only order, from the
             producing step) to the data being usable on the other rank.
         data_load, unshard, reshard, reduce_grad: the remaining local steps.
+        preprocess_forward, preprocess_backward, preprocess_reduce: MPipe's
+            ``PF``, ``PB`` and ``REDUCE_P`` (the tower's forward, backward and
+            gradient reduction).
     """
 
     forward: Fraction | float = 1
@@ -82,6 +86,9 @@ class StepCosts:
     unshard: Fraction | float = 0
     reshard: Fraction | float = 0
     reduce_grad: Fraction | float = 0
+    preprocess_forward: Fraction | float = 1
+    preprocess_backward: Fraction | float = 2
+    preprocess_reduce: Fraction | float = 0
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -109,7 +116,11 @@ _COST_FIELD = {
     MetaStepType.UNSHARD: "unshard",
     MetaStepType.RESHARD: "reshard",
     MetaStepType.REDUCE_GRAD: "reduce_grad",
+    MetaStepType.PREPROCESS_FWD: "preprocess_forward",
+    MetaStepType.PREPROCESS_BWD: "preprocess_backward",
+    MetaStepType.PREPROCESS_REDUCE: "preprocess_reduce",
 }
+_TOWER_COMPUTE = (MetaStepType.PREPROCESS_FWD, MetaStepType.PREPROCESS_BWD)
 
 
 class TimedStep(NamedTuple):
@@ -184,7 +195,10 @@ def simulate(
     timeline = _timeline(view, costs)
     makespan = max((t.end for steps in timeline.values() for t in steps), default=Fraction(0))
     compute = {
-        rank: sum((t.end - t.start for t in steps if t.step.type.is_compute), Fraction(0))
+        rank: sum(
+            (t.end - t.start for t in steps if t.step.type.is_compute or t.step.type in _TOWER_COMPUTE),
+            Fraction(0),
+        )
         for rank, steps in timeline.items()
     }
     idle = {rank: makespan - busy for rank, busy in compute.items()}
@@ -232,6 +246,21 @@ def _timeline(view: OrderView, costs: StepCosts) -> dict[int, list[TimedStep]]:
             while head[rank] < len(steps):
                 step = steps[head[rank]]
                 now = clock[rank]
+                if step.type is MetaStepType.PREPROCESS_REDUCE:
+                    # A collective: it starts when the last rank reaches it, on every rank.
+                    at = {r: order[r][head[r]] for r in order if head[r] < len(order[r])}
+                    if len(at) < len(order) or any(
+                        s.type is not MetaStepType.PREPROCESS_REDUCE for s in at.values()
+                    ):
+                        break
+                    start = max(clock.values())
+                    for r, s in at.items():
+                        end = start + costs.of(s.type)
+                        finished[s] = clock[r] = end
+                        timeline[r].append(TimedStep(s, start, end))
+                        head[r] += 1
+                    progress = True
+                    continue
                 if step.type.is_comm:
                     if step.type.is_send:
                         sent[step] = now

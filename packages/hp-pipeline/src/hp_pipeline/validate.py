@@ -52,7 +52,9 @@ def validate_order(
        cross-rank dependency is carried by a SEND on the producer's rank and the
        matching RECV on the consumer's rank, with no unmatched SEND or RECV;
     6. FSDP steps, if any: a stage computes only while unsharded, and
-       ``REDUCE_GRAD`` follows the stage's last backward;
+       ``REDUCE_GRAD`` follows the stage's last backward; MPipe steps, if any:
+       one ``PF`` (and, if any, one ``PB``) per micro-batch, one ``REDUCE_P``
+       per rank after its ``PB`` steps, each micro-batch loaded once;
     7. executing the order with blocking point-to-point never deadlocks (see
        [Note: blocking semantics]); for a compute-only order, a step simply
        waits for its producers on other ranks.
@@ -192,23 +194,77 @@ def _check_counts(view: OrderView, n_microbatches: int | None) -> None:
                 )
             )
     loads = [s for s in view.position if s.type is MetaStepType.DATA_LOAD]
-    if len(view.loader_stages) > 1:
+    loaded: dict[int | None, list[int]] = defaultdict(list)
+    for step in loads:
+        loaded[step.micro_index].append(step.stage_index)
+    twice = {i: stages for i, stages in loaded.items() if len(stages) > 1}
+    if twice:
         problems.append(
             (
-                f"micro-batches are loaded on several stages {view.loader_stages}; load on one "
-                "stage and send the data to the others",
+                "micro-batches are loaded more than once ("
+                + ", ".join(f"{i} on stages {sorted(st)}" for i, st in sorted(twice.items(), key=str))
+                + "); load each on one stage and send the data to the others",
                 [],
             )
         )
-    elif loads and {s.micro_index for s in loads} != expected:
+    elif loads and set(loaded) != expected:
         problems.append(
             (
-                f"DATA_LOAD steps cover micro-batches {_ranges({s.micro_index for s in loads} & expected)}, "
+                f"DATA_LOAD steps cover micro-batches {_ranges(set(loaded) & expected)}, "
                 f"expected 0 .. {m - 1}",
                 [],
             )
         )
+    problems += _preprocess_count_problems(view, expected)
     _fail(view, f"the order does not run every stage once per micro-batch (m={m})", problems)
+
+
+def _preprocess_count_problems(view: OrderView, expected: set[int]) -> Problems:
+    """MPipe: one ``PF`` per micro-batch, one ``PB`` per micro-batch if any, one ``REDUCE_P`` per rank."""
+    problems: Problems = []
+    by_type: dict[MetaStepType, dict[int | None, list[int]]] = defaultdict(lambda: defaultdict(list))
+    reduces: dict[int, int] = defaultdict(int)
+    for step, (rank, _) in view.position.items():
+        if step.type is MetaStepType.PREPROCESS_REDUCE:
+            reduces[rank] += 1
+        elif step.type in (MetaStepType.PREPROCESS_FWD, MetaStepType.PREPROCESS_BWD):
+            by_type[step.type][step.micro_index].append(step.stage_index)
+    forwards = by_type[MetaStepType.PREPROCESS_FWD]
+    backwards = by_type[MetaStepType.PREPROCESS_BWD]
+    if not forwards and (backwards or reduces):
+        problems.append(("the order has PB/REDUCE_P steps but no preprocess forward (PF)", []))
+        return problems
+    for name, found in (("PF", forwards), ("PB", backwards)):
+        if not found:
+            continue
+        twice = sorted((i, st) for i, st in found.items() if len(st) > 1 and i is not None)
+        if twice:
+            problems.append(
+                (
+                    f"the preprocess {name} of micro-batches {[i for i, _ in twice]} runs more than once "
+                    f"(stages {[st for _, st in twice]}); each micro-batch has exactly one owner",
+                    [],
+                )
+            )
+        if set(found) != expected:
+            problems.append(
+                (
+                    f"{name} steps cover micro-batches {_ranges(set(found) & expected)}, expected every "
+                    f"micro-batch 0 .. {max(expected, default=-1)}; missing {_ranges(expected - set(found))}",
+                    [],
+                )
+            )
+    if reduces:
+        bad = sorted(r for r in view.order if reduces.get(r, 0) != 1)
+        if bad:
+            problems.append(
+                (
+                    f"REDUCE_P is a collective over every rank: each rank needs exactly one, but ranks "
+                    f"{bad} have {[reduces.get(r, 0) for r in bad]}",
+                    [],
+                )
+            )
+    return problems
 
 
 def _check_local_order(view: OrderView) -> None:
@@ -335,6 +391,18 @@ def _check_deadlock(view: OrderView) -> None:
         for rank, steps in order.items():
             while head[rank] < len(steps):
                 step = steps[head[rank]]
+                if step.type is MetaStepType.PREPROCESS_REDUCE:
+                    # A collective: every rank must stand at its REDUCE_P before any passes it.
+                    if all(
+                        head[r] < len(order[r]) and order[r][head[r]].type is MetaStepType.PREPROCESS_REDUCE
+                        for r in order
+                    ):
+                        for r in order:
+                            done.add(order[r][head[r]])
+                            head[r] += 1
+                        progress = True
+                        continue
+                    break
                 if step.type.is_comm:
                     other = matching(step)
                     peer = view.rank_of(other.stage_index)
@@ -370,6 +438,19 @@ def _check_deadlock(view: OrderView) -> None:
             problems.append(
                 (
                     f"rank {rank} waits in {step} for rank {peer} to reach {other}; rank {peer} {at}",
+                    [(rank, pos)],
+                )
+            )
+        elif step.type is MetaStepType.PREPROCESS_REDUCE:
+            others = [
+                r
+                for r in sorted(order)
+                if r != rank
+                and not (head[r] < len(order[r]) and order[r][head[r]].type is MetaStepType.PREPROCESS_REDUCE)
+            ]
+            problems.append(
+                (
+                    f"rank {rank} waits in the collective {step} for ranks {others} to reach their REDUCE_P",
                     [(rank, pos)],
                 )
             )

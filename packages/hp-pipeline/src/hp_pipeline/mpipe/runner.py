@@ -1,0 +1,530 @@
+"""The MPipe executor: the base executor plus the tower's steps and in-schedule data.
+
+It extends :class:`~hp_pipeline.executor.StepRunner` (posting, first-step
+headers, failure draining all work the same, see [Note: posting and waiting]
+and [Note: failures] in :mod:`hp_pipeline.executor`) with:
+
+* ``LOAD``: take this rank's next owned micro-batch (a mapping of tensors)
+  from the data iterator; ``SEND_D``/``RECV_D`` carry only the tensors the
+  receiving stage needs: ``input_keys`` to stage 0, ``target_key`` to the last
+  stage ([Note: data keys]);
+* ``PF``: run the tower on the micro-batch; ``SEND_P``/``RECV_P`` carry its
+  outputs (plus, without the owner backward, the tower's inputs) to stage 0;
+* stage 0's forward is called as ``module(*text_args, *features, **kwargs)``,
+  the features being leaves that collect dL/dfeatures in stage 0's backward;
+* ``PB``: backward through the tower, on the owner (with the gradient
+  ``SEND_PG``/``RECV_PG`` brought back) or recomputed on stage 0;
+* ``REDUCE_P``: sum this step's tower-gradient contribution over the pipeline
+  group ([Note: tower gradient reduction]).
+
+On the first step every MPipe transfer carries one header object (the list of
+:class:`~hp_pipeline.stage.TensorMeta` of all its tensors: one metadata
+message per micro-batch, not one per tensor); later steps reuse it. A loaded
+micro-batch or a tower output whose shape changes after the first step fails
+in its compute step (``LOAD`` / ``PF``), so the failure drains like any other.
+
+[Note: data keys]
+A loaded micro-batch is a mapping; the owner keeps it whole (its tower reads
+``preprocess_keys``) and sends each other stage only what it reads: stage 0
+gets ``input_keys`` (its positional text inputs), the last stage
+``target_key``. A stage on the owner's rank reads the owner's copy.
+
+[Note: tower gradient reduction]
+Each rank backpropagates only its own micro-batches through its replica of the
+tower, so its gradients hold part of the step's gradient. ``REDUCE_P`` sums,
+over the pipeline group, each parameter's *contribution of this step*
+(``grad - grad_at_step_start``) and adds the sum back to the value at the
+start of the step. Gradients accumulated over earlier steps (which every
+replica already holds identically) are thus not counted ``p`` times. All
+parameters go in one flat buffer per dtype, with one flag per parameter that
+says whether any rank produced a gradient, so a parameter no micro-batch
+reached keeps ``grad = None`` like in single-process training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hp_pipeline.errors import StageFailure
+from hp_pipeline.executor import StepRunner, _blocks, _CommError
+from hp_pipeline.ir import MetaStep, MetaStepType
+from hp_pipeline.mpipe.order import mpipe_receives_lead
+from hp_pipeline.stage import PipelineStage, TensorMeta
+
+__all__: list[str] = []
+
+T = MetaStepType
+_MPIPE_COMMS = frozenset(
+    {
+        T.DATA_SEND,
+        T.DATA_RECV,
+        T.PREPROCESS_SEND,
+        T.PREPROCESS_RECV,
+        T.PREPROCESS_GRAD_SEND,
+        T.PREPROCESS_GRAD_RECV,
+    }
+)
+_TOWER_BACKWARD = frozenset(
+    {T.PREPROCESS_BWD, T.PREPROCESS_GRAD_SEND, T.PREPROCESS_GRAD_RECV, T.PREPROCESS_REDUCE}
+)
+
+
+def flatten_tower_output(out: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out):
+        return tuple(out)
+    kinds = type(out).__name__ if not isinstance(out, (tuple, list)) else [type(t).__name__ for t in out]
+    raise TypeError(
+        f"the MPipe preprocess tower returned {kinds}; it must return a tensor or a non-empty "
+        "tuple/list of tensors (they become stage 0's extra positional arguments)"
+    )
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class MPipeRunner(StepRunner):
+    """Runs one rank's MPipe steps; one instance per schedule, reused across steps."""
+
+    def __init__(
+        self,
+        stages: dict[int, PipelineStage],
+        steps: Sequence[MetaStep],
+        peer_rank: Any,
+        group: dist.ProcessGroup | None,
+        *,
+        training: bool,
+        abort_timeout: float,
+        preprocess: nn.Module,
+        owner_backward: bool,
+        tower_trainable: bool,
+        batched_recv: bool,
+        input_keys: Sequence[str],
+        preprocess_keys: Sequence[str],
+        target_key: str,
+        ignore_index: int,
+        stage_rank: Mapping[int, int],
+    ) -> None:
+        super().__init__(stages, steps, peer_rank, group, training=training, abort_timeout=abort_timeout)
+        if not training:
+            self.steps = [s for s in self.steps if s.type not in _TOWER_BACKWARD]
+            self.blocks = _blocks(self.steps)
+        self.preprocess = preprocess
+        self.owner_backward = owner_backward
+        self.tower_trainable = tower_trainable and training
+        self.input_keys = tuple(input_keys)
+        self.preprocess_keys = tuple(preprocess_keys)
+        self.target_key = target_key
+        self.ignore_index = ignore_index
+        self.num_stages = next(iter(stages.values())).num_stages
+        self.device = next(iter(stages.values())).device
+        # [Note: MPipe receive posting]: batch the leading receives when the order allows it.
+        self._early = [s for s in self.steps if s.type in (T.PREPROCESS_RECV, T.DATA_RECV)]
+        self.batched = bool(batched_recv and self._early and mpipe_receives_lead(self.steps, stage_rank))
+        self._lean_blocks = _blocks([s for s in self.steps if s not in set(self._early)])
+        self._full_blocks = self.blocks
+        self._recv_keys = {(s.type, s.stage_index, s.micro_index) for s in self.steps if s.type.is_recv}
+        # Learned on the first step and kept: the metadata of each MPipe transfer.
+        self._xfer_meta: dict[MetaStep, tuple[TensorMeta, ...]] = {}
+        self._shapes: dict[tuple[str, int], tuple[Any, ...]] = {}
+        self._n_features: dict[int, int] = {}
+        self.n_micro = 0
+        self.loading = False
+        # Per-step inputs, set by the schedule before run().
+        self.data_iter: Iterator[Any] | None = None
+        self.tower_chunks: list[tuple[Any, ...]] | None = None
+        self.tower_grad_start: list[torch.Tensor | None] = []
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.local_tokens = 0
+        self._data: dict[int, dict[str, torch.Tensor]] = {}
+        self._tower_in: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._tower_out: dict[int, tuple[torch.Tensor, ...]] = {}  # detached outputs
+        self._tower_graph: dict[int, tuple[torch.Tensor, ...]] = {}  # graph-connected (owner backward)
+        self._features: dict[int, tuple[torch.Tensor, ...]] = {}  # leaves on stage 0
+        self._feature_meta: dict[int, tuple[TensorMeta, ...]] = {}
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _peer(self, step: MetaStep) -> int:
+        assert step.peer_stage is not None  # every SEND/RECV names its peer
+        return self.peer_rank(step.peer_stage)
+
+    def _keys_for(self, stage: int) -> tuple[str, ...]:
+        """[Note: data keys]: what each data-receiving stage needs of a micro-batch."""
+        if stage == 0:
+            return self.input_keys
+        return (self.target_key,)
+
+    def _feature_metas(self, outs: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:
+        if self.owner_backward:
+            return tuple(TensorMeta.of(t) for t in outs)
+        # Recompute mode: the owner ran the tower without a graph; a feature gets a gradient
+        # when it is differentiable and the tower trains.
+        return tuple(
+            TensorMeta(tuple(t.shape), t.dtype, self.tower_trainable and _differentiable(t)) for t in outs
+        )
+
+    def _check_same(self, what: str, i: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Shapes are fixed at the first step; checked in the compute step, so a change drains cleanly."""
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        cached = self._shapes.setdefault((what, i), shapes)
+        if cached != shapes:
+            raise ValueError(
+                f"{what} of micro-batch {i} is {[(list(a), str(b)) for a, b in shapes]} but the first step "
+                f"had {[(list(a), str(b)) for a, b in cached]}; shapes and dtypes are fixed at the first "
+                "step of a schedule (peers allocate their receive buffers from them): keep the "
+                "micro-batch shape constant (pad) or build a new schedule"
+            )
+
+    # -- compute --------------------------------------------------------------------
+
+    def _act(self, step: MetaStep) -> None:
+        if step.type is T.PREPROCESS_REDUCE:
+            # A collective: run it even while draining, so no peer waits in it.
+            try:
+                self._reduce_tower()
+            except _CommError:
+                raise
+            except Exception as exc:
+                self._fail(step, exc)
+            return
+        super()._act(step)
+
+    def _compute(self, step: MetaStep) -> None:
+        i = step.micro_index
+        if step.type is T.DATA_LOAD:
+            assert i is not None
+            self._load(i)
+        elif step.type is T.PREPROCESS_FWD:
+            assert i is not None
+            self._tower_forward(i)
+        elif step.type is T.PREPROCESS_BWD:
+            assert i is not None
+            self._tower_backward(step.stage_index, i)
+        else:
+            super()._compute(step)
+
+    def _load(self, i: int) -> None:
+        if self.data_iter is None:
+            raise ValueError(
+                f"rank {self.rank} must load micro-batch {i} (in-schedule loading) but step() got no "
+                "data= iterator here; pass step(data=iter(loader)) on every rank that owns micro-batches"
+            )
+        try:
+            batch = next(self.data_iter)
+        except StopIteration:
+            raise ValueError(
+                f"rank {self.rank}: the data iterator ran out before micro-batch {i}; each step reads "
+                "one micro-batch per owned micro (see PPRankOwnedSampler)"
+            ) from None
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"in-schedule loading: a micro-batch must be a mapping of name -> tensor, got "
+                f"{type(batch).__name__}"
+            )
+        needed = set(self.input_keys) | set(self.preprocess_keys) | {self.target_key}
+        missing = sorted(needed - set(batch))
+        if missing:
+            raise KeyError(f"micro-batch {i} lacks {missing}; it has {sorted(batch)}")
+        data = {k: batch[k].to(self.device) for k in sorted(needed)}
+        self._check_same("the loaded data", i, list(data.values()))
+        self._data[i] = data
+        self.local_tokens += int((data[self.target_key] != self.ignore_index).sum().item())
+
+    def _tower_args(self, i: int) -> tuple[Any, ...]:
+        if i in self._data:
+            return tuple(self._data[i][k] for k in self.preprocess_keys)
+        if self.tower_chunks is None:
+            raise ValueError(
+                f"rank {self.rank} owns micro-batch {i} but step() got no preprocess_inputs= here; "
+                "pass the whole batch's tower inputs on every rank that owns micro-batches"
+            )
+        return self.tower_chunks[i]
+
+    def _tower_forward(self, i: int) -> None:
+        args = self._tower_args(i)
+        keep = self.training and self.tower_trainable and self.owner_backward
+        with torch.set_grad_enabled(keep):
+            outs = flatten_tower_output(self.preprocess(*args))
+        self._check_same("the tower's output", i, outs)
+        if keep:
+            self._tower_graph[i] = outs
+        self._feature_meta[i] = self._feature_metas(outs)
+        self._tower_out[i] = tuple(t.detach().contiguous() for t in outs)
+        self._tower_in[i] = tuple(a for a in args if isinstance(a, torch.Tensor))
+
+    def _features_for(self, i: int) -> tuple[torch.Tensor, ...]:
+        key = (T.PREPROCESS_RECV, 0, i)
+        if key in self._recv_keys:
+            bufs = self._take_recv(key)
+            n = self._n_features[i]
+            outs, inputs = tuple(bufs[:n]), tuple(bufs[n:])
+            metas = self._xfer_meta[MetaStep(i, T.PREPROCESS_RECV, 0, self._owner_stage(i))][:n]
+            self._tower_in[i] = inputs
+        else:
+            outs, metas = self._tower_out[i], self._feature_meta[i]
+        leaves = []
+        for t, meta in zip(outs, metas, strict=True):
+            leaf = t.detach()
+            if meta.requires_grad and self.training:
+                leaf.requires_grad_(True)
+            leaves.append(leaf)
+        self._features[i] = tuple(leaves)
+        return self._features[i]
+
+    def _owner_stage(self, i: int) -> int:
+        for s in self.steps:
+            if s.type is T.PREPROCESS_RECV and s.micro_index == i:
+                assert s.peer_stage is not None
+                return s.peer_stage
+        return 0
+
+    def _data_for(self, stage: int, i: int) -> dict[str, torch.Tensor]:
+        key = (T.DATA_RECV, stage, i)
+        if key in self._recv_keys:
+            bufs = self._take_recv(key)
+            self._data.setdefault(i, {}).update(zip(self._keys_for(stage), bufs, strict=True))
+        if i not in self._data:
+            raise RuntimeError(f"stage {stage}: micro-batch {i} was neither loaded nor received here")
+        return self._data[i]
+
+    def _forward(self, stage: PipelineStage, i: int) -> None:
+        if stage.is_first:
+            features = self._features_for(i)
+            if self.loading:
+                data = self._data_for(0, i)
+                text: tuple[Any, ...] = tuple(data[k] for k in self.input_keys)
+                kwargs: dict[str, Any] = {}
+            else:
+                if self._text_args is None or self._text_kwargs is None:
+                    raise RuntimeError(f"stage 0 runs on rank {self.rank} but step() received no inputs here")
+                text, kwargs = tuple(self._text_args[i]), dict(self._text_kwargs[i])
+            self._stage0_args[i] = ((*text, *features), kwargs)
+        if stage.is_last and self.loading and self.training:
+            self._targets_list[i] = self._data_for(stage.stage_index, i)[self.target_key]
+        super()._forward(stage, i)
+
+    def run(
+        self,
+        arg_mbs: list[tuple[Any, ...]] | None,
+        kwarg_mbs: list[dict[str, Any]] | None,
+        targets: list[Any] | None,
+        loss_fn: Any,
+        scale: float,
+        *,
+        first_step: bool,
+        pre_failure: StageFailure | None = None,
+    ) -> StageFailure | None:
+        """Like the base ``run``; stage 0's inputs (text + features) and the last stage's targets
+        are assembled per micro-batch in ``_forward`` and read by the base executor from views."""
+        self._stage0_args: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self._targets_list: list[Any] = list(targets) if targets is not None else [None] * self.n_micro
+        self._text_args, self._text_kwargs = arg_mbs, kwarg_mbs
+        has_first = 0 in self.stages
+        return super().run(
+            _Stage0Args(self._stage0_args, 0) if has_first else None,  # type: ignore[arg-type]
+            _Stage0Args(self._stage0_args, 1) if has_first else None,  # type: ignore[arg-type]
+            self._targets_list if (targets is not None or self.loading) else None,
+            loss_fn,
+            scale,
+            first_step=first_step,
+            pre_failure=pre_failure,
+        )
+
+    def _tower_backward(self, stage: int, i: int) -> None:
+        if self.owner_backward:
+            outs = self._tower_graph.pop(i, None)
+            grads = self._feature_grads(stage, i)
+        else:
+            with torch.enable_grad():
+                outs = flatten_tower_output(self.preprocess(*self._tower_in[i]))
+            grads = self._local_feature_grads(i)
+        if outs is None:
+            return
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    def _local_feature_grads(self, i: int) -> list[torch.Tensor | None]:
+        leaves = self._features.pop(i, ())
+        return [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+
+    def _feature_grads(self, stage: int, i: int) -> list[torch.Tensor | None]:
+        key = (T.PREPROCESS_GRAD_RECV, stage, i)
+        if key not in self._recv_keys:
+            return self._local_feature_grads(i)
+        bufs = iter(self._take_recv(key))
+        return [next(bufs) if m.requires_grad else None for m in self._feature_meta[i]]
+
+    def _reduce_tower(self) -> None:
+        from hp_core import all_reduce
+
+        params = [p for p in self.preprocess.parameters() if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index, p in enumerate(params):
+            by_dtype.setdefault(p.dtype, []).append(index)
+        for dtype, indices in by_dtype.items():
+            parts, flags = [], []
+            for index in indices:
+                p, start = params[index], self.tower_grad_start[index]
+                if self.draining or p.grad is None:
+                    parts.append(torch.zeros(p.numel(), dtype=dtype, device=p.device))
+                    flags.append(0.0)
+                else:
+                    delta = p.grad if start is None else p.grad - start
+                    parts.append(delta.detach().reshape(-1))
+                    flags.append(1.0)
+            flat = torch.cat([*parts, torch.tensor(flags, dtype=dtype, device=parts[0].device)])
+            try:
+                all_reduce(flat, "sum", self.group)
+            except Exception as exc:
+                raise _CommError(str(exc)) from exc
+            offset = 0
+            flag_at = flat.numel() - len(indices)
+            for k, index in enumerate(indices):
+                p, start = params[index], self.tower_grad_start[index]
+                total = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if flat[flag_at + k].item() == 0:
+                    continue
+                new = total if start is None else start + total
+                if p.grad is None:
+                    p.grad = new.clone()
+                else:
+                    p.grad.copy_(new)
+
+    # -- payloads -------------------------------------------------------------------
+
+    def _send_tensors(self, step: MetaStep) -> list[torch.Tensor]:
+        if step.type not in _MPIPE_COMMS:
+            return super()._send_tensors(step)
+        i = step.micro_index
+        assert i is not None and step.peer_stage is not None
+        if self.draining:
+            return [m.zeros(self.device) for m in self._xfer_meta[step]]
+        if step.type is T.DATA_SEND:
+            tensors = [self._data[i][k].contiguous() for k in self._keys_for(step.peer_stage)]
+            metas = tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in tensors)
+        elif step.type is T.PREPROCESS_SEND:
+            outs = list(self._tower_out.pop(i))
+            metas = self._feature_meta[i]
+            tensors = outs
+            if not self.owner_backward and self.training and self.tower_trainable:
+                ins = [t.detach().contiguous() for t in self._tower_in.pop(i)]
+                tensors = outs + ins
+                metas = metas + tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in ins)
+            self._n_features[i] = len(outs)
+        else:  # PREPROCESS_GRAD_SEND: dL/dfeatures, zeros for features that got none
+            leaves = self._features.pop(i, ())
+            tensors = [
+                (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).contiguous()
+                for leaf in leaves
+                if leaf.requires_grad
+            ]
+            metas = tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in tensors)
+        self._xfer_meta[step] = metas
+        return tensors
+
+    def _recv_metas(self, step: MetaStep) -> list[TensorMeta]:
+        if step.type not in _MPIPE_COMMS:
+            return super()._recv_metas(step)
+        return list(self._xfer_meta[step])
+
+    def _blocking_send(self, step: MetaStep) -> None:
+        if step.type not in _MPIPE_COMMS:
+            super()._blocking_send(step)
+            return
+        from hp_core import send, send_object
+
+        peer = self._peer(step)
+        try:
+            if self.draining:
+                header: Any = self.failure if self.failure is not None else self._peer_failure
+                assert header is not None
+                send_object(header.portable(), peer, self.group)
+                return
+            tensors = self._send_tensors(step)
+            n = self._n_features.get(step.micro_index or 0, 0) if step.type is T.PREPROCESS_SEND else 0
+            send_object((n, self._xfer_meta[step]), peer, self.group)
+            for t in tensors:
+                send(t, peer, self.group)
+        except _CommError:
+            raise
+        except (RuntimeError, ConnectionError) as exc:
+            raise _CommError(str(exc)) from exc
+
+    def _blocking_recv(self, step: MetaStep) -> None:
+        if step.type not in _MPIPE_COMMS:
+            super()._blocking_recv(step)
+            return
+        from hp_core import recv, recv_object
+
+        peer = self._peer(step)
+        i = step.micro_index
+        assert i is not None
+        try:
+            header = recv_object(peer, self.group)
+        except Exception as exc:
+            raise _CommError(str(exc)) from exc
+        if isinstance(header, StageFailure):
+            if not self.draining:
+                self._peer_failure = header
+                self.draining = True
+            return
+        n, metas = header
+        self._xfer_meta[step] = tuple(metas)
+        if step.type is T.PREPROCESS_RECV:
+            self._n_features[i] = n
+        bufs = [m.empty(self.device) for m in metas]
+        try:
+            for b in bufs:
+                recv(b, peer, self.group)
+        except Exception as exc:
+            raise _CommError(str(exc)) from exc
+        self._recv_bufs[(step.type, step.stage_index, i)] = bufs
+
+    def _run_overlapped(self) -> None:
+        if not self.batched:
+            super()._run_overlapped()
+            return
+        # [Note: MPipe receive posting]: all leading feature/data receives in one batch, waited once.
+        from hp_core import P2POp, batch_isend_irecv
+
+        ops, keys = [], []
+        for step in self._early:
+            bufs = [m.empty(self.device) for m in self._recv_metas(step)]
+            key = (step.type, step.stage_index, step.micro_index)
+            self._recv_bufs[key] = bufs  # type: ignore[index]
+            ops += [P2POp("irecv", b, self._peer(step), self.group) for b in bufs]
+            keys.append(key)
+        if ops:
+            try:
+                work = batch_isend_irecv(ops)
+            except Exception as exc:
+                raise _CommError(str(exc)) from exc
+            for key in keys:
+                self._recv_work[key] = work  # type: ignore[index]
+        self.blocks = self._lean_blocks
+        try:
+            super()._run_overlapped()
+        finally:
+            self.blocks = self._full_blocks
+
+
+class _Stage0Args:
+    """A list-like view the base executor indexes for stage 0's ``args`` / ``kwargs``."""
+
+    def __init__(self, store: dict[int, tuple[tuple[Any, ...], dict[str, Any]]], part: int) -> None:
+        self._store, self._part = store, part
+
+    def __getitem__(self, i: int) -> Any:
+        return self._store[i][self._part]

@@ -1,0 +1,374 @@
+"""``ScheduleMPipe``: 1F1B or interleaved 1F1B with the preprocess tower spread over the ranks.
+
+See [Note: MPipe steps] (:mod:`hp_pipeline.mpipe.order`) for the order and
+:mod:`hp_pipeline.mpipe.runner` for how each step runs.
+
+[Note: token-normalised loss]
+A language-model loss is a mean over the *valid* tokens of the whole batch
+(``labels != ignore_index``), not a mean of per-micro-batch means. With
+``normalize_by_tokens=True`` the ``loss_fn`` returns the *sum* of the token
+losses of its micro-batch; every backward is seeded with 1; after the step the
+count of valid tokens is all-reduced over the pipeline group (with in-schedule
+loading each owner counts the micro-batches it read; otherwise the last
+stage's rank counts its targets) and this step's contribution to every
+gradient (stages and tower) is divided by it, and so is each reported
+micro-batch loss. The gradients then equal single-process training of
+``sum(token losses) / count`` on the whole batch, and ``sum(losses)`` is its
+loss. Gradients accumulated over earlier steps are left as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hp_pipeline.comms import insert_comms
+from hp_pipeline.errors import StageFailure
+from hp_pipeline.executor import StepRunner, exchange_failures, raise_step_error
+from hp_pipeline.grads import clip_grad_norm_, sync_tied
+from hp_pipeline.ir import Order
+from hp_pipeline.microbatch import split_args_kwargs
+from hp_pipeline.mpipe.order import build_mpipe_order
+from hp_pipeline.mpipe.ownership import OverflowMode, check_owns_data, mpipe_owned_micros
+from hp_pipeline.mpipe.runner import MPipeRunner
+from hp_pipeline.schedules import LossFn, PipelineSchedule, _failure_outside_steps
+from hp_pipeline.stage import PipelineStage
+
+__all__ = ["ScheduleMPipe"]
+
+
+class ScheduleMPipe(PipelineSchedule):
+    """MPipe: micro-batch ``k``'s preprocess tower runs on its owning rank, features go to stage 0.
+
+    One stage per rank gives the 1F1B base order; a list of ``v > 1`` stages
+    per rank (loop placement) the interleaved one. Every rank holds a replica
+    of ``preprocess`` (include its parameters in every rank's optimizer);
+    stage 0's module is called as ``module(*text_args, *features, **kwargs)``.
+
+    Args:
+        stage_or_stages: this rank's stage(s), as for ``Schedule1F1B`` /
+            ``ScheduleInterleaved1F1B``.
+        n_microbatches: ``m``.
+        preprocess: the tower module; returns a tensor or a tuple of tensors.
+        loss_fn: ``loss_fn(output, target)`` on the last stage (``None``: forward only).
+        owner_backward: the owner backpropagates dL/dfeatures through the graph
+            it kept (``True``), or stage 0 recomputes the tower from the inputs
+            sent along with the features (``False``).
+        overflow_mode: ``"full"`` or ``"min"`` ([Note: MPipe ownership]).
+        batched_recv: post all of stage 0's feature/data receives of a step at
+            once and wait them once ([Note: MPipe receive posting]); ``False``
+            receives each with the base executor's posting, one compute step
+            ahead of its consumer.
+        in_schedule_loading: each owner reads its micro-batches inside the
+            step (``step(data=iterator)``); only ``input_keys`` travel to stage
+            0 and ``target_key`` to the last stage.
+        input_keys, preprocess_keys, target_key: the names, in a loaded
+            micro-batch mapping, of stage 0's positional inputs, the tower's
+            positional inputs and the target.
+        normalize_by_tokens: see [Note: token-normalised loss]; ``loss_fn``
+            must then return a sum over tokens.
+        ignore_index: the label value that marks a token without loss.
+        broadcast_tower: copy pipeline rank 0's tower parameters and buffers to
+            every rank at construction.
+        check_tower_sync: before every step, verify that the tower's
+            parameters are identical on every rank (raises otherwise).
+        args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
+        abort_timeout: as for the other schedules.
+    """
+
+    _name = "ScheduleMPipe"
+
+    def __init__(
+        self,
+        stage_or_stages: PipelineStage | Sequence[PipelineStage],
+        n_microbatches: int,
+        *,
+        preprocess: nn.Module,
+        loss_fn: LossFn | None,
+        owner_backward: bool = True,
+        overflow_mode: OverflowMode = "full",
+        batched_recv: bool = True,
+        in_schedule_loading: bool = False,
+        input_keys: Sequence[str] = ("input_ids",),
+        preprocess_keys: Sequence[str] = ("pixel_values",),
+        target_key: str = "labels",
+        normalize_by_tokens: bool = False,
+        ignore_index: int = -100,
+        broadcast_tower: bool = True,
+        check_tower_sync: bool = False,
+        **options: Any,
+    ) -> None:
+        if not isinstance(preprocess, nn.Module):
+            raise TypeError(
+                f"ScheduleMPipe: preprocess must be an nn.Module, got {type(preprocess).__name__}"
+            )
+        if overflow_mode not in ("full", "min"):
+            raise ValueError(f"ScheduleMPipe: overflow_mode must be 'full' or 'min', got {overflow_mode!r}")
+        self.preprocess = preprocess
+        self.owner_backward = bool(owner_backward)
+        self.overflow_mode: OverflowMode = overflow_mode
+        self.batched_recv = bool(batched_recv)
+        self.in_schedule_loading = bool(in_schedule_loading)
+        self.input_keys, self.preprocess_keys = tuple(input_keys), tuple(preprocess_keys)
+        self.target_key, self.ignore_index = target_key, ignore_index
+        self.normalize_by_tokens = bool(normalize_by_tokens)
+        self.check_sync = bool(check_tower_sync)
+        self.tower_trainable = any(p.requires_grad for p in preprocess.parameters())
+        self._v = 1 if isinstance(stage_or_stages, PipelineStage) else len(stage_or_stages)
+        self._training = loss_fn is not None
+        super().__init__(stage_or_stages, n_microbatches, loss_fn, **options)
+        p, m = self.num_ranks, n_microbatches
+        self.owned_micros = mpipe_owned_micros(p, m, self.group_rank, overflow_mode)
+        if self.in_schedule_loading:
+            check_owns_data(p, m, self.group_rank, overflow_mode)
+        if broadcast_tower and p > 1:
+            self.broadcast_tower()
+
+    # -- construction hooks ---------------------------------------------------------
+
+    def _expected_num_stages(self, p: int, local: int) -> int:
+        return p * local
+
+    def _build(self, p: int, m: int) -> Order:
+        return build_mpipe_order(
+            p,
+            m,
+            stages_per_rank=self._v,
+            overflow_mode=self.overflow_mode,
+            owner_backward=self.owner_backward,
+            tower_backward=self._training and self.tower_trainable,
+            load_data=self.in_schedule_loading,
+        )
+
+    def _with_comms(self, order: Order) -> Order:
+        data_stages = [0, self.num_ranks * self._v - 1] if self.in_schedule_loading else None
+        return insert_comms(order, data_stages=data_stages)
+
+    def _make_runner(self, *, training: bool, abort_timeout: float) -> StepRunner:
+        runner = MPipeRunner(
+            self._stages,
+            self.order[self.group_rank],
+            self._peer_rank,
+            self.group,
+            training=training,
+            abort_timeout=abort_timeout,
+            preprocess=self.preprocess,
+            owner_backward=self.owner_backward,
+            tower_trainable=self.tower_trainable,
+            batched_recv=self.batched_recv,
+            input_keys=self.input_keys,
+            preprocess_keys=self.preprocess_keys,
+            target_key=self.target_key,
+            ignore_index=self.ignore_index,
+            stage_rank={s: self._peer_rank(s) for s in range(self.num_ranks * self._v)},
+        )
+        runner.n_micro = self._n_microbatches
+        runner.loading = self.in_schedule_loading
+        return runner
+
+    @property
+    def batched(self) -> bool:
+        """Whether this rank posts its feature/data receives batched (see ``batched_recv``)."""
+        return bool(getattr(self._runner, "batched", False))
+
+    # -- tower replicas -------------------------------------------------------------
+
+    def _tower_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [*self.preprocess.named_parameters(), *self.preprocess.named_buffers()]
+
+    def broadcast_tower(self) -> None:
+        """Copy pipeline rank 0's tower parameters and buffers to every rank (call on every rank)."""
+        from hp_core import broadcast
+
+        with torch.no_grad():
+            for _, tensor in self._tower_tensors():
+                broadcast(tensor.detach(), group=self.group, group_src=0)
+
+    def check_tower_sync(self) -> None:
+        """Raise ``RuntimeError`` naming the tower parameters that differ between ranks (every rank)."""
+        from hp_core import all_reduce
+
+        named = self._tower_tensors()
+        if not named:
+            return
+        device = named[0][1].device
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for _, t in named]).to(device)
+        high, low = flat.clone(), flat.clone()
+        all_reduce(high, "max", self.group)
+        all_reduce(low, "min", self.group)
+        gap = high - low
+        if not bool((gap > 0).any()):
+            return
+        bad, offset = [], 0
+        for name, t in named:
+            part = gap[offset : offset + t.numel()]
+            offset += t.numel()
+            if bool((part > 0).any()):
+                bad.append(f"{name} (max difference {float(part.max()):.3g})")
+        raise RuntimeError(
+            f"ScheduleMPipe: the preprocess tower's replicas differ across the pipeline group: "
+            f"{', '.join(bad)}. They must stay identical: give every rank's optimizer the tower's "
+            "parameters with the same settings, do not modify them on one rank only, and call "
+            "broadcast_tower() after loading a checkpoint on some ranks only"
+        )
+
+    # -- running ----------------------------------------------------------------------
+
+    def step(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[torch.Tensor] | None = None,
+        data: Iterator[Mapping[str, torch.Tensor]] | None = None,
+        preprocess_inputs: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run one step; returns the merged output on the last stage's rank.
+
+        Without in-schedule loading: stage 0's rank passes the text inputs
+        (``*args``, ``**kwargs``), the last stage's rank ``target=``, and every
+        rank that owns micro-batches ``preprocess_inputs=`` (the whole batch's
+        tower inputs: a tensor or a tuple of tensors, split along dim 0 like
+        the other inputs). With it: every rank passes ``data=``, an iterator
+        yielding its owned micro-batches as mappings (see :class:`PPRankOwnedSampler`).
+        """
+        if self.check_sync:
+            self.check_tower_sync()
+        m = self._n_microbatches
+        runner = self._runner
+        assert isinstance(runner, MPipeRunner)
+        pre_failure: StageFailure | None = None
+        arg_mbs = kwarg_mbs = targets = None
+        runner.data_iter, runner.tower_chunks = None, None
+        tower_params = [p for p in self.preprocess.parameters() if p.requires_grad]
+        runner.tower_grad_start = [None if p.grad is None else p.grad.detach().clone() for p in tower_params]
+        stage_params = [p for s in self._stages.values() for p in s.submod.parameters() if p.requires_grad]
+        # Only the token normalisation rescales this step's contribution of the stages' gradients.
+        stage_start = [
+            None if p.grad is None or not self.normalize_by_tokens else p.grad.detach().clone()
+            for p in stage_params
+        ]
+        try:
+            for stage in self._stages.values():
+                stage._check_materialized()
+            if self.in_schedule_loading:
+                if data is None:
+                    raise ValueError(
+                        f"rank {dist.get_rank()}: ScheduleMPipe(in_schedule_loading=True) reads the data "
+                        "inside the step; pass step(data=iterator) on every rank"
+                    )
+                runner.data_iter = iter(data)
+            else:
+                if 0 in self._stages:
+                    if not args and not kwargs:
+                        raise ValueError(
+                            f"rank {dist.get_rank()} hosts stage 0 but step() got no inputs; pass the "
+                            "text batch here, e.g. schedule.step(input_ids, preprocess_inputs=pixels)"
+                        )
+                    arg_mbs, kwarg_mbs = split_args_kwargs(
+                        args, kwargs, m, self._args_chunk_spec, self._kwargs_chunk_spec
+                    )
+                if self.owned_micros:
+                    if preprocess_inputs is None:
+                        raise ValueError(
+                            f"rank {dist.get_rank()} owns micro-batches {self.owned_micros} but step() got "
+                            "no preprocess_inputs=; pass the whole batch's tower inputs on every owner"
+                        )
+                    tower_args = (
+                        preprocess_inputs if isinstance(preprocess_inputs, tuple) else (preprocess_inputs,)
+                    )
+                    runner.tower_chunks = split_args_kwargs(tower_args, {}, m)[0]
+                if (self.num_stages - 1) in self._stages and target is not None:
+                    targets = [
+                        t[0] for t in split_args_kwargs((target,), {}, m, [self._target_spec(target)])[0]
+                    ]
+        except Exception as exc:
+            pre_failure = _failure_outside_steps(exc)
+        # [Note: token-normalised loss]: seed 1 and divide by the token count after the step.
+        scale = 1.0 if self.normalize_by_tokens or not self.scale_grads else 1.0 / m
+        own = runner.run(
+            arg_mbs,
+            kwarg_mbs,
+            targets,
+            self._loss_fn,
+            scale,
+            first_step=not self._learned,
+            pre_failure=pre_failure,
+        )
+        device = next(iter(self._stages.values())).device
+        failures = exchange_failures(own, self.group, device)
+        if failures:
+            raise_step_error(failures, own)
+        self._learned = True
+        if self.normalize_by_tokens and self._loss_fn is not None:
+            self._normalise(runner, targets, stage_params, stage_start, tower_params, runner.tower_grad_start)
+        if self._tied and self._loss_fn is not None:
+            sync_tied(self._tied, self._modules(), self._rank_of_stage(), self.group, values=False)
+        return self._finish(losses)
+
+    def _normalise(
+        self,
+        runner: MPipeRunner,
+        targets: list[Any] | None,
+        stage_params: list[torch.nn.Parameter],
+        stage_start: list[torch.Tensor | None],
+        tower_params: list[torch.nn.Parameter],
+        tower_start: list[torch.Tensor | None],
+    ) -> None:
+        """[Note: token-normalised loss]."""
+        from hp_core import all_reduce
+
+        if self.in_schedule_loading:
+            local = runner.local_tokens
+        else:
+            local = sum(int((t != self.ignore_index).sum().item()) for t in targets or ())
+        device = next(iter(self._stages.values())).device
+        count = torch.tensor([local], dtype=torch.int64, device=device)
+        all_reduce(count, "sum", self.group)
+        total = max(int(count.item()), 1)
+        self.last_token_count = int(count.item())
+        with torch.no_grad():
+            for params, starts in ((stage_params, stage_start), (tower_params, tower_start)):
+                for p, start in zip(params, starts, strict=True):
+                    if p.grad is None:
+                        continue
+                    if start is None:
+                        p.grad.div_(total)
+                    else:
+                        p.grad.sub_(start).div_(total).add_(start)
+        last = self._stages.get(self.num_stages - 1)
+        if last is not None:
+            for i, loss in list(last._last_losses.items()):
+                last._last_losses[i] = loss / total
+
+    last_token_count: int = 0
+
+    # -- clipping ---------------------------------------------------------------------
+
+    def parameters_for_norm(self) -> list[torch.nn.Parameter]:
+        """Stage parameters (tied ones once) plus, on pipeline rank 0 only, the tower's replica."""
+        params = super().parameters_for_norm()
+        if self.group_rank == 0:
+            seen = {id(p) for p in params}
+            params += [p for p in self.preprocess.parameters() if id(p) not in seen]
+        return params
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip by the global norm of the whole model, the tower counted once (call on every rank)."""
+        return clip_grad_norm_(
+            self.parameters_for_norm(),
+            max_norm,
+            norm_type,
+            group=self.group,
+            error_if_nonfinite=error_if_nonfinite,
+            also_scale=[
+                *(p for stage in self._stages.values() for p in stage.submod.parameters()),
+                *self.preprocess.parameters(),
+            ],
+        )
