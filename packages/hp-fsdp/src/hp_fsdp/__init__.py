@@ -1,10 +1,22 @@
-"""hp_fsdp: not implemented yet.
+"""hp_fsdp: ``fully_shard`` for FSDP (1-D mesh) and HSDP (2-D mesh) on hp_dtensor DTensors.
 
-This package is reserved in the monorepo so its name, version and dependency
-pins exist from the start; its features arrive with their own issue and
-nothing here claims to work before then.
+Apply :func:`fully_shard` bottom-up (each block, then the root); parameters
+become :class:`hp_dtensor.DTensor` shards that any torch optimizer steps on,
+and the modules gain the :class:`HSDPModule` control methods. See the
+package README for what is supported and what is not.
 """
 
 from hp_fsdp.__about__ import __version__
+from hp_fsdp.api import FSDPModule, HSDPModule, UnshardHandle, fully_shard
+from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["__version__"]
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "HSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "__version__",
+    "fully_shard",
+]

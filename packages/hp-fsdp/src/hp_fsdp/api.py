@@ -1,0 +1,270 @@
+"""The public entry point, ``fully_shard``, and the methods every sharded module gains.
+
+``fully_shard`` is applied bottom-up: the blocks first, the root last. Each
+call makes one *unit*: the parameters of the given module(s) that no earlier
+call took become DTensor shards communicated together (see
+:mod:`hp_fsdp.collectives`), and the module's class is swapped for a subclass
+that mixes in :class:`HSDPModule`, so ``isinstance(m, FSDPModule)`` holds and
+the control methods are available on the module itself.
+
+Everything is validated before the first module is changed (see
+:mod:`hp_fsdp.validation`): a rejected call leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+from hp_core import DeviceMesh, get_platform, init_device_mesh
+from hp_core.distributed import get_world_size
+from hp_dtensor import Shard
+from torch import nn
+
+from hp_fsdp.checkpoint import install_checkpoint_hooks
+from hp_fsdp.param import FSDPParam
+from hp_fsdp.param_group import FSDPParamGroup
+from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.state import FSDPState, get_state, register_load_hooks
+from hp_fsdp.validation import collect_params, validate_call
+
+__all__ = ["FSDPModule", "HSDPModule", "UnshardHandle", "fully_shard"]
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared on purpose
+    offload_policy: OffloadPolicy | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    replicate_params: Iterable[nn.Parameter] | None = None,
+    comm_fusion: bool = True,
+) -> Any:
+    """Shard ``module``'s parameters over ``mesh`` and return the module (now an :class:`HSDPModule`).
+
+    * ``mesh``: 1-D (FSDP: shard over all ranks) or 2-D ``(replicate,
+      shard)`` (HSDP: shard within a row, all-reduce across rows). Defaults
+      to a 1-D mesh over the world.
+    * ``reshard_after_forward``: free gathered parameters after forward and
+      gather again for backward (ZeRO-3); False keeps them (ZeRO-2 style,
+      more memory, one all-gather less per unit). The root ignores True
+      unless it is set again with :meth:`HSDPModule.set_reshard_after_forward`.
+    * ``shard_placement_fn(param)``: ``Shard(d)`` to shard ``param`` along
+      dim ``d`` instead of 0 (None keeps 0).
+    * ``mp_policy``: see :class:`MixedPrecisionPolicy`.
+    * ``offload_policy``: :class:`CPUOffloadPolicy` keeps shards and their
+      gradients on CPU.
+    * ``ignored_params``: left completely alone (not sharded, not reduced).
+    * ``replicate_params``: kept whole on every rank (``Replicate()``
+      DTensors) and all-reduced after backward, DDP-style.
+    * ``comm_fusion``: one collective per unit and direction (True) or one
+      per parameter (False); see [Note: fused buckets].
+    """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if mesh is None:
+        mesh = init_device_mesh(get_platform().device_type, (get_world_size(),))
+    ignored = set(map(id, ignored_params or ()))
+    replicated = set(map(id, replicate_params or ()))
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    validate_call(modules, mesh, offload_policy)
+    install_checkpoint_hooks()
+    plan = collect_params(modules, ignored, replicated, shard_placement_fn, offload=offload)
+
+    # -- nothing was changed above; from here on the modules are converted --
+    device = get_platform().device()
+    full_group: Any = None
+    if any(item.replicate for item in plan):
+        full_group = mesh.get_group(0) if mesh.ndim == 1 else mesh.flatten().get_group(0)
+    pin = offload and isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+    params = [
+        FSDPParam(
+            item.param,
+            item.infos,
+            mesh,
+            item.shard_dim,
+            replicate=item.replicate,
+            device=device,
+            offload=offload,
+            pin_memory=pin,
+        )
+        for item in plan
+    ]
+    group = None
+    if params:
+        group = FSDPParamGroup(
+            params,
+            mesh,
+            mp_policy,
+            reshard_after_forward=reshard_after_forward,
+            comm_fusion=comm_fusion,
+            full_group=full_group,
+        )
+    FSDPState(modules, group, mp_policy)
+    register_load_hooks(params)
+    for m in modules:
+        cls = type(m)
+        new_cls = _CLASS_CACHE.get(cls)
+        if new_cls is None:
+            new_cls = type(f"HSDP{cls.__name__}", (HSDPModule, cls), {})
+            _CLASS_CACHE[cls] = new_cls
+        m.__class__ = new_cls
+    return module
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the gather and registers the params."""
+
+    def __init__(self, state: FSDPState | None) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        """Block until the parameters are gathered and visible on the module."""
+        if self._state is not None and self._state.group is not None:
+            self._state.group.wait_for_unshard()
+        self._state = None
+
+
+class HSDPModule:
+    """Methods mixed into every module ``fully_shard`` converted.
+
+    Setters that take ``recurse`` apply to every unit in the module's subtree
+    (the usual need: turn off gradient sync for the whole model), otherwise to
+    this unit only.
+    """
+
+    def _hp_state(self) -> FSDPState:
+        state = get_state(self)  # type: ignore[arg-type]
+        if state is None:  # pragma: no cover - the class is only ever set by fully_shard
+            raise RuntimeError("this module has no hp_fsdp state; call fully_shard on it first.")
+        return state
+
+    def _hp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._hp_state()]
+        out: list[FSDPState] = []
+        for sub in self.modules():  # type: ignore[attr-defined]
+            state = get_state(sub)
+            if state is not None and state not in out:
+                out.append(state)
+        return out
+
+    # -- communication control ----------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this unit's parameters now (e.g. ahead of a custom forward or for a pipeline stage)."""
+        state = self._hp_state()
+        if state.group is None:
+            return UnshardHandle(None) if async_op else None
+        state.group.unshard()
+        if async_op:
+            return UnshardHandle(state)
+        state.group.wait_for_unshard()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's gathered parameters and register the shards again."""
+        state = self._hp_state()
+        if state.group is not None:
+            state.group.reshard()
+
+    def reduce_grad(self) -> None:
+        """Reduce the gradients accumulated over several backwards, once, for every unit below.
+
+        Meant for pipeline schedules and manual accumulation loops that run
+        backwards with ``set_requires_gradient_sync(False)`` and then want one
+        reduction at the end; the sync flags are left as they are.
+        """
+        pending = []
+        for state in self._hp_states(recurse=True):
+            if state.group is not None:
+                handle = state.group.reduce(force=True)
+                if handle is not None:
+                    pending.append(handle)
+        for handle in pending:
+            handle.finish()
+
+    # -- flags --------------------------------------------------------------------------------
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: keep accumulating full, unreduced gradients (no communication) until set True."""
+        for state in self._hp_states(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters but defers the all-reduce across the replicate dim."""
+        for state in self._hp_states(recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Whether units free their gathered parameters after forward (also applies to the root)."""
+        for state in self._hp_states(recurse):
+            state.reshard_after_forward_set = True
+            if state.group is not None:
+                state.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether units free their gathered parameters after backward (False: keep for the next step)."""
+        for state in self._hp_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[HSDPModule]) -> None:
+        """Start these units' all-gathers when this unit's forward starts (explicit prefetch)."""
+        self._hp_state().forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[HSDPModule]) -> None:
+        """Start these units' all-gathers when this unit's backward starts (replaces the implicit one)."""
+        self._hp_state().backward_prefetch = [
+            _state_of(m, "set_modules_to_backward_prefetch") for m in modules
+        ]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide summed gradients by ``factor`` instead of averaging over the data-parallel ranks."""
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}.")
+        for state in self._hp_states(recurse=True):
+            if state.group is not None:
+                state.group.gradient_divide_factor = float(factor)
+
+    def set_reduce_op_type(self, reduce_op_type: Literal["avg", "sum"]) -> None:
+        """``avg`` (default: mean over data-parallel ranks) or ``sum`` of the gradients."""
+        if reduce_op_type not in ("avg", "sum"):
+            raise ValueError(f"set_reduce_op_type: expected 'avg' or 'sum', got {reduce_op_type!r}.")
+        for state in self._hp_states(recurse=True):
+            if state.group is not None:
+                state.group.reduce_op_type = reduce_op_type
+
+    # -- module conversions -------------------------------------------------------------------
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """After ``to_empty`` / ``.to`` swap parameters, re-adopt the new shards (meta-device init)."""
+        for state in self._hp_states(recurse=True):
+            if state.group is not None:
+                state.group.reshard()
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        for state in self._hp_states(recurse=True):
+            if state.group is not None:
+                for p in state.group.params:
+                    p.adopt_registered()
+        return result
+
+
+FSDPModule = HSDPModule
+
+
+def _state_of(module: Any, what: str) -> FSDPState:
+    state = get_state(module) if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(
+            f"{what}: {type(module).__name__} was not passed to fully_shard; only fully_shard-ed modules "
+            "can be prefetched. Call fully_shard on it first."
+        )
+    return state

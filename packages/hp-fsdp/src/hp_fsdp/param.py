@@ -1,0 +1,343 @@
+"""One managed parameter: its sharded DTensor, its padded shard slot, its gathered form.
+
+[Note: padded shards]
+A parameter of size ``d`` along its shard dim is cut like ``torch.chunk`` over
+``W`` ranks: chunks of ``c = ceil(d / W)`` rows, the trailing ranks holding
+fewer rows or none. Collectives need equal sizes, so every rank contributes a
+*padded* chunk of exactly ``c`` rows (zeros past its real rows). For shard
+dim 0 the ``W`` padded chunks laid end to end are the global rows followed by
+the padding, so the gathered parameter is simply the first ``numel`` elements
+of the gathered buffer: a view, no copy. Other shard dims need one copy to
+interleave the chunks (see :meth:`FSDPParam.finish_copy_out`).
+
+[Note: stable unsharded views]
+Autograd saves the gathered parameters that forward ops use (a linear saves
+its weight). When a unit reshards after forward we free the *storage* of the
+gathered buffer (``untyped_storage().resize_(0)``) but keep the tensor objects;
+before backward the storage is re-allocated and refilled in place, so every
+view autograd saved sees the right values again. This is why the gathered
+buffer of a parameter is allocated once and then only resized.
+
+[Note: the registered parameter]
+Between iterations the module holds the sharded ``nn.Parameter`` (a DTensor),
+so optimizers, ``state_dict()`` and ``named_parameters()`` see shards. While a
+unit is gathered, the module attribute is swapped to a plain
+``nn.Parameter`` viewing the gathered buffer, so the module's forward runs on
+ordinary tensors and autograd accumulates the full gradient there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hp_core import DeviceMesh
+from hp_dtensor import DTensor, Layout, Placement, Replicate, Shard
+from torch import nn
+
+__all__ = ["FSDPParam", "ParamInfo"]
+
+
+class ParamInfo:
+    """Where a parameter lives in the module tree: the owning module and attribute name."""
+
+    __slots__ = ("fqn", "module", "name")
+
+    def __init__(self, module: nn.Module, name: str, fqn: str) -> None:
+        self.module = module
+        self.name = name
+        self.fqn = fqn
+
+
+def _set_module_param(info: ParamInfo, value: nn.Parameter) -> None:
+    """Register ``value`` under the attribute without nn.Module's type checks or hooks (fast path)."""
+    info.module._parameters[info.name] = value
+
+
+def chunk_rows(size: int, parts: int) -> list[int]:
+    """``torch.chunk`` sizes of ``size`` rows over ``parts`` ranks, padded with zeros to ``parts`` entries."""
+    step = -(-size // parts) if size else 0
+    return [max(0, min(step, size - index * step)) for index in range(parts)]
+
+
+class FSDPParam:
+    """The state of one parameter managed by a unit.
+
+    ``replicate=True`` makes it a DDP-style parameter: held whole on every rank
+    (``Replicate()`` on every mesh dim) and all-reduced after backward.
+    """
+
+    sharded_param: nn.Parameter
+    unsharded_param: nn.Parameter | None
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        infos: list[ParamInfo],
+        mesh: DeviceMesh,
+        shard_dim: int,
+        *,
+        replicate: bool,
+        device: torch.device,
+        offload: bool,
+        pin_memory: bool,
+    ) -> None:
+        self.infos = infos  # a shared (tied) parameter has several owners
+        self.orig_param_id = id(param)  # to recognise the same Parameter still held by a parent module
+        self.fqn = infos[0].fqn
+        self.mesh = mesh
+        self.replicate = replicate
+        self.device = device
+        self.offload = offload
+        self.pin_memory = pin_memory
+        self.shard_dim = shard_dim
+        self.orig_dtype = param.dtype
+        self.requires_grad = param.requires_grad
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        shard_mesh_dim = mesh.ndim - 1
+        self.world = 1 if replicate else mesh.size(shard_mesh_dim)
+        self.shard_rank = 0 if replicate else mesh.get_local_rank(shard_mesh_dim)
+        if replicate:
+            self.placements: tuple[Placement, ...] = (Replicate(),) * mesh.ndim
+            self.padded_shape = self.shape
+            self.local_rows = self.shape[shard_dim] if self.shape else 1
+        else:
+            rows = chunk_rows(self.shape[shard_dim], self.world)
+            self.placements = (*([Replicate()] * (mesh.ndim - 1)), Shard(shard_dim))
+            padded = list(self.shape)
+            padded[shard_dim] = -(-self.shape[shard_dim] // self.world)
+            self.padded_shape = tuple(padded)
+            self.local_rows = rows[self.shard_rank]
+        self.padded_numel = math.prod(self.padded_shape)
+        self.layout = Layout(mesh, self.placements, self.shape)
+        self.unsharded_param = None
+        self._unsharded_buffer: torch.Tensor | None = None  # see [Note: stable unsharded views]
+        self._unsharded_view_buffer: torch.Tensor | None = None  # dim != 0: the assembled tensor
+        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        self._init_sharded(param.detach())
+
+    # -- sharded state ------------------------------------------------------------------
+
+    def _local_from_full(self, full: torch.Tensor) -> torch.Tensor:
+        if self.replicate:
+            return full
+        start = min(self.shard_rank * self.padded_shape[self.shard_dim], self.shape[self.shard_dim])
+        return full.narrow(self.shard_dim, start, self.local_rows)
+
+    def _init_sharded(self, full: torch.Tensor) -> None:
+        local = self._local_from_full(full)
+        target = torch.device("cpu") if self.offload else (full.device if full.is_meta else self.device)
+        local = local.to(target).clone(memory_format=torch.contiguous_format)
+        self._wrap_local(local)
+
+    def _wrap_local(self, local: torch.Tensor) -> None:
+        if self.offload and self.pin_memory and _can_pin(local):
+            local = local.pin_memory()
+        dt = DTensor(local, self.layout)
+        self.sharded_param = nn.Parameter(dt, requires_grad=self.requires_grad)
+        for info in self.infos:
+            _set_module_param(info, self.sharded_param)
+
+    def adopt_registered(self) -> None:
+        """Re-read the shard after ``module._apply`` (``to_empty``, ``.to``) replaced or swapped it.
+
+        ``nn.Module._apply`` swaps the contents of DTensor parameters in place
+        (or registers a new Parameter); whatever the first owner holds now is
+        the shard, and every other owner of a tied parameter is pointed at it.
+        """
+        current = self.infos[0].module._parameters[self.infos[0].name]
+        if current is None:
+            return
+        self.orig_dtype = current.dtype  # .to(dtype) changes what gradients are cast back to
+        if isinstance(current, DTensor):
+            self.sharded_param = current
+            for info in self.infos:
+                _set_module_param(info, current)
+            return
+        self._wrap_local(self._local_from_full(current.detach()).contiguous())
+
+    def load_full_or_sharded(self, value: torch.Tensor) -> torch.Tensor:
+        """A state-dict value as a DTensor with this parameter's layout, without communication when possible.
+
+        A plain tensor of the full shape is cut locally; a DTensor is
+        redistributed to this layout if its placements differ.
+        """
+        if isinstance(value, DTensor):
+            if value.placements != self.placements:
+                value = value.redistribute(placements=self.placements)
+            return value
+        if tuple(value.shape) != self.shape:
+            return value  # let nn.Module report the shape mismatch with its usual message
+        local = self._local_from_full(value.detach())
+        return DTensor(local.to(self.local_shard().device), self.layout)
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's unpadded shard (a plain tensor sharing the parameter's storage)."""
+        data = self.sharded_param.data
+        return data._local if isinstance(data, DTensor) else data
+
+    def set_local_shard(self, local: torch.Tensor) -> None:
+        """Copy ``local`` into the shard in place (keeps optimizer state keyed by the Parameter)."""
+        with torch.no_grad():
+            self.local_shard().copy_(local)
+
+    # -- gathered state -----------------------------------------------------------------
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements of the padded gathered buffer: ``world`` padded chunks."""
+        return self.world * self.padded_numel
+
+    def alloc_unsharded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The flat gathered buffer, (re)allocated in place; see [Note: stable unsharded views]."""
+        buffer = self._unsharded_buffer
+        if buffer is None or buffer.dtype != dtype:
+            buffer = torch.empty(self.gathered_numel, dtype=dtype, device=self.device)
+            self._unsharded_buffer = buffer
+            self.unsharded_param = None
+            self._unsharded_view_buffer = None
+        else:
+            storage = buffer.untyped_storage()
+            nbytes = self.gathered_numel * buffer.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+        if self.shard_dim != 0 and not self.replicate:
+            view_buffer = self._unsharded_view_buffer
+            if view_buffer is None:
+                self._unsharded_view_buffer = torch.empty(self.shape, dtype=dtype, device=self.device)
+            else:
+                storage = view_buffer.untyped_storage()
+                nbytes = self.numel * view_buffer.element_size()
+                if storage.size() != nbytes:
+                    storage.resize_(nbytes)
+        return buffer
+
+    def rank_slot(self) -> torch.Tensor:
+        """This rank's padded chunk inside the gathered buffer (the all-gather input, aliased)."""
+        assert self._unsharded_buffer is not None
+        start = self.shard_rank * self.padded_numel
+        return self._unsharded_buffer[start : start + self.padded_numel]
+
+    def copy_in(self, slot: torch.Tensor) -> None:
+        """Write this rank's shard into ``slot`` (flat, padded_numel), casting and zero-padding."""
+        local = self.local_shard()
+        if self.replicate or self.local_rows == self.padded_shape[self.shard_dim]:
+            slot.view(self.padded_shape).copy_(local)
+            return
+        shaped = slot.view(self.padded_shape)
+        shaped.zero_()
+        if self.local_rows:
+            shaped.narrow(self.shard_dim, 0, self.local_rows).copy_(local)
+
+    def finish_copy_out(self) -> None:
+        """Make the gathered values visible as the unsharded parameter (a view for shard dim 0)."""
+        buffer = self._unsharded_buffer
+        assert buffer is not None
+        if self.shard_dim != 0 and not self.replicate:
+            view_buffer = self._unsharded_view_buffer
+            assert view_buffer is not None
+            chunks = buffer.view(self.world, *self.padded_shape)
+            merged = chunks.movedim(0, self.shard_dim)
+            sizes = list(self.padded_shape)
+            sizes[self.shard_dim] *= self.world
+            merged = merged.reshape(sizes).narrow(self.shard_dim, 0, self.shape[self.shard_dim])
+            with torch.autograd._unsafe_preserve_version_counter(view_buffer):
+                view_buffer.copy_(merged)
+            buffer.untyped_storage().resize_(0)  # the assembled copy is the parameter now
+        if self.unsharded_param is None:
+            if self.shard_dim != 0 and not self.replicate:
+                assert self._unsharded_view_buffer is not None
+                data = self._unsharded_view_buffer
+            else:
+                data = buffer[: self.numel].view(self.shape)
+            self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
+
+    def free_unsharded(self) -> None:
+        """Release the gathered storage; the tensor objects stay for the saved views."""
+        for buffer in (self._unsharded_buffer, self._unsharded_view_buffer):
+            if buffer is not None and buffer.untyped_storage().size() != 0:
+                buffer.untyped_storage().resize_(0)
+
+    def is_unsharded_allocated(self) -> bool:
+        """Whether the gathered parameter currently has storage."""
+        buffer = self._unsharded_view_buffer if self.shard_dim != 0 and not self.replicate else None
+        buffer = buffer if buffer is not None else self._unsharded_buffer
+        return buffer is not None and buffer.untyped_storage().size() != 0
+
+    def to_unsharded_module_param(self) -> None:
+        """Point the owning modules at the gathered parameter (see [Note: the registered parameter])."""
+        assert self.unsharded_param is not None
+        for info in self.infos:
+            _set_module_param(info, self.unsharded_param)
+
+    def to_sharded_module_param(self) -> None:
+        """Point the owning modules back at the sharded DTensor parameter."""
+        for info in self.infos:
+            _set_module_param(info, self.sharded_param)
+
+    # -- gradients ----------------------------------------------------------------------
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The full gradient accumulated since the last reduction (and clear it from the param)."""
+        grad: torch.Tensor | None = None
+        if self.unsharded_param is not None and self.unsharded_param.grad is not None:
+            grad = self.unsharded_param.grad
+            self.unsharded_param.grad = None
+        if self.unsharded_accumulated_grad is not None:
+            acc = self.unsharded_accumulated_grad
+            self.unsharded_accumulated_grad = None
+            grad = acc if grad is None else acc + grad.to(acc.dtype)
+        return grad
+
+    def stash_unsharded_grad(self, dtype: torch.dtype) -> None:
+        """No-sync step: keep the full gradient (in the reduce dtype) for a later reduction."""
+        if self.unsharded_param is None or self.unsharded_param.grad is None:
+            return
+        grad = self.unsharded_param.grad
+        self.unsharded_param.grad = None
+        if self.unsharded_accumulated_grad is None:
+            self.unsharded_accumulated_grad = grad.to(dtype) if grad.dtype != dtype else grad
+        else:
+            self.unsharded_accumulated_grad += grad.to(dtype)
+
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor, *, main_grad: bool) -> None:
+        """Add the reduced local gradient to ``.grad`` (or the fp32 ``main_grad``)."""
+        param = self.sharded_param
+        if main_grad:
+            target_dtype = torch.float32
+            existing = getattr(param, "main_grad", None)
+        else:
+            target_dtype = self.orig_dtype
+            existing = param.grad
+        home = torch.device("cpu") if self.offload else local_grad.device
+        local = local_grad.to(device=home, dtype=target_dtype)
+        if existing is not None:
+            existing_local = existing._local if isinstance(existing, DTensor) else existing
+            existing_local.add_(local)
+            return
+        if local.data_ptr() == local_grad.data_ptr():
+            # Own storage, so the unit's reduce buffer (padded) is freed right away; measured
+            # lower peak memory than keeping views of it as the gradients.
+            local = local.clone()
+        grad = DTensor(local, self.layout)
+        if main_grad:
+            param.main_grad = grad  # type: ignore[attr-defined]
+        else:
+            param.grad = grad
+
+    def __repr__(self) -> str:
+        kind = "replicate" if self.replicate else f"Shard({self.shard_dim})"
+        return f"FSDPParam({self.fqn}, shape={self.shape}, {kind})"
+
+
+def _can_pin(tensor: torch.Tensor) -> bool:
+    """Pinning needs an accelerator runtime; on a CPU-only platform it is skipped (see CPUOffloadPolicy)."""
+    from hp_core import get_platform
+
+    if tensor.device.type != "cpu" or tensor.is_pinned():
+        return False
+    try:
+        return get_platform().device_type != "cpu"
+    except Exception:
+        return False

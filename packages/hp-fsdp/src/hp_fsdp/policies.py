@@ -1,0 +1,58 @@
+"""Policies: frozen dataclasses that say *how* a unit stores and computes, never *what* it holds.
+
+They are frozen so a policy object can be shared by many ``fully_shard``
+calls (and hashed into caches) without one unit's change leaking into another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for compute, gradient reduction and outputs of a unit.
+
+    * ``param_dtype``: dtype of the gathered (unsharded) parameters, i.e. the
+      compute dtype. The sharded parameters (the optimizer's master copy) keep
+      their own dtype; the cast happens while copying into the all-gather
+      buffer, so it costs no extra pass.
+    * ``reduce_dtype``: dtype of the gradient reduce-scatter / all-reduce.
+      Defaults to ``param_dtype`` when that is set; reducing bf16 gradients in
+      fp32 avoids losing low bits when many ranks are summed.
+    * ``output_dtype``: dtype floating-point forward outputs are cast to.
+    * ``cast_forward_inputs``: cast floating-point forward inputs to
+      ``param_dtype`` so the first op does not promote back to fp32.
+    * ``apply_grad_on_fp32_main_grad``: accumulate the reduced gradient into an
+      fp32 ``main_grad`` attribute of the sharded parameter instead of
+      ``.grad`` (for optimizers that read ``main_grad``, as Megatron-style
+      trainers do).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+    apply_grad_on_fp32_main_grad: bool = False
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: the base class, so ``offload_policy=OffloadPolicy()`` means "keep on device"."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters and their gradients on CPU; gather onto the device only for compute.
+
+    The optimizer then steps on CPU. ``pin_memory`` pins the CPU shards so
+    host-to-device copies can overlap; on a machine whose compute device is
+    the CPU there is nothing to overlap with and pinning is skipped (pinning
+    needs an accelerator runtime and would fail).
+    """
+
+    pin_memory: bool = True

@@ -1,0 +1,294 @@
+"""Per-unit state and the hooks that drive it through forward and backward.
+
+[Note: the hook sequence]
+For each unit (one ``fully_shard`` call):
+
+1. forward pre-hook: gather the parameters (or wait for a prefetched
+   gather), register the gathered tensors on the modules, start explicit
+   forward prefetches, and wrap the forward inputs in :class:`_PostBackward`
+   so that the unit learns when its backward has finished;
+2. forward post-hook: reshard (unless ``reshard_after_forward=False``) and
+   register a multi-grad hook on the outputs: the unit's *pre-backward*;
+3. pre-backward (first output gradient arrives): gather again if resharded,
+   then prefetch the unit that runs backward next (the previous one in
+   forward order on accelerators, see [Note: implicit prefetch], or the
+   explicit ``set_modules_to_backward_prefetch`` list);
+4. post-backward (the gradients of the unit's inputs are computed, so its
+   parameter gradients are too): reduce-scatter, reshard;
+5. the root's final callback, queued on the autograd engine by the first
+   pre-backward: run post-backward for units whose inputs did not need
+   gradients (the first unit, whose input is token ids, never gets step 4),
+   wait for every reduction in flight, reshard what is still gathered.
+
+The unit whose forward runs first, outermost, is the *root*. It is found
+lazily on the first forward; the root does not reshard after forward by
+default, because its backward runs right after the forward ends and would
+gather the same parameters again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hp_core import get_platform
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from hp_fsdp.collectives import ReduceHandle
+from hp_fsdp.param_group import FSDPParamGroup
+from hp_fsdp.policies import MixedPrecisionPolicy
+
+__all__ = ["FSDPState", "RootContext", "get_state"]
+
+STATE_ATTR = "_hp_fsdp_state"
+
+
+def get_state(module: nn.Module) -> FSDPState | None:
+    """The unit state attached to ``module`` by ``fully_shard``, if any."""
+    return module.__dict__.get(STATE_ATTR)
+
+
+def register_load_hooks(params: Sequence[Any]) -> list[Any]:
+    """Let ``load_state_dict`` take full tensors or sharded DTensors for every managed parameter.
+
+    The hook sits on each owning module, so the state-dict key is simply the
+    module's prefix plus the attribute name.
+    """
+    handles = []
+    for param in params:
+        for info in param.infos:
+
+            def hook(
+                state_dict: dict[str, Any], prefix: str, *args: Any, _p: Any = param, _n: str = info.name
+            ) -> None:
+                key = prefix + _n
+                value = state_dict.get(key)
+                if isinstance(value, torch.Tensor):
+                    state_dict[key] = _p.load_full_or_sharded(value)
+
+            handles.append(info.module._register_load_state_dict_pre_hook(hook))
+    return handles
+
+
+def _streams_overlap() -> bool:
+    """Whether an implicit backward prefetch can pay for its memory (see [Note: implicit prefetch]).
+
+    [Note: implicit prefetch]
+    On an accelerator the next unit's all-gather runs on the communication
+    stream while this unit's backward computes, so gathering one unit ahead
+    hides the communication. On a CPU platform there is no separate engine to
+    overlap with: the gather competes with the backward for the same cores,
+    and gathering ahead only raises peak memory by one unit's buffer at the
+    start of backward, where activations peak (measured in
+    ``benchmarks/fsdp_step.py``: with it hp used 3-16% more than torch's
+    fully_shard, without it the same). So on CPU only the explicit
+    ``set_modules_to_backward_prefetch`` lists prefetch.
+    """
+    try:
+        return get_platform().device_type != "cpu"
+    except Exception:  # no platform resolvable: be conservative
+        return False
+
+
+class RootContext:
+    """What the units under one root share during an iteration."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states
+        self.forward_order: list[FSDPState] = []
+        self.pending: list[ReduceHandle] = []
+        self.callback_queued = False
+        self.implicit_prefetch = _streams_overlap()
+
+    def finish_pending(self) -> None:
+        """Wait for every reduction in flight and assign its gradients."""
+        pending, self.pending = self.pending, []
+        for handle in pending:
+            handle.finish()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the unit's forward inputs whose backward marks the unit's backward as done."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *tensors: torch.Tensor) -> Any:
+        ctx.state = state
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return pytree.tree_map(cast, tree)
+
+
+class FSDPState:
+    """The hooks and flags of one unit; ``group`` is None for a unit without parameters."""
+
+    def __init__(
+        self, modules: Sequence[nn.Module], group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy
+    ) -> None:
+        self.modules = tuple(modules)
+        self.group = group
+        self.mp_policy = mp_policy
+        self.is_root: bool | None = None
+        self.context: RootContext | None = None
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] | None = None
+        self.reshard_after_forward_set = False
+        self._ran: set[int] = set()
+        self._handles: list[Any] = []
+        for module in self.modules:
+            module.__dict__[STATE_ATTR] = self
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(self._post_forward, prepend=False))
+            self._handles.append(module.register_state_dict_pre_hook(self._state_dict_pre_hook))
+
+    # -- lazy init ----------------------------------------------------------------------------
+
+    def _lazy_init(self) -> None:
+        """Make this unit the root of every unit below it (see [Note: the hook sequence])."""
+        states: list[FSDPState] = []
+        seen: set[int] = set()
+        for module in self.modules:
+            for sub in module.modules():
+                state = get_state(sub)
+                if state is not None and id(state) not in seen:
+                    seen.add(id(state))
+                    states.append(state)
+        context = RootContext(states)
+        for state in states:
+            state.is_root = state is self
+            state.context = context
+        if self.group is not None and not self.reshard_after_forward_set:
+            self.group.reshard_after_forward = False
+
+    def _root_context(self) -> RootContext:
+        if self.is_root is None:
+            self._lazy_init()
+        assert self.context is not None
+        return self.context
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        context = self._root_context()
+        if self.is_root and torch.is_grad_enabled():
+            context.forward_order = []
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        first = not self._ran
+        self._ran.add(id(module))
+        if self.group is not None:
+            self.group.wait_for_unshard()
+            if first:
+                for target in self.forward_prefetch:
+                    if target.group is not None:
+                        target.group.unshard()
+        if torch.is_grad_enabled():
+            if first and self not in context.forward_order:
+                context.forward_order.append(self)
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _register_post_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions or self.group is None:
+            return args, kwargs
+        wrapped = _PostBackward.apply(self, *(flat[i] for i in positions))
+        for i, tensor in zip(positions, wrapped, strict=True):
+            flat[i] = tensor
+        return pytree.tree_unflatten(flat, spec)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if len(self._ran) >= len(self.modules):
+            self._ran.clear()
+            if self.group is not None and self.group.reshard_after_forward:
+                self.group.reshard()
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        if torch.is_grad_enabled():
+            tensors = [
+                x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad
+            ]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return output
+
+    def _state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """A state dict holds shards: reshard a unit left gathered (the root after forward)."""
+        if self.group is not None and self.group.is_unsharded:
+            self.group.reshard()
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def _pre_backward(self, grad: Any) -> None:
+        context = self._root_context()
+        if not context.callback_queued:
+            context.callback_queued = True
+            root = next(s for s in context.states if s.is_root)
+            torch.autograd.Variable._execution_engine.queue_callback(root._final_callback)
+        if self.group is None:
+            return
+        self.group.needs_post_backward = True
+        self.group.wait_for_unshard()
+        for target in self._backward_targets(context):
+            if target.group is not None and not target.group.post_backward_done:
+                target.group.unshard()
+
+    def _backward_targets(self, context: RootContext) -> list[FSDPState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        if not context.implicit_prefetch:
+            return []
+        order = context.forward_order
+        if self in order:
+            index = order.index(self)
+            if index > 0:
+                return [order[index - 1]]
+        return []
+
+    def post_backward(self) -> None:
+        """Reduce this unit's gradients and reshard (once per backward)."""
+        group = self.group
+        if group is None or group.post_backward_done:
+            return
+        group.post_backward_done = True
+        context = self._root_context()
+        context.finish_pending()  # bound memory: at most one unit's reduction in flight
+        handle = group.reduce()
+        if handle is not None:
+            context.pending.append(handle)
+        if group.reshard_after_backward:
+            group.reshard()
+
+    def _final_callback(self) -> None:
+        context = self._root_context()
+        for state in reversed(context.states):
+            group = state.group
+            if group is None:
+                continue
+            if not group.post_backward_done and (group.needs_post_backward or group.has_pending_grads()):
+                state.post_backward()
+        context.finish_pending()
+        for state in context.states:
+            group = state.group
+            if group is None:
+                continue
+            if group.reshard_after_backward:
+                group.reshard()
+            group.reset_iteration()
+        context.callback_queued = False
