@@ -29,7 +29,17 @@ from hp_dtensor.layout import Layout, global_stride_like, normalize_placements
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local, slice_for_layout
 
-__all__ = ["DTensor", "distribute_module", "distribute_tensor"]
+__all__ = ["DTensor", "distribute_module", "distribute_tensor", "new_dtensor"]
+
+
+def _dispatch_not_ready(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    raise RuntimeError(
+        "hp_dtensor: import hp_dtensor (not only hp_dtensor.dtensor) to register the op rules."
+    )
+
+
+# Set by hp_dtensor.ops.dispatch at import: one global lookup per op instead of an import statement.
+_DISPATCH: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] = _dispatch_not_ready
 
 
 def _check_mesh(mesh: Any, what: str) -> DeviceMesh:
@@ -40,6 +50,17 @@ def _check_mesh(mesh: Any, what: str) -> DeviceMesh:
         f"{type(mesh).__module__}.{type(mesh).__name__}; "
         "build one with hp_core.init_device_mesh(...) (a torch DeviceMesh converts with from_torch_dtensor)."
     )
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def new_dtensor(local: torch.Tensor, layout: Layout) -> DTensor:
+    """A DTensor around ``local`` (no grad, no checks): the dispatcher's hot path skips ``__init__``."""
+    out = _make_wrapper(DTensor, layout.shape, strides=layout.stride, dtype=local.dtype, device=local.device)
+    out._local = local
+    out._layout = layout
+    return out
 
 
 class DTensor(torch.Tensor):
@@ -72,9 +93,7 @@ class DTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        from hp_dtensor.ops.dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _DISPATCH(func, args, kwargs or {})
 
     def __repr__(self) -> str:  # type: ignore[override]
         placements = "(" + ", ".join(repr(p) for p in self._layout.placements) + ")"

@@ -114,7 +114,17 @@ class Layout:
     placements, shape, stride and per-rank sizes agree.
     """
 
-    __slots__ = ("_hash", "_local_shape", "mesh", "placements", "ragged", "shape", "stride")
+    __slots__ = (
+        "_hash",
+        "_key_cache",
+        "_local_shape",
+        "_token",
+        "mesh",
+        "placements",
+        "ragged",
+        "shape",
+        "stride",
+    )
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
@@ -140,16 +150,31 @@ class Layout:
         self.ragged = table
         self._local_shape: tuple[int, ...] | None = None
         self._hash: int | None = None
+        self._key_cache: tuple[Any, ...] | None = None
+        self._token: int | None = None  # see token()
 
     # -- identity -------------------------------------------------------------------
 
     def _key(self) -> tuple[Any, ...]:
-        return (mesh_key(self.mesh), self.placements, self.shape, self.stride, self.ragged)
+        if self._key_cache is None:
+            self._key_cache = (mesh_key(self.mesh), self.placements, self.shape, self.stride, self.ragged)
+        return self._key_cache
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Layout):
             return NotImplemented
         return self is other or self._key() == other._key()
+
+    def token(self) -> int:
+        """A small int equal for equal layouts (interned on first use): a cheap dispatch-cache key."""
+        if self._token is None:
+            key = self._key()
+            token = _TOKENS.get(key)
+            if token is None:
+                token = len(_TOKENS)
+                _TOKENS[key] = token
+            self._token = token
+        return self._token
 
     def __hash__(self) -> int:
         if self._hash is None:
@@ -266,6 +291,7 @@ class Layout:
 
 
 _MESH_KEYS: dict[int, tuple[DeviceMesh, tuple[Any, ...]]] = {}
+_TOKENS: dict[tuple[Any, ...], int] = {}  # layout value -> token; only grows (tokens stay unique)
 
 
 def mesh_key(mesh: DeviceMesh) -> tuple[Any, ...]:

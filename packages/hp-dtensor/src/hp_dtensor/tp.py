@@ -58,7 +58,34 @@ def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement: Plac
     if param is None or isinstance(param, DTensor):
         return
     dt = distribute_tensor(param.data, mesh, [placement])
-    module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+    new = nn.Parameter(dt, requires_grad=param.requires_grad)
+    module.register_parameter(name, new)
+    if new.requires_grad:
+        new.register_hook(_grad_like(dt.placements))
+
+
+def _grad_like(placements: Sequence[Placement]) -> Any:
+    """A gradient hook that hands the gradient over with the parameter's placements.
+
+    [Note: gradient placements of parameters]
+    Backward ops choose their output placements from what they see, not from
+    the parameter: a norm's weight under sequence parallelism gets a
+    ``Partial("sum")`` gradient (a sum over the local rows), a row-wise
+    embedding table a replicated one (``embedding_dense_backward`` does not
+    see the table's cut). The optimizer would reconcile them at its first
+    in-place op anyway; doing it here (the same all-reduce for a partial
+    gradient, a local slice for a replicated one) gives every parameter a
+    gradient laid out like itself, which is what gradient clipping, FSDP
+    and checkpointing code expects.
+    """
+    target = tuple(placements)
+
+    def hook(grad: Any) -> Any:
+        if isinstance(grad, DTensor) and grad.placements != target:
+            return grad.redistribute(placements=target)
+        return grad
+
+    return hook
 
 
 class ParallelStyle:

@@ -4,7 +4,18 @@ Importing this package registers every rule (each family module registers its
 ops in :data:`hp_dtensor.ops.dispatch.RULES` at import).
 """
 
-from hp_dtensor.ops import matrix, norms, pointwise, reductions, views  # noqa: F401  (registration)
-from hp_dtensor.ops.dispatch import RULES, Decision, register
+from hp_dtensor.ops import (  # noqa: F401  (registration)
+    attention,
+    embedding,
+    indexing,
+    loss,
+    matrix,
+    norms,
+    pointwise,
+    reductions,
+    softmax,
+    views,
+)
+from hp_dtensor.ops.dispatch import RULES, Decision, LocalCall, register
 
-__all__ = ["RULES", "Decision", "register"]
+__all__ = ["RULES", "Decision", "LocalCall", "register"]

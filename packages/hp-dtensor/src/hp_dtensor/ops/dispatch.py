@@ -1,10 +1,30 @@
-"""The dispatcher: sharding rule -> redistribute inputs -> local op -> wrap outputs.
+"""The dispatcher: sharding rule -> redistribute inputs -> local op (or kernel) -> wrap outputs.
 
 A rule looks at the op and its DTensor arguments' layouts and returns a
 :class:`Decision`: the placements each DTensor argument must have, and the
 placements of each output tensor. The dispatcher redistributes, runs the op
 on the local tensors, and builds each output's layout from its global shape
 and stride, which it gets by running the op on meta tensors (cached).
+
+Some ops are not "the same op on every piece": a vocab-parallel
+``log_softmax`` needs a max and a sum across ranks, a row-wise embedding
+lookup masks ids it does not own. Their rules add a ``kernel`` to the
+decision, which runs instead of the op on the local tensors and may
+communicate (see :class:`LocalCall`).
+
+[Note: dispatch fast path]
+Most calls repeat: the same op on tensors with the same layouts, step after
+step. The first call of each (op, argument signature) runs the whole path
+above; when it needed no redistribution, the dispatcher remembers the
+output layouts (and the local size argument of view ops) under that
+signature. Later calls with the same signature only swap DTensors for their
+local tensors, run the op and wrap the results in the remembered layouts:
+no rule, no meta run, no new Layout objects. The signature holds each
+DTensor's layout token (:meth:`Layout.token`, equal for equal layouts) and
+dtype, each plain tensor's metadata and each other argument's type and value,
+so a hit is exactly a call the slow path would have treated the same way. Entries also remember their mesh
+object and a hit on another (equal) mesh object takes the slow path, so a
+mesh rebuilt after its groups were released is never swapped for a stale one.
 
 [Note: fallback]
 An op without a rule (or a rule that declines) runs replicated: every input
@@ -31,16 +51,45 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hp_core import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from hp_dtensor.dtensor import DTensor
+from hp_dtensor import dtensor as _dtensor_module
+from hp_dtensor.dtensor import DTensor, new_dtensor
 from hp_dtensor.layout import Layout, mesh_key
-from hp_dtensor.placements import Placement, Replicate
+from hp_dtensor.placements import Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local
 
-__all__ = ["RULES", "Decision", "OpCall", "dispatch", "register"]
+__all__ = ["RULES", "Decision", "LocalCall", "OpCall", "clear_caches", "dispatch", "register"]
 
 aten = torch.ops.aten
+
+
+@dataclass
+class LocalCall:
+    """What a :attr:`Decision.kernel` gets: the op, its local arguments and their layouts.
+
+    ``args`` and ``kwargs`` hold local tensors where the call had DTensors
+    (already moved to the rule's placements); ``layouts`` and
+    ``kwarg_layouts`` hold those tensors' layouts, aligned with ``args`` and
+    ``kwargs`` (None for arguments that are not DTensors).
+    """
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    layouts: tuple[Any, ...]
+    kwarg_layouts: dict[str, Any]
+    mesh: DeviceMesh
+
+    def layout(self, index: int) -> Layout:
+        """The layout of positional argument ``index`` (which must be a DTensor)."""
+        layout = self.layouts[index]
+        assert isinstance(layout, Layout), f"argument {index} of {self.func} is not a DTensor"
+        return layout
+
+
+Kernel = Callable[[LocalCall], Any]
 
 
 @dataclass
@@ -51,13 +100,15 @@ class Decision:
     kwargs)`` to its required placements; positions not listed stay as they
     are. ``outputs`` has one entry per output tensor in flattened order
     (None for non-tensor outputs). ``inplace`` marks ops that return their
-    first argument.
+    first argument. ``kernel``, when set, runs instead of the op on the
+    local tensors (see :class:`LocalCall`).
     """
 
     inputs: dict[int, tuple[Placement, ...]] = field(default_factory=dict)
     outputs: list[tuple[Placement, ...] | None] = field(default_factory=list)
     inplace: bool = False
     size_arg: int | None = None  # positional arg holding the global output size (view, expand)
+    kernel: Kernel | None = None
 
 
 @dataclass
@@ -89,6 +140,7 @@ _warned: set[str] = set()
 _resolved: set[Any] = set()
 _meta_cache: dict[Any, Any] = {}
 _decision_cache: dict[Any, Decision | None] = {}
+_MAX_ENTRIES = 8192
 
 
 def register(*ops: Any, keeps_layout: bool = False) -> Callable[[Rule], Rule]:
@@ -101,9 +153,186 @@ def register(*ops: Any, keeps_layout: bool = False) -> Callable[[Rule], Rule]:
                 RULES[overload] = rule
                 if keeps_layout:
                     LAYOUT_PRESERVING.add(overload)
+        _FAST.clear()
         return rule
 
     return wrap
+
+
+def clear_caches() -> None:
+    """Forget every remembered decision, meta result and fast-path entry (tests, rule changes)."""
+    _FAST.clear()
+    _meta_cache.clear()
+    _decision_cache.clear()
+
+
+# -- the fast path (see [Note: dispatch fast path]) -------------------------------------------
+
+
+class _Entry:
+    """A remembered call signature: how to run and wrap it without rules."""
+
+    __slots__ = (
+        "dtensor_args",
+        "inplace",
+        "kernel",
+        "kwarg_layouts",
+        "layouts",
+        "local_size",
+        "mesh",
+        "outputs",
+        "size_arg",
+    )
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        outputs: list[Layout | None] | Layout,
+        inplace: bool,
+        size_arg: int | None,
+        local_size: list[int] | None,
+        kernel: Kernel | None,
+        layouts: tuple[Any, ...],
+        kwarg_layouts: dict[str, Any],
+        dtensor_args: tuple[int, ...],
+    ) -> None:
+        self.dtensor_args = dtensor_args
+        self.mesh = mesh
+        self.outputs = outputs  # one Layout for a single tensor result, else one entry per element
+        self.inplace = inplace
+        self.size_arg = size_arg
+        self.local_size = local_size
+        self.kernel = kernel
+        self.layouts = layouts
+        self.kwarg_layouts = kwarg_layouts
+
+
+_FAST: dict[tuple[Any, ...], _Entry] = {}
+_UNCACHEABLE = object()
+_PLAIN_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format})
+
+
+def _signature_leaf(value: Any) -> Any:
+    """Two items per argument, so the flat signature is unambiguous (see [Note: dispatch fast path])."""
+    if isinstance(value, DTensor):
+        layout = value._layout
+        return (layout._token if layout._token is not None else layout.token(), value.dtype)
+    if isinstance(value, torch.Tensor):
+        return ("T", (value.shape, value.stride(), value.dtype, value.device))
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, (torch.Tensor, list, tuple)):
+                return _UNCACHEABLE
+        return (type(value), tuple(value))
+    return (type(value), value)
+
+
+def _signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``(signature or None, mesh of the first DTensor)``; the common argument kinds are inlined."""
+    key: list[Any] = [func]
+    append = key.append
+    mesh = None
+    for value in args:
+        cls = type(value)
+        if cls is DTensor:
+            layout = value._layout
+            if mesh is None:
+                mesh = layout.mesh
+            token = layout._token
+            append(token if token is not None else layout.token())
+            append(value.dtype)
+        elif cls in _PLAIN_TYPES:
+            append(cls)
+            append(value)
+        else:
+            leaf = _signature_leaf(value)
+            if leaf is _UNCACHEABLE:
+                return None, None
+            if mesh is None and isinstance(value, DTensor):
+                mesh = value._layout.mesh
+            key.extend(leaf)
+    for name, value in kwargs.items():
+        leaf = _signature_leaf(value)
+        if leaf is _UNCACHEABLE:
+            return None, None
+        if mesh is None and isinstance(value, DTensor):
+            mesh = value._layout.mesh
+        append(name)
+        key.extend(leaf)
+    return tuple(key), mesh
+
+
+def _run_entry(entry: _Entry, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    local_args = list(args)
+    for index in entry.dtensor_args:  # the signature fixes which arguments are DTensors
+        local_args[index] = args[index]._local
+    if kwargs:
+        local_kwargs = {k: (v._local if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
+    else:
+        local_kwargs = kwargs
+    if entry.size_arg is not None:
+        local_args[entry.size_arg] = entry.local_size
+    if entry.kernel is not None:
+        call = LocalCall(
+            func, tuple(local_args), local_kwargs, entry.layouts, entry.kwarg_layouts, entry.mesh
+        )
+        result = entry.kernel(call)
+    else:
+        result = func(*local_args, **local_kwargs)
+    if entry.inplace:
+        return args[0]
+    outputs = entry.outputs
+    if isinstance(outputs, Layout):
+        return new_dtensor(result, outputs)
+    wrapped = [
+        value if layout is None else new_dtensor(value, layout)
+        for value, layout in zip(result, outputs, strict=True)
+    ]
+    return tuple(wrapped) if isinstance(result, tuple) else wrapped
+
+
+def _remember(
+    signature: tuple[Any, ...] | None,
+    args: tuple[Any, ...],
+    mesh: DeviceMesh,
+    result: Any,
+    wrapped: Any,
+    decision: Decision,
+    local_size: list[int] | None,
+    layouts: tuple[Any, ...],
+    kwarg_layouts: dict[str, Any],
+) -> None:
+    if signature is None:
+        return
+    outputs: list[Layout | None] | Layout
+    if decision.inplace:
+        outputs = []
+    elif isinstance(wrapped, DTensor) and isinstance(result, torch.Tensor):
+        outputs = wrapped._layout
+    elif isinstance(wrapped, (tuple, list)) and isinstance(result, (tuple, list)):
+        outputs = []
+        for value in wrapped:
+            if isinstance(value, DTensor):
+                outputs.append(value._layout)
+            elif isinstance(value, (torch.Tensor, list, tuple, dict)):
+                return  # nested or unwrapped tensor results: keep the general path
+            else:
+                outputs.append(None)
+    else:
+        return
+    if len(_FAST) >= _MAX_ENTRIES:
+        _FAST.clear()
+    _FAST[signature] = _Entry(
+        mesh,
+        outputs,
+        decision.inplace,
+        decision.size_arg,
+        local_size,
+        decision.kernel,
+        layouts,
+        kwarg_layouts,
+        tuple(i for i, value in enumerate(args) if isinstance(value, DTensor)),
+    )
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -128,6 +357,8 @@ def _to_meta(value: Any) -> Any:
         return torch.empty_strided(layout.shape, layout.stride, dtype=value.dtype, device="meta")
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(tuple(value.shape), value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.device):  # _to_copy(..., device=cpu), factories: stay on meta
+        return torch.device("meta")
     return value
 
 
@@ -230,6 +461,37 @@ def _is_first_list_member(args: tuple[Any, ...], dt: Any) -> bool:
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``)."""
     special = SPECIAL.get(func)
+    if special is not None:
+        return special(args, kwargs)
+    if kwargs:
+        signature, first_mesh = _signature(func, args, kwargs)
+    else:  # the common case, inlined: positional DTensors and scalars
+        parts: list[Any] = [func]
+        first_mesh = None
+        for value in args:
+            cls = value.__class__
+            if cls is DTensor:
+                layout = value._layout
+                if first_mesh is None:
+                    first_mesh = layout.mesh
+                token = layout._token
+                parts.append(token if token is not None else layout.token())
+                parts.append(value.dtype)
+            elif cls in _PLAIN_TYPES:
+                parts.append(cls)
+                parts.append(value)
+            else:
+                signature, first_mesh = _signature(func, args, kwargs)
+                break
+        else:
+            signature = tuple(parts)
+    if signature is not None:
+        try:
+            entry = _FAST.get(signature)
+        except TypeError:  # an unhashable argument value
+            entry, signature = None, None
+        if entry is not None and entry.mesh is first_mesh:
+            return _run_entry(entry, func, args, kwargs)
     rule = RULES.get(func)
     if special is None and rule is None and func not in _resolved:
         _resolved.add(func)
@@ -246,12 +508,15 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if len(positions) != sum(1 for v in flat if isinstance(v, torch.Tensor)):
         flat, positions = _lift_plain(flat, positions, mesh)
     if func not in LAYOUT_PRESERVING and any(flat[p]._layout.ragged is not None for p in positions):
+        signature = None
         flat = list(flat)
         for p in positions:  # see [Note: ragged inputs]
             dt = flat[p]
             if dt._layout.ragged is not None:
                 local, layout = redistribute_local(dt._local, dt._layout, dt._layout.placements)
                 flat[p] = DTensor(local, layout)
+    if any(flat[p]._layout.ragged is not None for p in positions):
+        signature = None
     key: Any = None
     leaf_keys = [_leaf_key(v) for v in flat]
     if all(k is not None for k in leaf_keys):
@@ -267,28 +532,40 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 _decision_cache[key] = decision
     if decision is None:
         return _fallback(func, flat, spec, positions, mesh)
-    return _run(func, flat, spec, positions, decision, key, mesh)
+    return _run(func, args, flat, spec, positions, decision, key, mesh, signature)
 
 
 def _run(
-    func: Any, flat: list[Any], spec: Any, positions: list[int], decision: Decision, key: Any, mesh: Any
+    func: Any,
+    args: tuple[Any, ...],
+    flat: list[Any],
+    spec: Any,
+    positions: list[int],
+    decision: Decision,
+    key: Any,
+    mesh: Any,
+    signature: tuple[Any, ...] | None,
 ) -> Any:
     local_flat = list(flat)
+    layout_flat: list[Any] = [None] * len(flat)
+    moved = False
     for p in positions:
         dt = flat[p]
         target = decision.inputs.get(p)
         if target is not None and target != dt._layout.placements:
+            moved = True
+            local, layout = redistribute_local(dt._local, dt._layout, target)
             if decision.inplace and p == positions[0]:
                 # The op writes into its first argument: move that DTensor itself first.
-                local, layout = redistribute_local(dt._local, dt._layout, target)
                 dt._local, dt._layout = local, layout
-                local_flat[p] = local
-            else:
-                local_flat[p], _ = redistribute_local(dt._local, dt._layout, target)
+            local_flat[p] = local
+            layout_flat[p] = layout
         else:
             local_flat[p] = dt._local
+            layout_flat[p] = dt._layout
     local_args, local_kwargs = pytree.tree_unflatten(local_flat, spec)
     meta = None
+    local_size = None
     if decision.size_arg is not None:
         # The op takes the global output size; the local op needs this rank's piece of it.
         meta = _output_meta(func, key, flat, spec)
@@ -296,16 +573,32 @@ def _run(
         assert placements is not None
         out_layout = Layout(mesh, placements, tuple(meta.shape), tuple(meta.stride()))
         local_args = list(local_args)
-        local_args[decision.size_arg] = list(out_layout.local_shape())
-    result = func(*local_args, **local_kwargs)
+        local_size = list(out_layout.local_shape())
+        local_args[decision.size_arg] = local_size
+    layouts: tuple[Any, ...] = ()
+    kwarg_layouts: dict[str, Any] = {}
+    if decision.kernel is not None:
+        arg_layouts, kwarg_layouts = pytree.tree_unflatten(layout_flat, spec)
+        layouts = tuple(arg_layouts)
+        result = decision.kernel(
+            LocalCall(func, tuple(local_args), local_kwargs, layouts, kwarg_layouts, mesh)
+        )
+    else:
+        result = func(*local_args, **local_kwargs)
     if decision.inplace:
+        if not moved:
+            _remember(signature, args, mesh, result, None, decision, local_size, layouts, kwarg_layouts)
         return flat[positions[0]]
     if meta is None:
         meta = _output_meta(func, key, flat, spec)
-    return _wrap(result, meta, decision.outputs, mesh, flat, positions)
+    wrapped = _wrap(func, result, meta, decision.outputs, mesh, flat, positions)
+    if not moved:
+        _remember(signature, args, mesh, result, wrapped, decision, local_size, layouts, kwarg_layouts)
+    return wrapped
 
 
 def _wrap(
+    func: Any,
     result: Any,
     meta: Any,
     placements: list[tuple[Placement, ...] | None],
@@ -313,19 +606,20 @@ def _wrap(
     flat: list[Any],
     positions: list[int],
 ) -> Any:
-    out_flat, out_spec = pytree.tree_flatten(result)
-    meta_flat, _ = pytree.tree_flatten(meta)
-    wrapped = []
-    index = 0
-    for value, m in zip(out_flat, meta_flat, strict=True):
-        if not isinstance(value, torch.Tensor):
-            wrapped.append(value)
-            continue
-        target = placements[index] if index < len(placements) else None
-        index += 1
-        if target is None:
-            wrapped.append(value)
-            continue
+    """Wrap each output in its layout: ``placements[i]`` belongs to the op's i-th output.
+
+    Optional outputs that the op skipped (None, as in the norms' backward) keep
+    their slot, so a rule's placements line up with the op's schema.
+    """
+
+    def one(value: Any, m: Any, target: tuple[Placement, ...] | None) -> Any:
+        if not isinstance(value, torch.Tensor) or target is None:
+            return value
+        if any(isinstance(p, Shard) and p.dim >= m.dim() for p in target):
+            raise AssertionError(
+                f"hp_dtensor internal error: the rule for {func} placed a {m.dim()}-D output as "
+                f"{list(target)}; please report this."
+            )
         layout = Layout(mesh, target, tuple(m.shape), tuple(m.stride()))
         for p in positions:  # carry a ragged table through shape-preserving ops
             source = flat[p]._layout
@@ -334,10 +628,27 @@ def _wrap(
                 break
         if tuple(value.shape) != layout.local_shape():
             raise AssertionError(
-                f"hp_dtensor internal error: local result shape {tuple(value.shape)} does not match the "
-                f"layout {layout} (expected local shape {layout.local_shape()}); please report this."
+                f"hp_dtensor internal error: {func} local result shape {tuple(value.shape)} does not "
+                f"match the layout {layout} (expected local shape {layout.local_shape()}); "
+                "please report this."
             )
-        wrapped.append(DTensor(value, layout))
+        return DTensor(value, layout)
+
+    def target_of(index: int) -> tuple[Placement, ...] | None:
+        return placements[index] if index < len(placements) else None
+
+    if isinstance(result, torch.Tensor):
+        return one(result, meta, target_of(0))
+    if isinstance(result, (tuple, list)) and not any(isinstance(v, (tuple, list, dict)) for v in result):
+        items = [one(v, m, target_of(i)) for i, (v, m) in enumerate(zip(result, meta, strict=True))]
+        return tuple(items) if isinstance(result, tuple) else items
+    out_flat, out_spec = pytree.tree_flatten(result)
+    meta_flat, _ = pytree.tree_flatten(meta)
+    tensors = iter(range(len(out_flat)))
+    wrapped = [
+        one(v, m, target_of(next(tensors))) if isinstance(v, torch.Tensor) else v
+        for v, m in zip(out_flat, meta_flat, strict=True)
+    ]
     return pytree.tree_unflatten(wrapped, out_spec)
 
 
@@ -411,3 +722,5 @@ SPECIAL: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
     aten._local_scalar_dense.default: _item,
     aten.equal.default: _equal,
 }
+
+_dtensor_module._DISPATCH = dispatch

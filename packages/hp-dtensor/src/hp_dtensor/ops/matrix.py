@@ -1,4 +1,4 @@
-"""Matrix products and embedding lookups.
+"""Matrix products: mm, addmm, bmm (and so linear and matmul).
 
 Per mesh dim, ``A @ B`` with ``A`` (m, k) and ``B`` (k, n):
 
@@ -115,73 +115,3 @@ def addmm_rule(call: OpCall) -> Decision | None:
             target.append(placement)
     inputs[pbias] = tuple(target)
     return Decision(inputs=inputs, outputs=[out])
-
-
-@register(aten.embedding.default)
-def embedding_rule(call: OpCall) -> Decision | None:
-    """Lookups: a column-sharded table gives column shards; a row-sharded table gives partial sums.
-
-    A row-sharded table (vocab-parallel) is looked up locally with indices
-    outside this rank's rows masked to zero, so the rows sum to the lookup.
-    That needs the masking kernel, so it runs as the fallback for now; the
-    column-wise case is local.
-    """
-    from hp_dtensor.dtensor import DTensor
-
-    weight, indices = call.args[0], call.args[1]
-    if not isinstance(weight, DTensor):
-        return None
-    pw = call.position_of(weight)
-    lw = call.layout(pw)
-    targets_w: list[Placement] = []
-    targets_i: list[Placement] = []
-    out: list[Placement] = []
-    idx_layout = call.layout(call.position_of(indices)) if isinstance(indices, DTensor) else None
-    for m in range(lw.mesh.ndim):
-        pwm = lw.placements[m]
-        pim = idx_layout.placements[m] if idx_layout is not None else R
-        if isinstance(pwm, Shard) and pwm.dim == 1:
-            targets_w.append(pwm)
-            targets_i.append(R)
-            out.append(Shard(idx_layout.ndim if idx_layout is not None else 1))
-        elif isinstance(pim, Shard):
-            targets_w.append(R)
-            targets_i.append(pim)
-            out.append(pim)
-        else:
-            targets_w.append(R)
-            targets_i.append(R)
-            out.append(R)
-    inputs = {pw: tuple(targets_w)}
-    if idx_layout is not None:
-        inputs[call.position_of(indices)] = tuple(targets_i)
-    return Decision(inputs=inputs, outputs=[tuple(out)])
-
-
-@register(aten.embedding_dense_backward.default)
-def embedding_backward_rule(call: OpCall) -> Decision | None:
-    """Gradient of the table: column shards stay column shards; index-dim shards give partial sums."""
-    from hp_dtensor.dtensor import DTensor
-
-    grad, indices = call.args[0], call.args[1]
-    if not isinstance(grad, DTensor) or not isinstance(indices, DTensor):
-        return None
-    pg, pi = call.position_of(grad), call.position_of(indices)
-    lg = call.layout(pg)
-    tg: list[Placement] = []
-    ti: list[Placement] = []
-    out: list[Placement] = []
-    for placement in lg.placements:
-        if isinstance(placement, Shard) and placement.dim == lg.ndim - 1:
-            tg.append(placement)
-            ti.append(R)
-            out.append(Shard(1))
-        elif isinstance(placement, Shard):
-            tg.append(placement)
-            ti.append(placement)
-            out.append(SUM)
-        else:
-            tg.append(R)
-            ti.append(R)
-            out.append(R)
-    return Decision(inputs={pg: tuple(tg), pi: tuple(ti)}, outputs=[tuple(out)])

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout
@@ -127,11 +128,18 @@ def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bo
 def _foreach_rule(call: OpCall) -> Decision:
     func = call.func
     inplace = torch.Tag.inplace in func.tags or str(func).split(".")[1].endswith("_")
-    lists = [a for a in call.args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    # Flat positions of every list's elements, by place rather than identity: the same tensor may
+    # be in two lists (AdamW's addcmul_(exp_avg_sq, grads, grads)) and each place is moved on its own.
+    lists: list[list[int]] = []
+    start = 0
+    for arg in call.args:
+        count = len(pytree.tree_leaves(arg))
+        if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], torch.Tensor):
+            lists.append(list(range(start, start + count)))
+        start += count
     decision = Decision(inplace=inplace)
     for index in range(len(lists[0])):
-        elements = [lst[index] for lst in lists if isinstance(lst[index], DTensor)]
-        positions = [call.position_of(e) for e in elements]
+        positions = [lst[index] for lst in lists if isinstance(call.flat[lst[index]], DTensor)]
         sub = pointwise_rule(call, positions, inplace=inplace)
         decision.inputs.update(sub.inputs)
         decision.outputs.extend(sub.outputs)
@@ -145,13 +153,25 @@ def _foreach_run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     return dispatch_foreach(func, args, kwargs, _foreach_rule)
 
 
+def _out_of_place_is_pointwise(func: Any) -> bool:
+    """In-place ops (``masked_fill_``) are often tagged only ``inplace``: ask their out-of-place form."""
+    if torch.Tag.inplace not in func.tags:
+        return False
+    packet_name = func.name().split("::")[-1].split(".")[0]
+    if not packet_name.endswith("_"):
+        return False
+    packet = getattr(aten, packet_name[:-1], None)
+    overload = getattr(packet, func._overloadname, None) if packet is not None else None
+    return overload is not None and torch.Tag.pointwise in overload.tags
+
+
 def resolve_by_tag(func: Any) -> Any:
     """Find a rule for an op not registered by name, from its tags (called once per op)."""
     name = str(func)
     if name.startswith("aten._foreach_") and not name.startswith(("aten._foreach_norm", "aten._foreach_max")):
         SPECIAL[func] = lambda args, kwargs: _foreach_run(func, args, kwargs)
         return SPECIAL[func]
-    if torch.Tag.pointwise in func.tags:
+    if torch.Tag.pointwise in func.tags or _out_of_place_is_pointwise(func):
         RULES[func] = pointwise_rule
         LAYOUT_PRESERVING.add(func)
         return pointwise_rule
@@ -164,6 +184,8 @@ def resolve_by_tag(func: Any) -> Any:
 register(aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, keeps_layout=True)(
     lambda call: pointwise_rule(call, inplace=True)
 )
+register(aten.masked_fill.Tensor, keeps_layout=True)(lambda call: pointwise_rule(call, inplace=False))
+register(aten.masked_fill_.Tensor, keeps_layout=True)(lambda call: pointwise_rule(call, inplace=True))
 register(aten._to_copy.default, keeps_layout=True)(lambda call: pointwise_rule(call, inplace=False))
 
 

@@ -1,27 +1,40 @@
-"""Reductions (sum, mean, amax) and softmax / log_softmax with their backward ops.
+"""Reductions: sum, mean, amax / amin, max / min (whole tensor and along a dim with indices).
 
 A sum over a sharded dim is a sum of per-rank sums, so it stays local and
-gives ``Partial("sum")``; ``amax`` gives ``Partial("max")``. ``mean`` over a
-sharded dim gives ``Partial("avg")`` only when every rank holds the same
-number of rows (the average of local means is the mean only then); an uneven
-cut is gathered first. Softmax needs its whole dim on one rank, so that dim
-is gathered; other shards pass through.
+gives ``Partial("sum")``; ``amax`` / ``max()`` give ``Partial("max")`` and
+``amin`` / ``min()`` ``Partial("min")``. ``mean`` over a sharded dim gives
+``Partial("avg")`` only when every rank holds the same number of rows (the
+average of local means is the mean only then); an uneven cut is gathered
+first. Max and min of a cut with an empty piece are gathered first too (the
+maximum of nothing is undefined). Shards of dims that are not reduced pass
+through, renumbered when the reduced dims are dropped.
+
+[Note: max with indices]
+``max(x, dim)`` returns values and the index of the maximum. With ``dim``
+sharded, each rank reduces its piece; one ``all_reduce(max)`` of the values
+gives the answer, and the index is the smallest global index (local index
+plus the piece's offset) among the ranks that hold the winning value: one
+``all_reduce(min)`` over candidates where the others offer a sentinel larger
+than any index. That is PyTorch's choice among ties (the first occurrence),
+and both outputs come back replicated along those mesh dims.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import hp_core.collectives as hc
 import torch
 
 from hp_dtensor.layout import Layout, chunk_sizes
-from hp_dtensor.ops.dispatch import Decision, OpCall, register
+from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["whole_dims_rule"]
+__all__ = ["reduce_decision"]
 
 aten = torch.ops.aten
+_FULL = {aten.sum.default, aten.mean.default, aten.max.default, aten.min.default}
 
 
 def _reduced_dims(layout: Layout, dims: Any) -> list[int]:
@@ -32,24 +45,23 @@ def _reduced_dims(layout: Layout, dims: Any) -> list[int]:
     return sorted({int(d) % max(layout.ndim, 1) for d in dims})
 
 
-def _reduce(call: OpCall, kind: str) -> Decision:
-    position = call.positions[0]
-    layout = call.layout(position)
-    if call.func in (aten.sum.default, aten.mean.default):
-        dims, keepdim = _reduced_dims(layout, None), False
-    else:
-        dims = _reduced_dims(layout, call.args[1] if len(call.args) > 1 else call.kwargs.get("dim"))
-        keepdim = bool(call.args[2]) if len(call.args) > 2 else bool(call.kwargs.get("keepdim", False))
+def reduce_decision(
+    layout: Layout, dims: list[int], keepdim: bool, kind: str, empty_ok: bool = False
+) -> tuple[list[Placement], list[Placement]]:
+    """(input, output) placements for a ``kind`` ("sum", "avg", "max", "min") reduction over ``dims``."""
     inputs: list[Placement] = []
     out: list[Placement] = []
     for m, placement in enumerate(layout.placements):
         if isinstance(placement, Partial):
             linear = kind in ("sum", "avg") and placement.reduce_op in ("sum", "avg")
-            inputs.append(placement if linear else Replicate())
-            out.append(placement if linear else Replicate())
+            same = kind in ("max", "min") and placement.reduce_op == kind
+            keep = linear or same
+            inputs.append(placement if keep else Replicate())
+            out.append(placement if keep else Replicate())
         elif isinstance(placement, Shard) and placement.dim in dims:
             sizes = chunk_sizes(layout.shape[placement.dim], layout.mesh.shape[m])
-            if kind == "avg" and any(s != sizes[0] for s in sizes):
+            uneven = any(s != sizes[0] for s in sizes)
+            if (kind == "avg" and uneven) or (kind in ("max", "min") and 0 in sizes and not empty_ok):
                 inputs.append(Replicate())
                 out.append(Replicate())
             else:
@@ -62,6 +74,18 @@ def _reduce(call: OpCall, kind: str) -> Decision:
         else:
             inputs.append(placement)
             out.append(placement)
+    return inputs, out
+
+
+def _reduce(call: OpCall, kind: str) -> Decision:
+    position = call.positions[0]
+    layout = call.layout(position)
+    if call.func in _FULL:
+        dims, keepdim = _reduced_dims(layout, None), False
+    else:
+        dims = _reduced_dims(layout, call.args[1] if len(call.args) > 1 else call.kwargs.get("dim"))
+        keepdim = bool(call.args[2]) if len(call.args) > 2 else bool(call.kwargs.get("keepdim", False))
+    inputs, out = reduce_decision(layout, dims, keepdim, kind)
     return Decision(inputs={position: tuple(inputs)}, outputs=[tuple(out)])
 
 
@@ -77,37 +101,73 @@ def mean_rule(call: OpCall) -> Decision:
     return _reduce(call, "avg")
 
 
-@register(aten.amax.default)
+@register(aten.amax.default, aten.max.default)
 def amax_rule(call: OpCall) -> Decision:
-    """Max over dims: sharded reduced dims become ``Partial("max")``."""
+    """Max over dims (or all of them): sharded reduced dims become ``Partial("max")``."""
     return _reduce(call, "max")
 
 
-def whole_dims_rule(call: OpCall, dims: Sequence[int], n_outputs: int = 1) -> Decision:
-    """Inputs keep the first input's shards except on ``dims`` (gathered) and partials (reduced)."""
-    ref = call.layout(call.positions[0])
-    target: list[Placement] = []
-    for placement in ref.placements:
-        if isinstance(placement, Shard) and placement.dim not in dims:
-            target.append(placement)
+@register(aten.amin.default, aten.min.default)
+def amin_rule(call: OpCall) -> Decision:
+    """Min over dims (or all of them): sharded reduced dims become ``Partial("min")``."""
+    return _reduce(call, "min")
+
+
+def _select_kernel(kind: str) -> Callable[[LocalCall], tuple[torch.Tensor, torch.Tensor]]:
+    """``max.dim`` / ``min.dim`` with ``dim`` sharded (see [Note: max with indices])."""
+
+    def run(call: LocalCall) -> tuple[torch.Tensor, torch.Tensor]:
+        x = call.args[0]
+        dim = int(call.args[1]) % x.dim()
+        keepdim = bool(call.args[2]) if len(call.args) > 2 else bool(call.kwargs.get("keepdim", False))
+        layout = call.layout(0)
+        sentinel = torch.iinfo(torch.int64).max
+        empty = x.shape[dim] == 0  # an uneven cut's empty piece: it offers nothing
+        if empty:
+            shape = list(x.shape)
+            if keepdim:
+                shape[dim] = 1
+            else:
+                del shape[dim]
+            info = torch.finfo(x.dtype) if x.is_floating_point() else torch.iinfo(x.dtype)
+            values = x.new_full(shape, info.min if kind == "max" else info.max)
+            indices = torch.full(shape, sentinel, dtype=torch.int64, device=x.device)
         else:
-            target.append(Replicate())
-    inputs = {p: tuple(target) for p in call.positions if call.layout(p).shape == ref.shape}
-    for p in call.positions:
-        if p not in inputs:
-            inputs[p] = (Replicate(),) * ref.mesh.ndim
-    return Decision(inputs=inputs, outputs=[tuple(target)] * n_outputs)
+            values, indices = call.func(x, dim, keepdim)
+        offset = layout.local_offset()[dim]
+        groups = [
+            layout.mesh.get_group(m)
+            for m, p in enumerate(layout.placements)
+            if isinstance(p, Shard) and p.dim == dim
+        ]
+        best = values.contiguous().clone()
+        for group in groups:
+            hc.all_reduce(best, kind, group)
+        won = (values == best) & (not empty)
+        candidates = torch.where(won, indices + offset, torch.full_like(indices, sentinel))
+        for group in groups:
+            hc.all_reduce(candidates, "min", group)
+        return best, candidates
+
+    return run
 
 
-@register(aten._softmax.default, aten._log_softmax.default)
-def softmax_rule(call: OpCall) -> Decision:
-    """Softmax over ``dim``: that dim whole, others as they are."""
-    ndim = call.layout(call.positions[0]).ndim
-    return whole_dims_rule(call, [int(call.args[1]) % ndim])
+def _select_rule(kind: str) -> Callable[[OpCall], Decision]:
+    def rule(call: OpCall) -> Decision:
+        position = call.positions[0]
+        layout = call.layout(position)
+        dim = int(call.args[1]) % max(layout.ndim, 1)
+        keepdim = bool(call.args[2]) if len(call.args) > 2 else bool(call.kwargs.get("keepdim", False))
+        inputs, out = reduce_decision(layout, [dim], keepdim, kind, empty_ok=True)
+        # Values and indices are complete after the kernel: replicated where the dim was cut.
+        out = [Replicate() if isinstance(p, Partial) else p for p in out]
+        sharded = any(isinstance(p, Shard) and p.dim == dim for p in inputs)
+        kernel = _select_kernel(kind) if sharded else None
+        inputs = [Replicate() if isinstance(p, Partial) else p for p in inputs]
+        return Decision(inputs={position: tuple(inputs)}, outputs=[tuple(out), tuple(out)], kernel=kernel)
+
+    return rule
 
 
-@register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
-def softmax_backward_rule(call: OpCall) -> Decision:
-    """The backward of softmax needs the same whole dim."""
-    ndim = call.layout(call.positions[0]).ndim
-    return whole_dims_rule(call, [int(call.args[2]) % ndim])
+register(aten.max.dim)(_select_rule("max"))
+register(aten.min.dim)(_select_rule("min"))
