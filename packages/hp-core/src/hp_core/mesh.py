@@ -281,6 +281,10 @@ class DeviceMesh:
         order = [kept.index(d) for d in covered]
         shape = tuple(math.prod(root.shape[d] for d in dim) for dim in dims)
         self._mesh = pinned.permute(order).reshape(shape)
+        # A mesh never changes: its shape and identity key are computed once,
+        # because DTensor dispatch asks for them on every op.
+        self._shape = tuple(self._mesh.shape)
+        self._identity = (self._device_type, self._shape, tuple(self._mesh.flatten().tolist()), self._names)
         local = (self._mesh == self._rank).nonzero()
         self._coordinate = tuple(int(c) for c in local[0].tolist()) if local.numel() else None
         self._dim_lines = tuple(self._create_groups(dim) for dim in dims)
@@ -354,7 +358,7 @@ class DeviceMesh:
     @property
     def shape(self) -> tuple[int, ...]:
         """Size of each dim."""
-        return tuple(self._mesh.shape)
+        return self._shape
 
     @property
     def ndim(self) -> int:
@@ -527,7 +531,7 @@ class DeviceMesh:
     # -- identity -----------------------------------------------------------------------
 
     def _key(self) -> tuple[Any, ...]:
-        return (self._device_type, self.shape, tuple(self._mesh.flatten().tolist()), self._names)
+        return self._identity
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DeviceMesh):
