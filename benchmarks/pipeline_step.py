@@ -2,13 +2,28 @@
 
 Run on 4 CPU ranks over gloo:
 
-    hp-run -n 4 benchmarks/pipeline_step.py [--width 256] [--microbatches 8] [--steps 10]
+    hp-run -n 4 benchmarks/pipeline_step.py [--width 256] [--microbatches 8] [--rounds 40] [--steps 1]
 
-Both libraries train the same MLP (same weights, batch and micro-batches) with
-the same schedule; each step time is the median over ``--steps`` steps after
-warm-up, the maximum over ranks. Rank 0 prints a table, each schedule's
-simulated bubble against its textbook formula, and as the last line one JSON
-object whose ``ratios`` are our step time over torch's (below 1.0: we are faster).
+Both libraries train the same MLP (same weights, the same batch cut into the
+same micro-batches) with the same schedule, in one run and in one process
+group. Each library first runs ``--warmup`` untimed steps (the first step of
+each learns shapes); then one step of each is checked against the other
+(losses and every gradient, the largest difference is printed). The timed
+part is ``--rounds`` rounds of ``--steps`` steps per library, the order of the
+libraries alternating from round to round, so both see the same machine load.
+Every step starts from a barrier with the gradients cleared (torch divides
+``.grad`` in place at the end of a step, so accumulating would change its
+work); a step's time is its slowest rank's, its CPU time the sum of every
+rank's CPU time (all threads). Reported: the median step time per library,
+``ratios`` = ours / torch of those medians (below 1.0: we are faster),
+``paired_ratios`` = the median of the per-round ratios, and the same for CPU
+time. Rank 0 prints a table, each schedule's simulated bubble against its
+textbook formula, and as the last line one JSON object.
+
+Timings on a machine with fewer cores than ranks (or shared with other jobs)
+are noisy: the ranks take turns on the cores, so step time follows the total
+CPU work and wake-ups rather than the pipeline's critical path. Alternating
+per step and taking medians evens out slow drift, not bursts.
 """
 
 from __future__ import annotations
@@ -16,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 from fractions import Fraction
@@ -40,25 +56,58 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def time_steps(schedule: Any, first: bool, last: bool, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
-    def one() -> None:
-        losses: list[torch.Tensor] = []
-        if first:
-            schedule.step(x, target=y if last else None, losses=losses if last else None)
-        elif last:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
+def modules_of(schedule: Any) -> list[nn.Module]:
+    stages = getattr(schedule, "_stages", None)  # ours: a dict; torch's multi-stage: a list
+    if stages is None:
+        stages = [schedule._stage]  # torch's single-stage
+    elif isinstance(stages, dict):
+        stages = list(stages.values())
+    return [stage.submod for stage in stages]
 
-    for _ in range(3):
-        one()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        one()
-        times.append(time.perf_counter() - start)
-    local = torch.tensor([statistics.median(times)], dtype=torch.float64)
+
+def zero_grads(schedule: Any) -> None:
+    for module in modules_of(schedule):
+        for param in module.parameters():
+            param.grad = None
+
+
+def run_step(schedule: Any, first: bool, last: bool, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    losses: list[torch.Tensor] = []
+    if first:
+        schedule.step(x, target=y if last else None, losses=losses if last else None)
+    elif last:
+        schedule.step(target=y, losses=losses)
+    else:
+        schedule.step()
+    return losses
+
+
+def timed_step(
+    schedule: Any, first: bool, last: bool, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, float]:
+    """One step from a common start (barrier): this rank's wall and CPU seconds (all its threads)."""
+    zero_grads(schedule)  # same work every step for both libraries (torch divides .grad by m in place)
+    dist.barrier()
+    cpu, wall = time.process_time(), time.perf_counter()
+    run_step(schedule, first, last, x, y)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def check_same(schedules: dict[str, Any], first: bool, last: bool, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Both libraries on the same step: the largest difference of losses and gradients (over ranks)."""
+    results = {}
+    for lib, schedule in schedules.items():
+        zero_grads(schedule)
+        losses = run_step(schedule, first, last, x, y)
+        grads = [p.grad.clone() for p in modules_of(schedule) for p in p.parameters() if p.grad is not None]
+        results[lib] = (losses, grads)
+    diff = 0.0
+    (l_a, g_a), (l_b, g_b) = results["ours"], results["torch"]
+    if len(l_a) != len(l_b) or len(g_a) != len(g_b):
+        diff = float("inf")
+    for a, b in zip([*l_a, *g_a], [*l_b, *g_b], strict=False):
+        diff = max(diff, float((a.detach() - b.detach()).abs().max()))
+    local = torch.tensor([diff], dtype=torch.float64)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     return float(local.item())
 
@@ -123,12 +172,54 @@ def split_as_full(split: Any) -> Any:
     return hp.StepCosts(forward=split.forward, backward=split.backward_input + split.backward_weight)
 
 
+def measure(
+    kind: str, layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Both libraries' schedules side by side; rounds alternate which one goes first."""
+    schedules: dict[str, Any] = {}
+    for lib in LIBS:
+        schedules[lib], first, last = build(lib, kind, layers, args.microbatches)
+    for _ in range(args.warmup):
+        for lib in LIBS:
+            zero_grads(schedules[lib])
+            run_step(schedules[lib], first, last, x, y)
+    max_diff = check_same(schedules, first, last, x, y)
+    wall: dict[str, list[float]] = {lib: [] for lib in LIBS}
+    cpu: dict[str, list[float]] = {lib: [] for lib in LIBS}
+    for r in range(args.rounds):
+        for lib in LIBS if r % 2 == 0 else LIBS[::-1]:
+            for _ in range(args.steps):
+                w, c = timed_step(schedules[lib], first, last, x, y)
+                wall[lib].append(w)
+                cpu[lib].append(c)
+    row: dict[str, Any] = {"max_abs_diff": max_diff}
+    per_step: dict[str, list[float]] = {}
+    for lib in LIBS:
+        # A step lasts until its slowest rank is done; the CPU it costs is every rank's together.
+        w_t = torch.tensor(wall[lib], dtype=torch.float64)
+        c_t = torch.tensor(cpu[lib], dtype=torch.float64)
+        dist.all_reduce(w_t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(c_t, op=dist.ReduceOp.SUM)
+        per_step[lib], per_step[f"{lib}_cpu"] = w_t.tolist(), c_t.tolist()
+        row[lib] = statistics.median(per_step[lib])
+        row[f"{lib}_cpu"] = statistics.median(per_step[f"{lib}_cpu"])
+    for key in ("", "_cpu"):  # step j of ours against step j of torch: the same round, the same load
+        pairs = zip(per_step[f"ours{key}"], per_step[f"torch{key}"], strict=True)
+        row[f"paired{key}"] = statistics.median(a / b for a, b in pairs)
+    return row
+
+
+LIBS = ("torch", "ours")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per library")
+    parser.add_argument("--rounds", type=int, default=40, help="alternating rounds")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per library and round")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -136,22 +227,34 @@ def main() -> None:
     layers = make_layers(2 * p, args.width)
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(1))
     y = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(2))
-    results: dict[str, dict[str, float]] = {}
-    for kind in ("1F1B", "Interleaved1F1B"):
-        for lib in ("torch", "ours", "torch", "ours"):  # alternate to even out drift
-            schedule, first, last = build(lib, kind, layers, args.microbatches)
-            seconds = time_steps(schedule, first, last, x, y, args.steps)
-            best = results.setdefault(kind, {}).get(lib)
-            results[kind][lib] = seconds if best is None else min(best, seconds)
+    results = {kind: measure(kind, layers, x, y, args) for kind in ("1F1B", "Interleaved1F1B")}
     if rank == 0:
+        n = args.rounds * args.steps
         print(f"pipeline step, {p} ranks (gloo, CPU), MLP {2 * p} x Linear({args.width}), ")
-        print(f"batch {args.batch}, {args.microbatches} micro-batches, median of {args.steps} steps")
-        print(f"{'schedule':<18}{'torch ms':>12}{'ours ms':>12}{'ours/torch':>12}")
-        ratios = {}
+        print(
+            f"batch {args.batch}, {args.microbatches} micro-batches; median of {n} steps per library "
+            f"({args.rounds} alternating rounds of {args.steps}, after {args.warmup} warm-up steps)"
+        )
+        print("step ms: slowest rank, each step from a barrier; CPU ms: all ranks' CPU time per step;")
+        print("paired: median over rounds of ours/torch within the round")
+        print(
+            f"{'schedule':<18}{'torch ms':>10}{'ours ms':>10}{'ours/torch':>12}{'paired':>8}"
+            f"{'torch CPU':>11}{'ours CPU':>10}{'CPU ratio':>11}{'paired':>8}{'max |diff|':>12}"
+        )
+        ratios, cpu_ratios, paired, paired_cpu = {}, {}, {}, {}
         for kind, row in results.items():
             ratio = row["ours"] / row["torch"]
+            cpu_ratio = row["ours_cpu"] / row["torch_cpu"]
             ratios[f"Schedule{kind}"] = round(ratio, 4)
-            print(f"{kind:<18}{row['torch'] * 1e3:>12.2f}{row['ours'] * 1e3:>12.2f}{ratio:>12.3f}")
+            cpu_ratios[f"Schedule{kind}"] = round(cpu_ratio, 4)
+            paired[f"Schedule{kind}"] = round(row["paired"], 4)
+            paired_cpu[f"Schedule{kind}"] = round(row["paired_cpu"], 4)
+            print(
+                f"{kind:<18}{row['torch'] * 1e3:>10.2f}{row['ours'] * 1e3:>10.2f}{ratio:>12.3f}"
+                f"{row['paired']:>8.3f}{row['torch_cpu'] * 1e3:>11.2f}{row['ours_cpu'] * 1e3:>10.2f}"
+                f"{cpu_ratio:>11.3f}{row['paired_cpu']:>8.3f}"
+                f"{row['max_abs_diff']:>12.2e}"
+            )
         print()
         print(f"simulated bubble, p={p}, m={args.microbatches}")
         rows = bubbles(p, args.microbatches)
@@ -163,7 +266,14 @@ def main() -> None:
         summary = {
             "benchmark": "pipeline_step",
             "ratios": ratios,
-            "step_ms": {k: {lib: round(v * 1e3, 3) for lib, v in row.items()} for k, row in results.items()},
+            "paired_ratios": paired,
+            "cpu_ratios": cpu_ratios,
+            "paired_cpu_ratios": paired_cpu,
+            "step_ms": {k: {lib: round(row[lib] * 1e3, 3) for lib in LIBS} for k, row in results.items()},
+            "cpu_ms": {
+                k: {lib: round(row[f"{lib}_cpu"] * 1e3, 3) for lib in LIBS} for k, row in results.items()
+            },
+            "max_abs_diff": {k: row["max_abs_diff"] for k, row in results.items()},
             "bubbles": {
                 row["schedule"]: {"simulated": str(row["simulated"]), "formula": str(row["formula"])}
                 for row in rows
@@ -173,6 +283,10 @@ def main() -> None:
                 "width": args.width,
                 "batch": args.batch,
                 "microbatches": args.microbatches,
+                "warmup": args.warmup,
+                "rounds": args.rounds,
+                "steps_per_round": args.steps,
+                "cores": os.cpu_count(),
             },
         }
         print(json.dumps(summary))

@@ -85,7 +85,9 @@ def _params(name: str) -> Any:
     )
 
 
-def build(name: str, rank: int, loss_fn: Any = None) -> tuple[Any, list[PipelineStage], Reference]:
+def build(
+    name: str, rank: int, loss_fn: Any = None, **options: Any
+) -> tuple[Any, list[PipelineStage], Reference]:
     cls, p, m, v, style = SCHEDULES[name]
     num_stages = p * v
     blocks = make_blocks(num_stages)
@@ -94,7 +96,7 @@ def build(name: str, rank: int, loss_fn: Any = None) -> tuple[Any, list[Pipeline
     stages = [PipelineStage(copy.deepcopy(blocks[s]), s, num_stages) for s in mine]
     if loss_fn is None:
         loss_fn = nn.functional.mse_loss
-    schedule = cls(stages if v > 1 else stages[0], m, loss_fn)
+    schedule = cls(stages if v > 1 else stages[0], m, loss_fn, **options)
     return schedule, stages, reference
 
 
@@ -104,7 +106,26 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 @pytest.mark.parametrize("name", [_params(n) for n in SCHEDULES])
 def test_schedule_matches_single_process(rank, world_size, name):
-    schedule, stages, reference = build(name, rank)
+    check_parity(name, rank)
+
+
+@pytest.mark.parametrize(
+    ("name", "lookahead"),
+    [
+        pytest.param(
+            n, k, marks=pytest.mark.distributed(world_size=SCHEDULES[n][1], timeout=90), id=f"{n}-{k}"
+        )
+        for n in ("1f1b-4", "interleaved-4x2", "zbv-2")
+        for k in (1, 2)
+    ],
+)
+def test_bounded_recv_lookahead_matches_single_process(rank, world_size, name, lookahead):
+    """[Note: receive lookahead]: receives posted 1 or 2 compute steps ahead give the same results."""
+    check_parity(name, rank, recv_lookahead=lookahead)
+
+
+def check_parity(name: str, rank: int, **options: Any) -> None:
+    schedule, stages, reference = build(name, rank, **options)
     _, _, m, _, _ = SCHEDULES[name]
     num_stages = schedule.num_stages
     opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.1)

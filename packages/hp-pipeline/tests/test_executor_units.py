@@ -9,6 +9,7 @@ from hp_pipeline import (
     MetaStepType,
     PipelineStage,
     PipelineStepError,
+    Schedule1F1B,
     StageFailure,
     TensorChunkSpec,
     TensorMeta,
@@ -120,3 +121,10 @@ def test_step_error_names_ranks_and_keeps_traceback():
     assert "rank 3 raised ValueError: bad in step 3F1 (stage 3)" in text
     assert "--- traceback on rank 3 ---" in text
     assert [f.rank for f in error.failures] == [1, 3]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_recv_lookahead_checked(bad):
+    stage = PipelineStage(nn.Linear(2, 2), 0, 1)
+    with pytest.raises(ValueError, match=r"recv_lookahead must be None .* or an int >= 1.*got"):
+        Schedule1F1B(stage, 2, recv_lookahead=bad)

@@ -3,16 +3,55 @@
 [Note: posting and waiting]
 The rank's steps are cut into *blocks*: the communication steps between two
 compute steps, then the compute step. Right before compute step ``k`` the
-executor posts, as one ``batch_isend_irecv``, the sends of block ``k`` (their
-payloads were produced by earlier compute) and the receives of block ``k+1``,
-one compute step ahead of where ``insert_comms`` put them. A receive is waited
-only right before the compute step that consumes it; sends are waited at the
-end of the step. This is deadlock-free for any order that passes
+executor posts the sends of block ``k`` (their payloads were produced by
+earlier compute) and the receives of block ``k+L``, ``L`` compute steps ahead
+of where ``insert_comms`` put them (``L = 1`` and one ``batch_isend_irecv`` on
+backends that coalesce; on gloo ``L`` is the whole step unless bounded, see
+[Note: receive lookahead] and [Note: direct p2p]). A receive is waited only right before the
+compute step that consumes it, and waiting it waits nothing else; sends are
+waited at the end of the step. This is deadlock-free for any order that passes
 ``validate_order``: every rank posts its communication in its list's order,
 its list is a subsequence of one global sequence in which each SEND/RECV pair
 is a single event, and so a rank blocked on a handle always waits for a peer
 that is blocked on something strictly earlier in that sequence; the chain
 ends at a rank that can progress.
+
+[Note: direct p2p]
+Later steps are the hot path, and hp-core's ``batch_isend_irecv`` re-checks
+per call what cannot change within a schedule: that the group is initialised
+and this rank is in it, that every peer is a rank of the group and not this
+rank, that every tensor is dense and contiguous. Here these hold once checked:
+the group and every peer of the rank's order are checked when the runner is
+built (``_check_p2p_setup``); receive buffers are our own ``torch.empty``; sent
+tensors are made contiguous (``_forward``, ``_send_tensors``) and outputs are
+checked dense in ``_forward``, where a failure drains like any compute error.
+So steps after the first call ``torch.distributed`` directly. On gloo each op
+is independent anyway (torch's ``batch_isend_irecv`` only loops), so the
+executor posts them one by one and keeps a handle per receive: waiting for an
+activation no longer also waits for the sends posted beside it, which on gloo
+complete only when the peer has posted the matching receive. Backends that
+coalesce (NCCL, HCCL) get one ``batch_isend_irecv`` per compute step, as
+before, because posting mixed sends and receives separately can deadlock
+there. The first step, blocking and rare, keeps hp-core's checked wrappers.
+
+[Note: receive lookahead]
+On gloo a transfer is a rendezvous: the payload leaves only once the
+receiver has posted its receive. When the receive is posted first, the
+sender's ``isend`` writes the payload at once; when the send comes first, it
+announces itself, waits for the receiver's notice and the payload goes out
+from gloo's transport thread later, a round trip and two more wake-ups on the
+critical path, each costing milliseconds on a CPU the ranks share. So on
+gloo the executor posts receives ``recv_lookahead`` compute steps ahead
+(default: all of the step's receives when it starts, so every receive is
+posted before its send), each into its own buffer. Posting a receive never
+blocks, and receives from one peer are still posted in list order, so the
+argument of [Note: posting and waiting] is untouched. The price is memory: the
+buffers of the step's received activations and gradients all exist from the
+start (on stage ``s > 0`` of 1F1B: ``m`` inputs and ``m`` output gradients,
+each the size of one micro-batch's boundary tensors, where 1F1B otherwise holds
+``p``); pass ``recv_lookahead=k`` to a schedule to bound it. Backends that
+coalesce keep one step: there a posted receive is a kernel that holds its
+stream until matched, and the sends queued behind it could not start.
 
 [Note: first step]
 The first step of a schedule also learns the tensor metadata ([Note: tensor
@@ -35,7 +74,9 @@ timeout, with the real error on one rank only. Instead:
   later steps a draining rank sends zeros of the cached shapes (peers compute
   on them, harmlessly, and their results are thrown away);
 * every handle is waited, then all ranks of the pipeline group exchange one
-  failure flag (a one-element all-reduce); when any is set they gather the
+  failure flag ([Note: failure vote] in :mod:`hp_pipeline.vote`: on gloo a
+  star of point-to-point flags whose receives are posted when the step starts,
+  elsewhere a one-element all-reduce); when any is set they gather the
   failure records and every rank raises the same :class:`PipelineStepError`,
   naming the rank, stage and step that failed and the original traceback.
   The process group stays healthy, so the caller may catch it, fix the input
@@ -47,8 +88,8 @@ timeout, with the real error on one rank only. Instead:
 
 We chose in-band draining over a store-based side channel because it needs
 no polling of a store in the hot path, keeps working without a TCPStore (any
-launcher), and leaves the communicator usable; its cost is the one-element
-all-reduce per step. ``KeyboardInterrupt`` and other ``BaseException``\\ s are
+launcher), and leaves the communicator usable; its cost is the vote per step (one hop after
+the last rank finishes, on gloo). ``KeyboardInterrupt`` and other ``BaseException``\\ s are
 not drained: they propagate at once.
 """
 
@@ -67,6 +108,7 @@ from hp_pipeline.errors import PipelineStepError, StageFailure
 from hp_pipeline.fsdp import is_sharded_module
 from hp_pipeline.ir import MetaStep, MetaStepType
 from hp_pipeline.stage import PipelineStage, TensorMeta
+from hp_pipeline.vote import FailureVote
 
 __all__: list[str] = []
 
@@ -99,6 +141,40 @@ class _CommError(Exception):
     """Communication failed; the step cannot be drained (see [Note: failures])."""
 
 
+class _Works:
+    """Several torch work handles waited as one (each at most once)."""
+
+    __slots__ = ("_handles",)
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self._handles = [h for h in handles if h is not None]
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            if timeout is None:
+                handle.wait()
+            else:
+                handle.wait(timeout)
+
+
+def _check_p2p_setup(steps: Sequence[MetaStep], peer_rank: Callable[[int], int], pg: Any) -> None:
+    """Once per schedule, the peer checks hp-core's p2p wrappers repeat per call ([Note: direct p2p])."""
+    ranks = dist.get_process_group_ranks(pg)
+    me = dist.get_rank()
+    for step in steps:
+        if not step.type.is_comm or step.peer_stage is None:
+            continue
+        peer = peer_rank(step.peer_stage)
+        if peer == me or peer not in ranks:
+            raise ValueError(
+                f"step {step} of rank {me} would exchange with rank {peer}, which is "
+                + ("this rank itself" if peer == me else f"not in the pipeline group {ranks}")
+                + "; the stages' placement and the group do not match (build the stages with the "
+                "pipeline's process group)"
+            )
+
+
 class StepRunner:
     """Runs one rank's steps; one instance per schedule, reused across steps."""
 
@@ -120,7 +196,15 @@ class StepRunner:
         self.group = group
         self.abort_timeout = abort_timeout
         self.rank = dist.get_rank()
+        pg = dist.group.WORLD if group is None else group
+        _check_p2p_setup(self.steps, peer_rank, pg)
+        # [Note: direct p2p]: gloo runs each op on its own; others coalesce a batch (NCCL needs it).
+        self._coalesce = dist.get_backend(pg) != "gloo"
+        self.vote = FailureVote(group, self._vote_device)
         self._reset()
+
+    def _vote_device(self) -> torch.device:
+        return next(iter(self.stages.values())).device
 
     def _reset(self) -> None:
         self.failure: StageFailure | None = None  # this rank's own failure
@@ -146,6 +230,7 @@ class StepRunner:
         pre_failure: StageFailure | None = None,
     ) -> StageFailure | None:
         """Run the steps; returns this rank's own failure (if any) after every handle is waited."""
+        self.vote.open()  # [Note: failure vote]: its receives wait for the end of the step
         self._reset()
         self.arg_mbs, self.kwarg_mbs, self.targets = arg_mbs, kwarg_mbs, targets
         self.loss_fn, self.scale = loss_fn, scale
@@ -271,6 +356,12 @@ class StepRunner:
                 "step of a schedule (peers allocate receive buffers from them): keep the batch shape "
                 "constant or build a new schedule"
             )
+        for t in outputs:
+            if t.layout is not torch.strided:
+                raise ValueError(
+                    f"stage {s} output of micro-batch {i} has layout {t.layout}; only dense (strided) "
+                    "tensors can cross a stage boundary: return t.to_dense()"
+                )
         stage.outputs_meta[i] = metas
         self._outputs[(s, i)] = tuple(t.contiguous() for t in outputs)
 
@@ -334,48 +425,59 @@ class StepRunner:
             raise _CommError(str(exc)) from exc
 
     def _run_overlapped(self) -> None:
-        """Later steps: batched, posted one compute step early ([Note: posting and waiting])."""
-        from hp_core import P2POp, batch_isend_irecv
-
+        """Later steps: posted one compute step early ([Note: posting and waiting])."""
         self._first_step = False
         blocks = self.blocks
-        group = self.group
+        peer_rank = self.peer_rank
 
         def post(sends: list[MetaStep], recvs: list[MetaStep]) -> None:
-            ops: list[P2POp] = []
-            keys = []
-            for step in sends:
-                peer = self.peer_rank(step.peer_stage)  # type: ignore[arg-type]
-                ops += [P2POp("isend", t, peer, group) for t in self._send_tensors(step)]
+            out = [(t, peer_rank(step.peer_stage)) for step in sends for t in self._send_tensors(step)]  # type: ignore[arg-type]
+            into = []
             for step in recvs:
                 stage = self.stages[step.stage_index]
                 bufs = [m.empty(stage.device) for m in self._recv_metas(step)]
                 key = (step.type, step.stage_index, step.micro_index)
                 self._recv_bufs[key] = bufs  # type: ignore[index]
-                peer = self.peer_rank(step.peer_stage)  # type: ignore[arg-type]
-                ops += [P2POp("irecv", b, peer, group) for b in bufs]
-                keys.append(key)
-            if not ops:
-                return
-            try:
-                work = batch_isend_irecv(ops)
-            except Exception as exc:
-                raise _CommError(str(exc)) from exc
-            for key in keys:
-                self._recv_work[key] = work  # type: ignore[index]
-            if sends:
-                self._send_work.append(work)
+                into.append((key, bufs, peer_rank(step.peer_stage)))  # type: ignore[arg-type]
+            self._post_p2p(out, into)
 
+        # [Note: receive lookahead]
+        ahead = 1 if self._coalesce else (self.recv_lookahead or len(blocks))
         try:
-            if blocks:
-                post([], [s for s in blocks[0].comms if s.type.is_recv])
+            post([], [s for block in blocks[:ahead] for s in block.comms if s.type.is_recv])
             for k, block in enumerate(blocks):
-                following = blocks[k + 1].comms if k + 1 < len(blocks) else []
+                following = blocks[k + ahead].comms if k + ahead < len(blocks) else []
                 post([s for s in block.comms if s.type.is_send], [s for s in following if s.type.is_recv])
                 if block.action is not None:
                     self._act(block.action)
         finally:
             self._drain_handles()
+
+    def _post_p2p(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[Any, list[torch.Tensor], int]],
+    ) -> None:
+        """Start ``sends`` (tensor, peer) and ``recvs`` (key, buffers, peer); see [Note: direct p2p]."""
+        group = self.group
+        try:
+            if self._coalesce:
+                ops = [dist.P2POp(dist.irecv, b, peer, group) for _, bufs, peer in recvs for b in bufs]
+                ops += [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+                if not ops:
+                    return
+                work = _Works(dist.batch_isend_irecv(ops))
+                for key, _, _ in recvs:
+                    self._recv_work[key] = work
+                if sends:
+                    self._send_work.append(work)
+                return
+            for key, bufs, peer in recvs:
+                self._recv_work[key] = _Works([dist.irecv(b, peer, group=group) for b in bufs])
+            for t, peer in sends:
+                self._send_work.append(dist.isend(t, peer, group=group))
+        except Exception as exc:
+            raise _CommError(str(exc)) from exc
 
     def _drain_handles(self) -> None:
         """Wait every posted handle (sends and receives nobody consumed)."""
@@ -391,7 +493,44 @@ class StepRunner:
             raise _CommError(str(errors[0])) from errors[0]
 
     def _run_blocking(self) -> None:
-        """The first step: every transfer blocking, with headers ([Note: first step])."""
+        """The first step: every transfer blocking, with headers ([Note: direct p2p]
+                Later steps are the hot path, and hp-core's ``batch_isend_irecv`` re-checks
+                per call what cannot change within a schedule: that the group is initialised
+                and this rank is in it, that every peer is a rank of the group and not this
+                rank, that every tensor is dense and contiguous. Here these hold once checked:
+                the group and every peer of the rank's order are checked when the runner is
+                built (``_check_p2p_setup``); receive buffers are our own ``torch.empty``; sent
+                tensors are made contiguous (``_forward``, ``_send_tensors``) and outputs are
+                checked dense in ``_forward``, where a failure drains like any compute error.
+                So steps after the first call ``torch.distributed`` directly. On gloo each op
+                is independent anyway (torch's ``batch_isend_irecv`` only loops), so the
+                executor posts them one by one and keeps a handle per receive: waiting for an
+                activation no longer also waits for the sends posted beside it, which on gloo
+                complete only when the peer has posted the matching receive. Backends that
+                coalesce (NCCL, HCCL) get one ``batch_isend_irecv`` per compute step, as
+                before, because posting mixed sends and receives separately can deadlock
+                there. The first step, blocking and rare, keeps hp-core's checked wrappers.
+
+                [Note: receive lookahead]
+        On gloo a transfer is a rendezvous: the payload leaves only once the
+        receiver has posted its receive. When the receive is posted first, the
+        sender's ``isend`` writes the payload at once; when the send comes first, it
+        announces itself, waits for the receiver's notice and the payload goes out
+        from gloo's transport thread later, a round trip and two more wake-ups on the
+        critical path, each costing milliseconds on a CPU the ranks share. So on
+        gloo the executor posts receives ``recv_lookahead`` compute steps ahead
+        (default: all of the step's receives when it starts, so every receive is
+        posted before its send), each into its own buffer. Posting a receive never
+        blocks, and receives from one peer are still posted in list order, so the
+        argument of [Note: posting and waiting] is untouched. The price is memory: the
+        buffers of the step's received activations and gradients all exist from the
+        start (on stage ``s > 0`` of 1F1B: ``m`` inputs and ``m`` output gradients,
+        each the size of one micro-batch's boundary tensors, where 1F1B otherwise holds
+        ``p``); pass ``recv_lookahead=k`` to a schedule to bound it. Backends that
+        coalesce keep one step: there a posted receive is a kernel that holds its
+        stream until matched, and the sends queued behind it could not start.
+
+        [Note: first step])."""
         self._first_step = True
         for block in self.blocks:
             for step in block.comms:
@@ -452,6 +591,8 @@ class StepRunner:
         self._recv_bufs[(step.type, s, i)] = bufs
 
     _first_step: bool = False
+    # [Note: receive lookahead]: None posts all of a step's receives at its start (gloo).
+    recv_lookahead: int | None = None
 
     def _abort(self, exc: _CommError) -> None:
         pending = self._send_work + list(self._recv_work.values())
@@ -473,20 +614,6 @@ class StepRunner:
 def _header_of(failure: StageFailure | None) -> StageFailure:
     assert failure is not None
     return failure.portable()
-
-
-def exchange_failures(
-    failure: StageFailure | None, group: dist.ProcessGroup | None, device: torch.device
-) -> list[StageFailure]:
-    """Agree across the pipeline group on whether the step failed; the failure records if so."""
-    from hp_core import all_gather_object, all_reduce
-
-    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
-    all_reduce(flag, "sum", group)
-    if int(flag.item()) == 0:
-        return []
-    gathered = all_gather_object(None if failure is None else failure.portable(), group)
-    return [f for f in gathered if f is not None]
 
 
 def raise_step_error(failures: list[StageFailure], own: StageFailure | None) -> None:

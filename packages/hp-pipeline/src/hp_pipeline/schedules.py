@@ -39,7 +39,7 @@ from hp_pipeline.builders import (
 from hp_pipeline.builders.placement import Style
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.errors import StageFailure
-from hp_pipeline.executor import StepRunner, exchange_failures, raise_step_error
+from hp_pipeline.executor import StepRunner, raise_step_error
 from hp_pipeline.fsdp import add_fsdp_steps, is_sharded_module
 from hp_pipeline.grads import TiedGroup, clip_grad_norm_, sync_tied
 from hp_pipeline.ir import Order
@@ -78,6 +78,11 @@ class PipelineSchedule:
             the whole batch's mean loss. ``False`` sums them.
         abort_timeout: seconds to wait for each pending handle when
             communication itself fails (see [Note: failures]).
+        recv_lookahead: on gloo, how many compute steps ahead receives are
+            posted; ``None`` (default) posts all of a step's receives when it
+            starts, fastest but holding every receive buffer of the step
+            ([Note: receive lookahead] in :mod:`hp_pipeline.executor`).
+            Backends that coalesce batches always post one step ahead.
     """
 
     _style: Style = "loop"
@@ -94,7 +99,15 @@ class PipelineSchedule:
         output_merge_spec: int = 0,
         scale_grads: bool = True,
         abort_timeout: float = 10.0,
+        recv_lookahead: int | None = None,
     ) -> None:
+        if recv_lookahead is not None and (
+            isinstance(recv_lookahead, bool) or not isinstance(recv_lookahead, int) or recv_lookahead < 1
+        ):
+            raise ValueError(
+                f"{self._name}: recv_lookahead must be None (post all of a step's receives when it starts) "
+                f"or an int >= 1 (that many compute steps ahead), got {recv_lookahead!r}"
+            )
         stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
             raise TypeError(
@@ -125,6 +138,7 @@ class PipelineSchedule:
             order = add_fsdp_steps(order, range(self.num_stages))
         self.order: Order = self._with_comms(order)
         self._runner = self._make_runner(training=loss_fn is not None, abort_timeout=abort_timeout)
+        self._runner.recv_lookahead = recv_lookahead
         self._learned = False
         self._tied: list[TiedGroup] = []
 
@@ -220,8 +234,7 @@ class PipelineSchedule:
             first_step=not self._learned,
             pre_failure=pre_failure,
         )
-        device = next(iter(self._stages.values())).device
-        failures = exchange_failures(own, self.group, device)
+        failures = self._runner.vote.close(own)
         if failures:
             raise_step_error(failures, own)
         self._learned = True

@@ -33,8 +33,9 @@ Every MPipe transfer into stage 0 (features and data) is sent from the start
 of its owner's list, before the owner's first step that depends on another
 rank. So on stage 0's rank these receives are the first receives from each
 peer in the step, and they can all be posted at once, in list order, at the
-start of the step, and waited once before the first forward that needs one
-of them: the owners send them without waiting for anything.
+start of the step, and each waited right before the forward that needs it
+(on backends that coalesce a batch: the batch's one handle, waited before the
+first such forward): the owners send them without waiting for anything.
 :func:`mpipe_receives_lead` checks this property of an order.
 """
 

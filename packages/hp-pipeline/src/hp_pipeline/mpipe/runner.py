@@ -496,23 +496,14 @@ class MPipeRunner(StepRunner):
         if not self.batched:
             super()._run_overlapped()
             return
-        # [Note: MPipe receive posting]: all leading feature/data receives in one batch, waited once.
-        from hp_core import P2POp, batch_isend_irecv
-
-        ops, keys = [], []
+        # [Note: MPipe receive posting]: all leading feature/data receives at once, each waited once.
+        recvs = []
         for step in self._early:
             bufs = [m.empty(self.device) for m in self._recv_metas(step)]
             key = (step.type, step.stage_index, step.micro_index)
             self._recv_bufs[key] = bufs  # type: ignore[index]
-            ops += [P2POp("irecv", b, self._peer(step), self.group) for b in bufs]
-            keys.append(key)
-        if ops:
-            try:
-                work = batch_isend_irecv(ops)
-            except Exception as exc:
-                raise _CommError(str(exc)) from exc
-            for key in keys:
-                self._recv_work[key] = work  # type: ignore[index]
+            recvs.append((key, bufs, self._peer(step)))
+        self._post_p2p([], recvs)
         self.blocks = self._lean_blocks
         try:
             super()._run_overlapped()

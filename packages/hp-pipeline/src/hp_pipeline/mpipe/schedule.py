@@ -28,7 +28,7 @@ from torch import nn
 
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.errors import StageFailure
-from hp_pipeline.executor import StepRunner, exchange_failures, raise_step_error
+from hp_pipeline.executor import StepRunner, raise_step_error
 from hp_pipeline.grads import clip_grad_norm_, sync_tied
 from hp_pipeline.ir import Order
 from hp_pipeline.microbatch import split_args_kwargs
@@ -299,8 +299,7 @@ class ScheduleMPipe(PipelineSchedule):
             first_step=not self._learned,
             pre_failure=pre_failure,
         )
-        device = next(iter(self._stages.values())).device
-        failures = exchange_failures(own, self.group, device)
+        failures = runner.vote.close(own)
         if failures:
             raise_step_error(failures, own)
         self._learned = True
