@@ -158,10 +158,10 @@ def test_implicit_backward_prefetch(rank: int, world_size: int, monkeypatch: Any
             events.append(("gather", groups[id(self)]))
         unshard(self)
 
-    def record_post_backward(self: Any) -> None:
+    def record_post_backward(self: Any, **kwargs: Any) -> None:
         if self.group is not None and id(self.group) in groups and not self.group.post_backward_done:
             events.append(("reduce", groups[id(self.group)]))
-        post_backward(self)
+        post_backward(self, **kwargs)
 
     monkeypatch.setattr(FSDPParamGroup, "unshard", record_unshard)
     monkeypatch.setattr(FSDPState, "post_backward", record_post_backward)

@@ -106,14 +106,17 @@ def test_scalar_parameter_needs_replicate(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.distributed(world_size=2)
-def test_tensor_parallel_params_not_supported_yet(
+def test_tensor_parallel_param_on_the_data_parallel_mesh(
     rank: int, world_size: int, device_mesh_factory: Any
 ) -> None:
     mesh = device_mesh_factory((2,))
     model = nn.Linear(4, 4)
     model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
-    with pytest.raises(NotImplementedError, match=r"'weight' is already a DTensor"):
-        fully_shard(model)
+    before = dict(model.named_parameters())
+    with pytest.raises(ValueError, match=r"'weight' is a DTensor over mesh .* not another dim"):
+        fully_shard(model)  # the default mesh is the same dim the weight is already sharded on
+    assert not isinstance(model, HSDPModule)
+    assert dict(model.named_parameters()) == before  # the same Parameter objects: nothing changed
     assert not isinstance(model, HSDPModule)
 
 

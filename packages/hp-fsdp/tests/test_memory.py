@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hp_dtensor import DTensor
 from hp_fsdp.param import FSDPParam
 from hp_fsdp.state import get_state
 
@@ -65,3 +66,75 @@ def test_sharded_and_gathered_memory(rank: int, world_size: int, reshard: bool, 
         assert full_bytes <= peak[0] <= padded
     # after backward everything is resharded
     assert all(not p.is_unsharded_allocated() for p in params)
+
+
+def _storage_bytes(tensors: list[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t._local if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.distributed(world_size=4)
+def test_peak_params_and_grads_per_rank(rank: int, world_size: int, monkeypatch: Any) -> None:
+    """Peak of sharded params + grads + gathered params + unreduced grads, by storage accounting.
+
+    Sampled at every point where a unit gathers, reshards or reduces. The bound: this rank's
+    1/W of the (padded) parameters and of their gradients, plus the root unit (gathered from
+    forward to the end of backward by default) and the largest block, each with its full
+    gradient. The unsharded model with its gradients would need 2x the model on every rank.
+    """
+    from hp_fsdp.param_group import FSDPParamGroup
+
+    model = build(n_blocks=8)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    padded = _padded_bytes(model, world_size)
+    block_bytes = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
+    root_bytes = full_bytes - sum(
+        sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks
+    )
+    shard_blocks(model)
+    fsdp_params = [p for m in model.modules() if (s := get_state(m)) and s.group for p in s.group.params]
+
+    def live() -> int:
+        tensors: list[Any] = []
+        for p in fsdp_params:
+            tensors += [p.sharded_param, p.sharded_param.grad, p._unsharded_buffer, p._unsharded_view_buffer]
+            tensors.append(p.unsharded_param.grad if p.unsharded_param is not None else None)
+            tensors.append(p.unsharded_accumulated_grad)
+        return _storage_bytes(tensors)
+
+    peak = [0]
+
+    def sampled(name: str) -> None:
+        original = getattr(FSDPParamGroup, name)
+
+        def wrapper(self: FSDPParamGroup, *args: Any, **kwargs: Any) -> Any:
+            peak[0] = max(peak[0], live())
+            out = original(self, *args, **kwargs)
+            peak[0] = max(peak[0], live())
+            return out
+
+        monkeypatch.setattr(FSDPParamGroup, name, wrapper)
+
+    for name in ("wait_for_unshard", "reshard", "reduce"):
+        sampled(name)
+    for step in range(2):  # the second step starts with sharded gradients already present
+        tokens, targets = global_batch(step, world_size)
+        loss_fn(model, tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]).backward()
+    peak[0] = max(peak[0], live())
+
+    pad = padded - full_bytes
+    bound = 2 * padded // world_size + 2 * (root_bytes + block_bytes) + 2 * pad
+    assert peak[0] <= bound, (peak[0], bound)
+    assert peak[0] >= padded // world_size + block_bytes  # it did measure a gathered block
+    assert peak[0] < full_bytes  # far from the 2x full_bytes of unsharded params + grads
+    # after backward: the shards, and their gradients as views of each unit's padded reduce output
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    assert live() == local + padded // world_size

@@ -110,3 +110,44 @@ def test_dcp_save_4way_load_hsdp_2x2(
         torch.testing.assert_close(full(value), expected_model[key], rtol=0, atol=0, msg=key)
     for key, value in target_opt.state_dict()["state"].items():
         torch.testing.assert_close(full(value["exp_avg"]), expected_avg[key], rtol=0, atol=0)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_dcp_state_dict_helpers_4way_to_hsdp_2x2(
+    rank: int, world_size: int, device_mesh_factory: Any, tmp_path: Any
+) -> None:
+    """``get_state_dict`` / ``set_state_dict`` with hp-fsdp modules, saved 4-way, loaded 2x2."""
+    import hp_core
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = hp_core.broadcast_object(str(tmp_path / "ckpt"), src=0)
+    source = shard_blocks(build(seed=1))
+    opt = torch.optim.AdamW(source.parameters(), lr=1e-2)
+    tokens, targets = global_batch(0, world_size)
+    loss_fn(source, tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]).backward()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(source, opt)
+    assert all(isinstance(v, DTensor) for v in model_sd.values())
+    assert set(optim_sd["state"]) == set(model_sd)  # keyed by parameter name, not index
+    expected_model = {k: full(v) for k, v in model_sd.items()}
+    expected_avg = {k: full(v["exp_avg"]) for k, v in optim_sd["state"].items()}
+    expected_sq = {k: full(v["exp_avg_sq"]) for k, v in optim_sd["state"].items()}
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    mesh = device_mesh_factory((2, 2), ("replicate", "shard"))
+    target = shard_blocks(build(seed=2), mesh=mesh)
+    target_opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
+    model_sd, optim_sd = get_state_dict(target, target_opt)  # initialises the optimizer state
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(target, target_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model_sd, optim_sd = get_state_dict(target, target_opt)
+    for key, value in model_sd.items():
+        torch.testing.assert_close(full(value), expected_model[key], rtol=0, atol=0, msg=key)
+    for key, value in optim_sd["state"].items():
+        torch.testing.assert_close(full(value["exp_avg"]), expected_avg[key], rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(full(value["exp_avg_sq"]), expected_sq[key], rtol=0, atol=0, msg=key)
+    # and training continues from the loaded state on the new sharding: one more step runs
+    loss_fn(target, tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]).backward()
+    target_opt.step()

@@ -74,7 +74,7 @@ def fully_shard(
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     validate_call(modules, mesh, offload_policy)
     install_checkpoint_hooks()
-    plan = collect_params(modules, ignored, replicated, shard_placement_fn, offload=offload)
+    plan = collect_params(modules, ignored, replicated, shard_placement_fn, offload=offload, mesh=mesh)
 
     # -- nothing was changed above; from here on the modules are converted --
     device = get_platform().device()

@@ -24,6 +24,31 @@ so optimizers, ``state_dict()`` and ``named_parameters()`` see shards. While a
 unit is gathered, the module attribute is swapped to a plain
 ``nn.Parameter`` viewing the gathered buffer, so the module's forward runs on
 ordinary tensors and autograd accumulates the full gradient there.
+
+[Note: FSDP x TP]
+A parameter that is already an ``hp_dtensor.DTensor`` over a 1-D tensor-parallel
+mesh (from ``parallelize_module``) is managed through its *TP-local* tensor:
+everything above (chunking, padding, gathering, reduce-scatter) treats the
+local tensor as "the parameter". The gathered form registered on the module
+is that tensor wrapped again as a DTensor with the TP layout, so the TP
+forward hooks and DTensor ops see what they saw before ``fully_shard``.
+
+The sharded form is a DTensor over the combined mesh of the data-parallel
+dims and the TP dim, with a layout that is exact for what each rank holds:
+
+* the TP placement shards another tensor dim than FSDP (row-wise weights) or
+  replicates: the mesh is ``(*dp_dims, tp)`` with placements
+  ``(*dp_placements, tp_placement)``, e.g. ``(Shard(0), Shard(1))``;
+* the TP placement shards the same dim as FSDP (column-wise weight and
+  bias): FSDP cuts the TP-local rows again, so rank ``(dp=i, tp=j)`` holds
+  rows starting at ``offset_tp(j) + offset_dp(i)`` -- TP-major, which is
+  what torch's ``_StridedShard`` expresses. hp_dtensor orders nested shards
+  of one dim by mesh dim, so the mesh is ordered with the TP dim *before*
+  the FSDP shard dim, e.g. ``("tp", "dp")`` with ``(Shard(0), Shard(0))``.
+
+Uneven sizes are recorded in the layout's ragged table (computed locally,
+no communication), so ``full_tensor()``, redistribution and DCP offsets are
+exact.
 """
 
 from __future__ import annotations
@@ -34,6 +59,8 @@ import torch
 from hp_core import DeviceMesh
 from hp_dtensor import DTensor, Layout, Placement, Replicate, Shard
 from torch import nn
+
+from hp_fsdp.tp_layout import combined_layout, tp_layout_of
 
 __all__ = ["FSDPParam", "ParamInfo"]
 
@@ -93,8 +120,12 @@ class FSDPParam:
         self.shard_dim = shard_dim
         self.orig_dtype = param.dtype
         self.requires_grad = param.requires_grad
-        self.shape = tuple(param.shape)
-        self.numel = param.numel()
+        # TP parameters: FSDP works on the TP-local tensor, see [Note: FSDP x TP]
+        self.tp_layout: Layout | None = tp_layout_of(param, self.fqn)
+        self.global_shape = tuple(param.shape)
+        local_param: torch.Tensor = param._local if self.tp_layout is not None else param  # type: ignore[attr-defined]
+        self.shape = tuple(local_param.shape)
+        self.numel = local_param.numel()
         shard_mesh_dim = mesh.ndim - 1
         self.world = 1 if replicate else mesh.size(shard_mesh_dim)
         self.shard_rank = 0 if replicate else mesh.get_local_rank(shard_mesh_dim)
@@ -110,16 +141,21 @@ class FSDPParam:
             self.padded_shape = tuple(padded)
             self.local_rows = rows[self.shard_rank]
         self.padded_numel = math.prod(self.padded_shape)
-        self.layout = Layout(mesh, self.placements, self.shape)
+        if self.tp_layout is None:
+            self.layout = Layout(mesh, self.placements, self.shape)
+        else:
+            self.layout = combined_layout(self.tp_layout, mesh, self.placements, self.world)
+            self.placements = self.layout.placements
         self.unsharded_param = None
         self._unsharded_buffer: torch.Tensor | None = None  # see [Note: stable unsharded views]
         self._unsharded_view_buffer: torch.Tensor | None = None  # dim != 0: the assembled tensor
         self.unsharded_accumulated_grad: torch.Tensor | None = None
-        self._init_sharded(param.detach())
+        self._init_sharded(local_param.detach())
 
     # -- sharded state ------------------------------------------------------------------
 
     def _local_from_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``full`` (the TP-local tensor for TP params, the parameter otherwise)."""
         if self.replicate:
             return full
         start = min(self.shard_rank * self.padded_shape[self.shard_dim], self.shape[self.shard_dim])
@@ -150,12 +186,13 @@ class FSDPParam:
         if current is None:
             return
         self.orig_dtype = current.dtype  # .to(dtype) changes what gradients are cast back to
-        if isinstance(current, DTensor):
+        if isinstance(current, DTensor) and current._layout == self.layout:
             self.sharded_param = current
             for info in self.infos:
                 _set_module_param(info, current)
             return
-        self._wrap_local(self._local_from_full(current.detach()).contiguous())
+        source: torch.Tensor = current._local if isinstance(current, DTensor) else current  # TP meta-init
+        self._wrap_local(self._local_from_full(source.detach()).contiguous())
 
     def load_full_or_sharded(self, value: torch.Tensor) -> torch.Tensor:
         """A state-dict value as a DTensor with this parameter's layout, without communication when possible.
@@ -164,11 +201,19 @@ class FSDPParam:
         redistributed to this layout if its placements differ.
         """
         if isinstance(value, DTensor):
-            if value.placements != self.placements:
-                value = value.redistribute(placements=self.placements)
-            return value
-        if tuple(value.shape) != self.shape:
+            if value._layout == self.layout:
+                return value
+            if value.device_mesh == self.layout.mesh:
+                return value.redistribute(placements=self.placements)
+            value = value.full_tensor()  # another mesh (e.g. a TP-only model): gather, then cut
+        if tuple(value.shape) != self.global_shape:
             return value  # let nn.Module report the shape mismatch with its usual message
+        if self.tp_layout is not None:
+            offsets, sizes = self.layout.local_offset(), self.layout.local_shape()
+            local = value.detach()
+            for dim, (start, size) in enumerate(zip(offsets, sizes, strict=True)):
+                local = local.narrow(dim, start, size)
+            return DTensor(local.to(self.local_shard().device).contiguous(), self.layout)
         local = self._local_from_full(value.detach())
         return DTensor(local.to(self.local_shard().device), self.layout)
 
@@ -251,6 +296,8 @@ class FSDPParam:
                 data = self._unsharded_view_buffer
             else:
                 data = buffer[: self.numel].view(self.shape)
+            if self.tp_layout is not None:
+                data = DTensor(data, self.tp_layout)
             self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
 
     def free_unsharded(self) -> None:
@@ -282,7 +329,7 @@ class FSDPParam:
         """The full gradient accumulated since the last reduction (and clear it from the param)."""
         grad: torch.Tensor | None = None
         if self.unsharded_param is not None and self.unsharded_param.grad is not None:
-            grad = self.unsharded_param.grad
+            grad = self._plain_grad(self.unsharded_param.grad)
             self.unsharded_param.grad = None
         if self.unsharded_accumulated_grad is not None:
             acc = self.unsharded_accumulated_grad
@@ -294,12 +341,21 @@ class FSDPParam:
         """No-sync step: keep the full gradient (in the reduce dtype) for a later reduction."""
         if self.unsharded_param is None or self.unsharded_param.grad is None:
             return
-        grad = self.unsharded_param.grad
+        grad = self._plain_grad(self.unsharded_param.grad)
         self.unsharded_param.grad = None
         if self.unsharded_accumulated_grad is None:
             self.unsharded_accumulated_grad = grad.to(dtype) if grad.dtype != dtype else grad
         else:
             self.unsharded_accumulated_grad += grad.to(dtype)
+
+    def _plain_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient as a plain tensor of the gathered (TP-local) shape."""
+        if not isinstance(grad, DTensor):
+            return grad
+        if self.tp_layout is not None and grad._layout != self.tp_layout:
+            grad = grad.redistribute(placements=self.tp_layout.placements)  # e.g. Partial -> Shard
+        local: torch.Tensor = grad._local
+        return local
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor, *, main_grad: bool) -> None:
         """Add the reduced local gradient to ``.grad`` (or the fp32 ``main_grad``)."""
@@ -316,10 +372,10 @@ class FSDPParam:
             existing_local = existing._local if isinstance(existing, DTensor) else existing
             existing_local.add_(local)
             return
-        if local.data_ptr() == local_grad.data_ptr():
-            # Own storage, so the unit's reduce buffer (padded) is freed right away; measured
-            # lower peak memory than keeping views of it as the gradients.
-            local = local.clone()
+        if not local.is_contiguous():
+            local = local.contiguous()  # shard dims other than 0: DTensor locals are contiguous
+        # A contiguous piece stays a view of the unit's reduce output (as torch's FSDP2 does): a copy
+        # would hold the output and the copies (2/W of the unit) at once.
         grad = DTensor(local, self.layout)
         if main_grad:
             param.main_grad = grad  # type: ignore[attr-defined]

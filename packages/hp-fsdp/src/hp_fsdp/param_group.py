@@ -62,7 +62,8 @@ class FSDPParamGroup:
         self._partial_outputs: list[torch.Tensor] | None = None  # HSDP: reduce-scattered, not all-reduced
         # per-iteration flags, reset by the root's final callback
         self.needs_post_backward = False
-        self.post_backward_done = False
+        self.forward_calls = 0  # post-backward markers placed this iteration (a module may run twice)
+        self.post_backward_runs = 0
 
     # -- dtypes ---------------------------------------------------------------------------
 
@@ -191,7 +192,13 @@ class FSDPParamGroup:
     def reset_iteration(self) -> None:
         """Clear the per-backward flags (called by the root's final callback)."""
         self.needs_post_backward = False
-        self.post_backward_done = False
+        self.forward_calls = 0
+        self.post_backward_runs = 0
+
+    @property
+    def post_backward_done(self) -> bool:
+        """Whether every marker placed in forward this iteration has run its post-backward."""
+        return self.post_backward_runs >= max(1, self.forward_calls)
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({[p.fqn for p in self.params]})"

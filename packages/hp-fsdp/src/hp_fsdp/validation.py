@@ -18,6 +18,7 @@ from torch import nn
 from hp_fsdp.param import ParamInfo
 from hp_fsdp.policies import OffloadPolicy
 from hp_fsdp.state import get_state
+from hp_fsdp.tp_layout import check_tp_param
 
 __all__ = ["ParamPlan", "collect_params", "validate_call"]
 
@@ -122,6 +123,7 @@ def collect_params(
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     *,
     offload: bool,
+    mesh: DeviceMesh | None = None,
 ) -> list[ParamPlan]:
     """The unit's parameters in registration order (tied parameters once, with every owner)."""
     owned, originals = _owned_by_units(modules)
@@ -145,7 +147,7 @@ def collect_params(
             plan = ParamPlan(param, [info], 0, id(param) in replicated)
             by_id[id(param)] = plan
             order.append(plan)
-    _check_params(order, shard_placement_fn, offload)
+    _check_params(order, shard_placement_fn, offload, mesh)
     return order
 
 
@@ -153,16 +155,14 @@ def _check_params(
     plans: list[ParamPlan],
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     offload: bool,
+    mesh: DeviceMesh | None = None,
 ) -> None:
     devices: dict[str, str] = {}
     for plan in plans:
         param, fqn = plan.param, plan.infos[0].fqn
-        if isinstance(param, DTensor) or isinstance(getattr(param, "data", None), DTensor):
-            raise NotImplementedError(
-                f"fully_shard: parameter {fqn!r} is already a DTensor ({getattr(param, 'placements', '?')}); "
-                "composing fully_shard with tensor parallelism is not supported yet in hp_fsdp. Apply "
-                "fully_shard to a model with plain parameters, or pass this one in ignored_params."
-            )
+        is_dtensor = isinstance(param, DTensor) or isinstance(getattr(param, "data", None), DTensor)
+        if mesh is not None and is_dtensor:
+            check_tp_param(param, fqn, mesh, replicate=plan.replicate, shard_dim=plan.shard_dim)
         if param.is_meta:
             devices.setdefault("meta", fqn)
         else:
@@ -194,6 +194,8 @@ def _check_params(
                         f"shape {tuple(param.shape)}; the dim must be in [{-param.dim()}, {param.dim() - 1}]."
                     )
                 plan.shard_dim = dim
+        if mesh is not None and isinstance(param, DTensor):
+            check_tp_param(param, fqn, mesh, replicate=False, shard_dim=plan.shard_dim)
     kinds = {k for k in devices if k != "meta"}
     if len(kinds) > 1:
         listing = ", ".join(f"{fqn!r} on {kind}" for kind, fqn in devices.items())
