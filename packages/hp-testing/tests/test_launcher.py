@@ -53,7 +53,9 @@ def test_script_runs_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_script_arguments_are_passed_through(tmp_path: Path) -> None:
-    script = _script(tmp_path, "import sys, os\nprint(os.environ['RANK'], sys.argv[1:])\n")
+    # one write per line (a short pipe write is atomic), so the two ranks' lines cannot interleave
+    body = "import sys, os\nsys.stdout.write(f\"{os.environ['RANK']} {sys.argv[1:]}\\n\")\n"
+    script = _script(tmp_path, body)
     proc = _hp_run("-n", "2", str(script), "--lr", "0.1")
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.splitlines()) == ["0 ['--lr', '0.1']", "1 ['--lr', '0.1']"]
@@ -82,3 +84,41 @@ def test_bad_arguments_are_explained(tmp_path: Path, capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         main(["-n", "2", str(tmp_path / "missing.py")])
     assert "does not exist" in capsys.readouterr().err
+
+
+EMULATED = """
+import sys, torch, torch.distributed as dist, hp_core
+hp_core.init_distributed()  # asks for nccl: the layer runs it over gloo
+platform = hp_core.get_platform()
+t = torch.full((2,), float(dist.get_rank() + 1))
+dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+print(f"rank={dist.get_rank()} {platform.device_type}/{platform.backend} t={t.tolist()}")
+if "bug" in sys.argv and dist.get_rank() == 1:
+    dist.broadcast(torch.ones(2), src=0)
+else:
+    dist.all_reduce(torch.ones(2))
+hp_core.destroy_distributed()
+"""
+
+
+def test_emulate_nccl_runs_the_script_on_a_spoofed_platform(tmp_path: Path) -> None:
+    script = _script(tmp_path, EMULATED)
+    proc = _hp_run("-n", "2", "--emulate", "nccl", str(script))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"rank={rank} cuda/nccl t=[1.5, 1.5]" in proc.stdout
+
+
+def test_emulate_reports_a_mismatch_instead_of_hanging(tmp_path: Path) -> None:
+    script = _script(tmp_path, EMULATED)
+    proc = _hp_run("-n", "2", "--emulate", "nccl", str(script), "bug")
+    assert proc.returncode == 1
+    assert "CollectiveMismatchError: the ranks of group [0, 1] disagree on collective #1" in proc.stderr
+    assert "rank 1: broadcast(tensor 2 torch.float32, root 0)" in proc.stderr
+
+
+def test_emulate_hccl_applies_hccls_rules(tmp_path: Path) -> None:
+    script = _script(tmp_path, EMULATED)
+    proc = _hp_run("-n", "2", "--emulate", "hccl", str(script))
+    assert proc.returncode == 1
+    assert "reduce op PREMUL_SUM is not supported by hccl" in proc.stderr

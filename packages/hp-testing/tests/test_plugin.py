@@ -91,7 +91,7 @@ def test_hang_prints_stack_then_pool_recovers(pytester: pytest.Pytester) -> None
     _write(
         pytester,
         """
-        @pytest.mark.distributed(world_size=2, timeout=2)
+        @pytest.mark.distributed(world_size=2, timeout=2, checks=False)
         def test_hangs(rank):
             if rank == 1:
                 dist.all_reduce(torch.ones(1))  # rank 0 never joins
@@ -118,7 +118,7 @@ def test_rank_failure_stops_blocked_peers_within_seconds(pytester: pytest.Pytest
     _write(
         pytester,
         """
-        @pytest.mark.distributed(world_size=2, timeout=600)
+        @pytest.mark.distributed(world_size=2, timeout=600, checks=False)
         def test_raises_while_peer_waits(rank):
             if rank == 0:
                 raise ValueError("boom on rank 0")
@@ -307,7 +307,7 @@ def test_no_rank_process_outlives_the_session(pytester: pytest.Pytester) -> None
     _write(
         pytester,
         """
-        @pytest.mark.distributed(world_size=4, timeout=2)
+        @pytest.mark.distributed(world_size=4, timeout=2, checks=False)
         def test_hang(rank):
             if rank == 3:
                 dist.all_reduce(torch.ones(1))
@@ -382,3 +382,37 @@ def test_same_tests_run_under_plain_torchrun(pytester: pytest.Pytester) -> None:
     assert proc.returncode == 0, out
     assert out.count("1 passed, 1 skipped") == 2, out
     assert "needs world_size=4; this launch has WORLD_SIZE=2" in out
+
+
+def test_backend_from_the_environment(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write(
+        pytester,
+        """
+        import hp_core
+
+        @pytest.mark.distributed(world_size=2)
+        def test_default_backend(rank):
+            assert hp_core.get_platform().device_type == "npu"
+
+        @pytest.mark.distributed(world_size=2, backend="gloo")
+        def test_marker_wins(rank):
+            assert hp_core.get_platform().device_type == "cpu"
+        """,
+    )
+    monkeypatch.setenv("HP_TEST_BACKEND", "hccl-emu")
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+    monkeypatch.setenv("HP_TEST_BACKEND", "tpu-emu")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*unknown backend 'tpu-emu' (from $HP_TEST_BACKEND)*"])
+
+
+def test_backend_semantics_seam_in_hp_core() -> None:
+    from hp_core.capabilities import set_backend_semantics
+
+    assert set_backend_semantics("gloo", "nccl") is None
+    try:
+        assert set_backend_semantics("gloo", "hccl") == "nccl"
+    finally:
+        assert set_backend_semantics("gloo", None) == "hccl"
+    assert set_backend_semantics("gloo", None) is None

@@ -12,6 +12,7 @@ from hp_core.capabilities import (
     capabilities_for,
     get_capabilities,
     register_capabilities,
+    set_backend_semantics,
     use_capabilities,
 )
 from hp_core.collectives import (
@@ -92,6 +93,7 @@ __all__ = [
     "register_capabilities",
     "send",
     "send_object",
+    "set_backend_semantics",
     "set_platform",
     "use_capabilities",
     "use_platform",

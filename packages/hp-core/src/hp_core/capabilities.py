@@ -45,6 +45,7 @@ __all__ = [
     "capabilities_for",
     "get_capabilities",
     "register_capabilities",
+    "set_backend_semantics",
     "use_capabilities",
 ]
 
@@ -122,14 +123,37 @@ def use_capabilities(capabilities: BackendCapabilities) -> Iterator[BackendCapab
             _TABLE[key] = previous
 
 
+# [Note: backend semantics seam]
+# The NCCL/HCCL emulation in hp-testing runs real traffic over gloo while
+# library code must take its NCCL (or HCCL) decisions. It maps the real
+# backend's name to the emulated one here, in the ranks it controls; hp_core
+# never imports the harness. Empty (the production case) costs one truth test.
+_semantics: dict[str, str] = {}
+
+
+def set_backend_semantics(real: str, emulated: str | None) -> str | None:
+    """Make groups that run on ``real`` report ``emulated``'s capabilities; ``None`` undoes it.
+
+    For test harnesses that emulate one backend over another (hp-testing's
+    ``nccl-emu`` runs gloo as ``nccl``). Returns the previous mapping of ``real``.
+    """
+    key = real.lower()
+    previous = _semantics.pop(key, None)
+    if emulated is not None:
+        _semantics[key] = emulated.lower()
+    return previous
+
+
 def _backend_name(group: dist.ProcessGroup | None, tensor_device_type: str) -> str:
     # A group may be built over several backends ("cpu:gloo,cuda:nccl"); the
     # one that runs a collective is the one for the tensor's device.
     name = str(dist.get_backend(group))
-    if ":" not in name:
-        return name
-    pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
-    return pairs.get(tensor_device_type, next(iter(pairs.values())))
+    if ":" in name:
+        pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        name = pairs.get(tensor_device_type, next(iter(pairs.values())))
+    if _semantics:
+        return _semantics.get(name, name)
+    return name
 
 
 def capabilities_for(group: dist.ProcessGroup | None, tensor_device_type: str = "cpu") -> BackendCapabilities:

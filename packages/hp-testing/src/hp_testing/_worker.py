@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 # Fixtures whose value differs per rank: computed inside the worker, never sent.
 RANK_LOCAL_FIXTURES = ("rank", "world_size", "device_mesh_factory")
+EMULATED_BACKENDS = ("nccl-emu", "hccl-emu")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,16 @@ class Task:
     sys_path: list[str]
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How the emulation layer treats one task (see ``hp_testing.emulation``)."""
+
+    prefix: str = ""  # store prefix of this run's cross-rank checks
+    checks: bool = True
+    strict: bool = False
+    faults: tuple[Any, ...] = ()
+
+
 @dataclass
 class TaskResult:
     """What one rank reports back about one task."""
@@ -81,6 +92,8 @@ class TaskResult:
     duration_s: float = 0.0
     # The test destroyed the default group or left it unusable: re-init needed.
     needs_reinit: bool = False
+    # Injected faults that fired on this rank (and planned ones that did not).
+    faults: list[str] = field(default_factory=list)
 
 
 def _die_with_parent() -> None:
@@ -106,7 +119,7 @@ def _init_group(cfg: WorkerConfig, generation: int) -> None:
     )
     prefixed = dist.PrefixStore(f"hp/{cfg.pool_key}/{generation}", store)
     dist.init_process_group(
-        cfg.backend,
+        "gloo",  # the emulated backends run real traffic over gloo
         store=prefixed,
         rank=cfg.rank,
         world_size=cfg.world_size,
@@ -171,12 +184,20 @@ def _import_test_module(name: str, path: str) -> ModuleType:
     return module
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _format_error(exc: BaseException) -> str:
-    """The traceback from the test's own frames on, without the harness's."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__ and tb.tb_next is not None:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    """The traceback from the test's own frames on, without the harness's (the checks' included)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_PACKAGE_DIR)]
+    text = "Traceback (most recent call last):\n" if frames else ""
+    text += "".join(traceback.format_list(frames))
+    text += "".join(traceback.format_exception_only(type(exc), exc))
+    cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    if cause is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        link = "direct cause" if exc.__cause__ is not None else "exception while handling"
+        text = _format_error(cause) + f"\n(the {link} of:)\n\n" + text
+    return text
 
 
 def _load_function(task: Task) -> Callable[..., Any]:
@@ -238,22 +259,45 @@ class _StateGuard:
                 os.chdir(cwd)
 
 
-def _run_task(task: Task, cfg: WorkerConfig, guard: _StateGuard) -> TaskResult:
+def _run_task(
+    task: Task, cfg: WorkerConfig, guard: _StateGuard, options: RunOptions, check_store: Any
+) -> TaskResult:
+    from hp_testing import emulation
+
     out, err = io.StringIO(), io.StringIO()
     before = _live_groups()
     start = time.perf_counter()
     result = TaskResult(rank=cfg.rank, ok=True)
+    layer = emulation.active_layer()
     with guard.around_test(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
+            if layer is not None and dist.is_initialized():
+                layer.begin_test(
+                    check_store if options.prefix else None,
+                    options.prefix,
+                    checks=options.checks,
+                    strict=options.strict,
+                    faults=options.faults,
+                )
             fn = _load_function(task)
             kwargs = dict(task.kwargs)
             for name in RANK_LOCAL_FIXTURES:
                 if name in kwargs:
                     kwargs[name] = _rank_local_value(name, cfg)
             fn(**kwargs)
+            if layer is not None and dist.is_initialized():
+                layer.finish_test()
         except BaseException as exc:
             result.ok = False
             result.error = _format_error(exc)
+            if layer is not None:
+                layer.post_failure(result.error)
+        finally:
+            if layer is not None:
+                result.faults = layer.end_test()
+                emulation.reinject()
+    if result.faults:
+        result.needs_reinit = True
     result.duration_s = time.perf_counter() - start
     result.stdout, result.stderr = out.getvalue(), err.getvalue()
     if not dist.is_initialized():
@@ -277,6 +321,15 @@ def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
     guard = _StateGuard(torch.random.default_generator.get_state())
     generation = 0
     try:
+        from hp_testing import emulation
+
+        emulation.install(cfg.backend)
+        check_store = dist.TCPStore(
+            cfg.store_host,
+            cfg.store_port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
+        )
         _init_group(cfg, generation)
         conn.send(("ready", cfg.rank))
     except BaseException as exc:
@@ -289,7 +342,8 @@ def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
             break  # the pool went away: nothing left to serve
         kind = message[0]
         if kind == "run":
-            conn.send(("result", _run_task(message[1], cfg, guard)))
+            options = message[2] if len(message) > 2 else RunOptions()
+            conn.send(("result", _run_task(message[1], cfg, guard, options, check_store)))
         elif kind == "reinit":
             generation = message[1]
             os.environ["TORCHELASTIC_RESTART_COUNT"] = str(generation)

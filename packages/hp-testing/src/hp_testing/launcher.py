@@ -80,6 +80,16 @@ def _parser() -> argparse.ArgumentParser:
         "--grace", type=float, default=5.0, help="seconds the other ranks get after one fails (default 5)"
     )
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
+    parser.add_argument(
+        "--emulate",
+        choices=("nccl", "hccl"),
+        default=None,
+        help="run over gloo on CPU while the script sees a cuda/nccl (or npu/hccl) platform, with the "
+        "backend's rules and the cross-rank checks of hp-testing",
+    )
+    parser.add_argument(
+        "--no-checks", action="store_true", help="with --emulate: skip the cross-rank checks (rules stay)"
+    )
     parser.add_argument("script", help="the script (or module with -m) to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -94,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(f"script {args.script!r} does not exist (use -m to run a module)")
     port = args.master_port or _free_port()
     target = ["-m", args.script] if args.module else [args.script]
+    if args.emulate is not None:
+        checks = "no-checks" if args.no_checks else "checks"
+        target = ["-m", "hp_testing._emulated_main", f"{args.emulate}-emu", checks, *target]
     command = [sys.executable, "-u", *target, *args.script_args]
     return launch(command, args.nproc, port, grace_s=args.grace, tag_output=args.tag_output)
 

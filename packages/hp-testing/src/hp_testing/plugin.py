@@ -23,13 +23,16 @@ from typing import Any
 
 import pytest
 
-from hp_testing._worker import RANK_LOCAL_FIXTURES, Task
+from hp_testing._worker import RANK_LOCAL_FIXTURES, RunOptions, Task
+from hp_testing.faults import Fault
 from hp_testing.fixtures import DeviceMeshFactory, make_device_mesh_factory
 from hp_testing.pool import Outcome, WorkerPool
 
 MARKER = "distributed"
-BACKENDS = ("gloo",)
-_PLANNED_BACKENDS = ("nccl-emu", "hccl-emu")
+BACKENDS = ("gloo", "nccl-emu", "hccl-emu")
+ENV_BACKEND = "HP_TEST_BACKEND"
+ENV_STRICT = "HP_TEST_STRICT"
+ENV_CHECKS = "HP_TEST_CHECKS"
 _DEFAULT_TIMEOUT_S = 60.0
 _SESSION_KEY = "hp-testing-session"
 
@@ -85,9 +88,41 @@ def device_mesh_factory(request: pytest.FixtureRequest) -> DeviceMeshFactory | _
     return make_device_mesh_factory() if _inline() else _RankLocal("device_mesh_factory")
 
 
+def _flag(value: Any, name: str, item: pytest.Item) -> bool:
+    if not isinstance(value, bool):
+        raise MarkerError(f"{item.nodeid}: {name} must be True or False, got {value!r}")
+    return value
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    return raw not in ("0", "false", "no", "off")
+
+
+def _run_options(item: pytest.Item, marker: pytest.Mark) -> RunOptions:
+    """The emulation layer's settings for this test: checks, strict mode, faults."""
+    checks = _flag(marker.kwargs.get("checks", _env_flag(ENV_CHECKS, True)), "checks", item)
+    strict = _flag(marker.kwargs.get("strict", _env_flag(ENV_STRICT, False)), "strict", item)
+    faults = marker.kwargs.get("faults", ())
+    if isinstance(faults, Fault):
+        faults = (faults,)
+    faults = tuple(faults)
+    bad = [f for f in faults if not isinstance(f, Fault)]
+    if bad:
+        raise MarkerError(
+            f"{item.nodeid}: faults must be hp_testing.faults.Fault values (faults.fail(rank=1, at=0), ...), "
+            f"got {bad!r}"
+        )
+    if faults and not checks:
+        raise MarkerError(f"{item.nodeid}: faults need checks=True (the peers learn of a fault through them)")
+    return RunOptions(checks=checks, strict=strict, faults=faults)
+
+
 def _options(item: pytest.Item, marker: pytest.Mark, config: pytest.Config) -> tuple[int, str, float]:
     """Validate the marker's arguments; a bad marker is a usage error, not a test failure."""
-    allowed = {"world_size", "backend", "timeout"}
+    allowed = {"world_size", "backend", "timeout", "checks", "strict", "faults"}
     unknown = set(marker.kwargs) - allowed
     if marker.args or unknown:
         raise MarkerError(
@@ -101,14 +136,12 @@ def _options(item: pytest.Item, marker: pytest.Mark, config: pytest.Config) -> t
             f"{item.nodeid}: world_size must be an int >= 1, got {world!r}; "
             f"write @pytest.mark.{MARKER}(world_size=2)"
         )
-    backend = marker.kwargs.get("backend", os.environ.get("HP_TEST_BACKEND", "gloo"))
-    if backend in _PLANNED_BACKENDS:
-        raise MarkerError(
-            f"{item.nodeid}: backend {backend!r} (NCCL/HCCL emulation) is not available in this "
-            f"version of hp-testing; use backend='gloo'"
-        )
+    backend = marker.kwargs.get("backend", os.environ.get(ENV_BACKEND, "gloo") or "gloo")
     if backend not in BACKENDS:
-        raise MarkerError(f"{item.nodeid}: unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+        origin = "" if "backend" in marker.kwargs else f" (from ${ENV_BACKEND})"
+        raise MarkerError(
+            f"{item.nodeid}: unknown backend {backend!r}{origin}; choose one of {list(BACKENDS)}"
+        )
     timeout = marker.kwargs.get("timeout")
     if timeout is None:
         cli = config.getoption("hp_timeout")
@@ -164,6 +197,7 @@ class HarnessSession:
             return None
         try:
             world, backend, timeout = _options(pyfuncitem, marker, self.config)
+            options = _run_options(pyfuncitem, marker)
             task = None if _inline() else _task(pyfuncitem)
         except MarkerError as exc:
             pytest.fail(str(exc), pytrace=False)
@@ -175,12 +209,14 @@ class HarnessSession:
             pool = WorkerPool(world, backend=backend)
             pool.start()
             try:
-                outcome = pool.run(task, timeout)
+                outcome = pool.run(task, timeout, options)
             finally:
                 pool.shutdown()
+            _report(pyfuncitem, outcome, backend, options)
+            return True
         else:
-            outcome = self.pool(world, backend).run(task, timeout)
-        _report(pyfuncitem, outcome, backend)
+            outcome = self.pool(world, backend).run(task, timeout, options)
+        _report(pyfuncitem, outcome, backend, options)
         return True
 
     def pytest_sessionfinish(self) -> None:
@@ -228,12 +264,15 @@ def _task(item: pytest.Function) -> Task:
     )
 
 
-def _report(item: pytest.Function, outcome: Outcome, backend: str) -> None:
+def _report(item: pytest.Function, outcome: Outcome, backend: str, options: RunOptions | None = None) -> None:
     for rank, result in sorted(outcome.results.items()):
         if result.stdout:
             item.add_report_section("call", f"stdout rank {rank}", result.stdout)
         if result.stderr:
             item.add_report_section("call", f"stderr rank {rank}", result.stderr)
+    injected = _fault_lines(outcome, options)
+    if injected:
+        item.add_report_section("call", "injected faults", injected)
     if outcome.ok:
         return
     parts = [_headline(outcome, backend)]
@@ -243,7 +282,20 @@ def _report(item: pytest.Function, outcome: Outcome, backend: str) -> None:
         parts.append(f"{'-' * 20} rank {rank} died {'-' * 20}\nthe process exited with code {code}")
     for rank, stack in sorted(outcome.hung.items()):
         parts.append(f"{'-' * 20} rank {rank} hung; its Python stack {'-' * 20}\n{stack}")
+    if injected:
+        parts.append(f"{'-' * 20} injected faults {'-' * 20}\n{injected}")
     pytest.fail("\n".join(parts), pytrace=False)
+
+
+def _fault_lines(outcome: Outcome, options: RunOptions | None) -> str:
+    lines: list[str] = []
+    for rank, result in sorted(outcome.results.items()):
+        lines.extend(f"rank {rank}: {text}" for text in result.faults)
+    for fault in options.faults if options is not None else ():
+        code = outcome.died.get(fault.rank)
+        if fault.kind == "kill" and fault.rank in outcome.died and code == fault.exit_code:
+            lines.append(f"rank {fault.rank}: {fault.describe()} (the process exited with code {code})")
+    return "\n".join(sorted(lines))
 
 
 def _headline(outcome: Outcome, backend: str) -> str:
@@ -278,8 +330,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        f"{MARKER}(world_size=N, backend='gloo', timeout=60): run the test body on N ranks "
-        "of a pooled process group and report it once",
+        f"{MARKER}(world_size=N, backend='gloo'|'nccl-emu'|'hccl-emu', timeout=60, checks=True, "
+        "strict=False, faults=[]): run the test body on N ranks of a pooled process group and "
+        "report it once",
     )
     if not config.pluginmanager.has_plugin(_SESSION_KEY):
         config.pluginmanager.register(HarnessSession(config), _SESSION_KEY)

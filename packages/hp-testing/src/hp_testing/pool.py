@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from hp_testing._worker import Task, TaskResult, WorkerConfig, worker_main
+from hp_testing._worker import RunOptions, Task, TaskResult, WorkerConfig, worker_main
 
 _CTX: Any = None
 _STORE: Any = None
@@ -44,8 +44,28 @@ def _context() -> Any:
     if _CTX is None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["hp_testing._worker"])
+        _start_forkserver_quietly()
         _CTX = ctx
     return _CTX
+
+
+def _start_forkserver_quietly() -> None:
+    """Start the forkserver with torch's C++ warnings off.
+
+    The cross-rank checks wait on the store with short timeouts; each timeout
+    makes c10d print a socket warning, which would bury the test's own output.
+    The level is read once, when the forkserver imports torch.
+    """
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    if saved is None:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
 def _store() -> Any:
@@ -125,6 +145,7 @@ class WorkerPool:
         self._ready = False
         self.restarts = 0
         self.reinits = 0
+        self.runs = 0
         self._key = f"ws{world_size}-{os.getpid()}-{id(self):x}"
 
     # -- lifecycle -------------------------------------------------------
@@ -269,14 +290,22 @@ class WorkerPool:
 
     # -- running ---------------------------------------------------------
 
-    def run(self, task: Task, timeout_s: float) -> Outcome:
-        """Run ``task`` on every rank; always leaves the pool ready for the next task."""
+    def run(self, task: Task, timeout_s: float, options: RunOptions | None = None) -> Outcome:
+        """Run ``task`` on every rank; always leaves the pool ready for the next task.
+
+        ``options`` carries the emulation layer's settings (checks, strict mode,
+        faults); the pool gives each run its own store prefix for the checks.
+        """
         self.wait_ready()
+        self.runs += 1
+        base = options if options is not None else RunOptions()
+        prefix = f"hp-check/{self._key}/g{self._generation}/r{self.runs}"
+        options = RunOptions(prefix=prefix, checks=base.checks, strict=base.strict, faults=base.faults)
         outcome = Outcome(world_size=self.world_size, timeout_s=timeout_s)
         pending = set(range(self.world_size))
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send(("run", task))
+                conn.send(("run", task, options))
             except (BrokenPipeError, OSError):
                 outcome.died[rank] = self._procs[rank].exitcode
                 pending.discard(rank)
@@ -299,6 +328,7 @@ class WorkerPool:
                 if msg is None:
                     self._procs[rank].join(1)
                     outcome.died[rank] = self._procs[rank].exitcode
+                    _post_death(prefix, rank, outcome.died[rank])
                 elif msg[0] == "result":
                     outcome.results[rank] = msg[1]
                 else:
@@ -342,6 +372,18 @@ class WorkerPool:
                 text = f.read()
             stacks[rank] = _trim_stack(text) or "(no stack: the rank did not answer SIGUSR1)"
         return stacks
+
+
+def _post_death(prefix: str, rank: int, code: int | None) -> None:
+    """Tell the live ranks' checks that ``rank`` died, so they stop waiting for it now."""
+    import pickle
+
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        store = dist.PrefixStore(prefix + "/", _store())
+        value: Any = pickle.dumps(("died", f"the process exited with code {code}"))
+        store.set(f"status/{rank}", value)
 
 
 def _trim_stack(text: str) -> str:

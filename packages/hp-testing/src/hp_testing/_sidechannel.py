@@ -1,0 +1,430 @@
+"""Cross-rank checks through the pool's TCPStore, beside (never through) the collectives.
+
+Before a collective runs, each rank posts its fingerprint under
+``c/<group>/<seq>/<rank>`` and reads every other member's; a mismatch raises
+on every rank the same side-by-side report. Point-to-point messages are keyed
+per direction and per message number (``s/...`` for the send, ``r/...`` for
+the receive); waiting for a message's other end is where unmatched sends,
+size mismatches and NCCL ordering deadlocks surface.
+
+[Note: waiting without hanging]
+A rank waits for its peers' keys with short store timeouts. Between two
+tries it reads the peers' status keys: a peer that failed (posted by the
+worker) or died (posted by the pool) or already finished the test turns the
+wait into an error naming that rank. After the first timeout it also
+publishes what it waits for (``blocked/<rank>``) and follows the other
+blocked ranks' waits: a cycle that comes back to itself, with every awaited
+key still missing, is a deadlock and is reported on every rank in it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from hp_testing._calls import Call
+
+__all__ = [
+    "CollectiveMismatchError",
+    "DeadlockError",
+    "DroppedMessageError",
+    "P2PMismatchError",
+    "PeerFailedError",
+    "SideChannel",
+    "Ticket",
+    "UnmatchedError",
+]
+
+_POLLS = (0.2, 0.3, 0.5, 1.0)
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks of a group issued different collectives at the same position."""
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank failed, died or finished while this one waited for it."""
+
+
+class DeadlockError(RuntimeError):
+    """Ranks wait on each other in a cycle (or in an order NCCL would serialise into one)."""
+
+
+class P2PMismatchError(RuntimeError):
+    """A send and its receive disagree on element count or dtype."""
+
+
+class UnmatchedError(RuntimeError):
+    """A message that was sent but never received (or the reverse), found at the end of the test."""
+
+
+class DroppedMessageError(RuntimeError):
+    """The message this receive waits for was dropped by fault injection."""
+
+
+@dataclass
+class Ticket:
+    """One posted point-to-point op: what we wait for to call it matched."""
+
+    call: Call
+    send: bool
+    group: str
+    src: int
+    dst: int
+    seq: int
+    pos: int
+    checked: bool = False
+
+
+@dataclass
+class _Pair:
+    """The point-to-point stream between two ranks: positions in issue order (a batch shares one)."""
+
+    pos: int = 0
+    batch_pos: int | None = None
+    batch: object | None = None
+    matches: list[tuple[int, int, str, str]] = field(default_factory=list)
+
+
+def _put(store: Any, key: str, value: Any) -> None:
+    store.set(key, pickle.dumps(value))
+
+
+def _line(rank: int, payload: tuple[Any, ...] | None, width: int) -> str:
+    if payload is None:
+        return f"  rank {rank}: (nothing posted)"
+    shown, site = payload[1], payload[2]
+    return f"  rank {rank}: {shown:<{width}}  at {site}"
+
+
+class SideChannel:
+    """The per-test state of the checks on one rank (see the module docstring)."""
+
+    def __init__(
+        self, store: Any, prefix: str, rank: int, world_size: int, *, stream_ordered: bool, tags: bool = True
+    ) -> None:
+        self.store = dist.PrefixStore(prefix + "/", store)
+        self.rank = rank
+        self.world_size = world_size
+        self.stream_ordered = stream_ordered
+        self.tags = tags  # gloo matches messages by tag; NCCL and HCCL ignore tags and match in order
+        self.seqs: dict[str, int] = {}
+        self.last: dict[str, str] = {}
+        self.group_ranks: dict[str, tuple[int, ...]] = {}
+        self.channels: dict[tuple[str, int, int], int] = {}
+        self.pairs: dict[tuple[str, int, int], _Pair] = {}
+        self.sent: dict[tuple[str, int, int, int], str] = {}
+        self.matched: dict[tuple[str, int, int, int], Any] = {}
+        self._blocked_posted = False
+        self._timeout: float | None = None
+
+    # -- store helpers -----------------------------------------------------------
+
+    def _set_timeout(self, seconds: float) -> None:
+        if self._timeout != seconds:
+            self.store.set_timeout(datetime.timedelta(seconds=seconds))
+            self._timeout = seconds
+
+    def _exists(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def _get(self, key: str) -> Any:
+        return pickle.loads(self.store.get(key)) if self._exists(key) else None
+
+    def post_status(self, kind: str, text: str) -> None:
+        """Tell the peers this rank failed (``"failed"``) so their waits end now."""
+        _put(self.store, f"status/{self.rank}", ((kind, text)))
+
+    def _await(
+        self, keys: list[str], owners: list[int], what: str, site: str, group: str | None = None
+    ) -> list[Any]:
+        """Values of ``keys`` (owned by ``owners``) once all exist; see [Note: waiting without hanging]."""
+        attempt = 0
+        try:
+            while True:
+                self._set_timeout(_POLLS[min(attempt, len(_POLLS) - 1)])
+                try:
+                    return [pickle.loads(v) for v in self.store.multi_get(keys)]
+                except dist.DistStoreError:
+                    pass
+                attempt += 1
+                missing = [(k, o) for k, o in zip(keys, owners, strict=True) if not self._exists(k)]
+                self._check_missing(missing, what, site, group)
+                if not self._blocked_posted:
+                    _put(self.store, f"blocked/{self.rank}", ((missing, what, site)))
+                    self._blocked_posted = True
+                self._find_cycle(missing, what, site)
+        finally:
+            if self._blocked_posted:
+                _put(self.store, f"blocked/{self.rank}", (None))
+                self._blocked_posted = False
+
+    def _check_missing(self, missing: list[tuple[str, int]], what: str, site: str, group: str | None) -> None:
+        for _, owner in missing:
+            status = self._get(f"status/{owner}")
+            if status is not None:
+                kind, text = status
+                raise PeerFailedError(
+                    f"rank {owner} {kind} while rank {self.rank} waited for it in {what} at {site}; "
+                    f"stopped waiting. Rank {owner}'s error:\n{text}"
+                )
+            done = self._get(f"done/{owner}")
+            if done is not None:
+                raise PeerFailedError(
+                    f"rank {owner} finished the test while rank {self.rank} waited for it in {what} at "
+                    f"{site}: rank {owner} never issued the matching call. " + self._last_of(done, group)
+                )
+
+    @staticmethod
+    def _last_of(done: dict[str, Any], group: str | None) -> str:
+        if group is None:
+            return ""
+        if group not in done["groups"]:
+            return "It issued no collective on that group."
+        count, last = done["groups"][group]
+        return f"It issued {count} collective(s) on that group; the last was {last}."
+
+    def _find_cycle(self, missing: list[tuple[str, int]], what: str, site: str) -> None:
+        """Report a wait cycle through this rank, if every awaited key in it is still missing."""
+        states: dict[int, Any] = {}
+        for rank in range(self.world_size):
+            if rank != self.rank:
+                states[rank] = self._get(f"blocked/{rank}")
+        path: list[int] = [self.rank]
+        edges: dict[int, list[tuple[str, int]]] = {self.rank: missing}
+
+        def follow(rank: int) -> list[int] | None:
+            for _, owner in edges[rank]:
+                if owner == self.rank:
+                    return list(path)
+                if owner in path or states.get(owner) is None:
+                    continue
+                edges[owner] = states[owner][0]
+                path.append(owner)
+                found = follow(owner)
+                if found is not None:
+                    return found
+                path.pop()
+            return None
+
+        cycle = follow(self.rank)
+        if cycle is None:
+            return
+        for rank in cycle:
+            if any(self._exists(key) for key, _ in edges[rank]):
+                return  # someone already moved on: not stuck
+        lines = [f"  rank {self.rank}: waits in {what} at {site}"]
+        for rank in cycle[1:]:
+            lines.append(f"  rank {rank}: waits in {states[rank][1]} at {states[rank][2]}")
+        raise DeadlockError(
+            f"deadlock: ranks {cycle} wait on each other in a cycle, so none can proceed "
+            "(NCCL and HCCL would hang here until the watchdog timeout):\n"
+            + "\n".join(lines)
+            + "\nIssue collectives in the same order on every rank; pair each blocking send with a "
+            "receive posted first on the other side, or post both in one batch_isend_irecv."
+        )
+
+    # -- collectives -------------------------------------------------------------
+
+    def collective(self, call: Call) -> None:
+        """Compare ``call`` with every other member's call at the same position (blocks)."""
+        group = call.group_name
+        seq = self.seqs.get(group, 0)
+        self.seqs[group] = seq + 1
+        self.group_ranks[group] = call.group_ranks
+        self.last[group] = f"{call.shown} at {call.site}"
+        payload = (call.key, call.shown, call.site, call.splits)
+        _put(self.store, f"c/{group}/{seq}/{self.rank}", (payload))
+        others = [r for r in call.group_ranks if r != self.rank]
+        if not others:
+            return
+        keys = [f"c/{group}/{seq}/{r}" for r in others]
+        what = f"{call.shown} (collective #{seq} on group {list(call.group_ranks)})"
+        values = self._await(keys, others, what, call.site, group)
+        by_rank = dict(zip(others, values, strict=True))
+        by_rank[self.rank] = payload
+        if any(v[0] != call.key for v in values):
+            width = max(len(v[1]) for v in by_rank.values())
+            lines = [_line(r, by_rank.get(r), width) for r in call.group_ranks]
+            raise CollectiveMismatchError(
+                f"the ranks of group {list(call.group_ranks)} disagree on collective #{seq} of this test "
+                "on that group:\n"
+                + "\n".join(lines)
+                + "\nOn NCCL or HCCL this hangs or corrupts memory. Issue the same collectives (same op, "
+                "element counts, dtypes, reduce op and root) in the same order on every rank of the group."
+            )
+        if call.splits is not None:
+            self._check_splits(call, by_rank, seq)
+
+    def _check_splits(self, call: Call, by_rank: dict[int, Any], seq: int) -> None:
+        ranks = call.group_ranks
+        problems = []
+        for i, src in enumerate(ranks):
+            for j, dst in enumerate(ranks):
+                sends = by_rank[src][3][0][j]
+                expects = by_rank[dst][3][1][i]
+                if sends != expects:
+                    problems.append(
+                        f"  rank {src} sends {sends} to rank {dst} (input split {j}, at {by_rank[src][2]}) "
+                        f"but rank {dst} expects {expects} from rank {src} (output split {i}, at "
+                        f"{by_rank[dst][2]})"
+                    )
+        if problems:
+            raise CollectiveMismatchError(
+                f"{call.name} #{seq} on group {list(ranks)}: split sizes disagree between ranks:\n"
+                + "\n".join(problems)
+                + "\nRank i's input_split_sizes[j] must equal rank j's output_split_sizes[i]; exchange "
+                "the sizes first (e.g. an all_to_all_single of the counts)."
+            )
+
+    # -- point to point ------------------------------------------------------------
+
+    def p2p_issue(self, call: Call, *, batch: object | None = None, dropped: bool = False) -> Ticket:
+        """Post one send or receive; returns the ticket :meth:`p2p_wait` settles."""
+        send = "send" in call.name
+        peer = call.peer
+        assert peer is not None
+        src, dst = (self.rank, peer) if send else (peer, self.rank)
+        group = call.group_name if not (self.tags and call.tag) else f"{call.group_name}#tag{call.tag}"
+        channel = (group, src, dst)
+        seq = self.channels.get(channel, 0)
+        self.channels[channel] = seq + 1
+        pair_key = (group, min(src, dst), max(src, dst))
+        pair = self.pairs.setdefault(pair_key, _Pair())
+        if batch is None:
+            pos = pair.pos
+            pair.pos += 1
+            pair.batch_pos = None
+        else:
+            if pair.batch_pos is None or pair.batch is not batch:
+                pair.batch_pos = pair.pos
+                pair.pos += 1
+                pair.batch = batch
+            pos = pair.batch_pos
+        payload = (call.key, call.shown, call.site, pos, dropped, call.tag)
+        letter = "s" if send else "r"
+        _put(self.store, f"{letter}/{group}/{src}/{dst}/{seq}", (payload))
+        if send:
+            self.sent[(group, src, dst, seq)] = f"{call.shown} at {call.site}"
+        return Ticket(call, send, group, src, dst, seq, pos)
+
+    def _other_key(self, ticket: Ticket) -> str:
+        other = "r" if ticket.send else "s"
+        return f"{other}/{ticket.group}/{ticket.src}/{ticket.dst}/{ticket.seq}"
+
+    def posted(self, ticket: Ticket) -> bool:
+        """Whether the other end of ``ticket`` is already posted (no waiting)."""
+        return self._exists(self._other_key(ticket))
+
+    def p2p_wait(self, ticket: Ticket) -> None:
+        """Block until the other end of ``ticket`` is posted; check sizes, drops and NCCL order."""
+        if ticket.checked:
+            return
+        ticket.checked = True
+        call = ticket.call
+        peer = ticket.dst if ticket.send else ticket.src
+        key = self._other_key(ticket)
+        side = "receive" if ticket.send else "send"
+        what = (
+            f"{call.shown} (message #{ticket.seq} from rank {ticket.src} to rank {ticket.dst}, "
+            f"waiting for rank {peer}'s matching {side})"
+        )
+        (theirs,) = self._await([key], [peer], what, call.site)
+        their_key, their_shown, their_site, their_pos, dropped, their_tag = theirs
+        if dropped and not ticket.send:
+            raise DroppedMessageError(
+                f"message #{ticket.seq} from rank {ticket.src} to rank {ticket.dst} ({their_shown} at "
+                f"{their_site}) was dropped by fault injection; {call.shown} at {call.site} would wait "
+                "forever on a real cluster."
+            )
+        if their_key[1:] != call.key[1:]:
+            raise P2PMismatchError(
+                f"message #{ticket.seq} from rank {ticket.src} to rank {ticket.dst}: the two ends disagree:\n"
+                f"  rank {self.rank}: {call.shown}  at {call.site}\n"
+                f"  rank {peer}: {their_shown}  at {their_site}\n"
+                "A send and its receive must have the same element count and dtype (NCCL matches them "
+                "in order per pair, ignoring tags)."
+            )
+        if not self.tags and their_tag != call.tag:
+            raise P2PMismatchError(
+                f"message #{ticket.seq} from rank {ticket.src} to rank {ticket.dst}: the tags differ:\n"
+                f"  rank {self.rank}: {call.shown} tag={call.tag}  at {call.site}\n"
+                f"  rank {peer}: {their_shown} tag={their_tag}  at {their_site}\n"
+                "NCCL and HCCL ignore tags ('tag is not supported with the NCCL backend', torch docs) and "
+                "match sends to receives in issue order per pair, so these two meet there while gloo "
+                "would pair them by tag. Post sends and receives in the same order on both ranks."
+            )
+        if self.stream_ordered:
+            self._check_order(ticket, their_pos, their_shown, their_site, peer)
+
+    def _check_order(
+        self, ticket: Ticket, their_pos: int, their_shown: str, their_site: str, peer: int
+    ) -> None:
+        pair = self.pairs[(ticket.group, min(ticket.src, ticket.dst), max(ticket.src, ticket.dst))]
+        current = (
+            ticket.pos,
+            their_pos,
+            f"{ticket.call.shown} at {ticket.call.site}",
+            f"{their_shown} at {their_site}",
+        )
+        for earlier in pair.matches:
+            pos, other_pos = earlier[0], earlier[1]
+            if (pos - ticket.pos) * (other_pos - their_pos) < 0:
+                first, second = sorted((earlier, current))
+                raise DeadlockError(
+                    f"ranks {self.rank} and {peer} post their point-to-point ops to each other in "
+                    "opposite orders:\n"
+                    f"  rank {self.rank} posts  1. {first[2]}\n"
+                    f"                  2. {second[2]}\n"
+                    f"  rank {peer} posts  1. {second[3]}\n"
+                    f"                  2. {first[3]}\n"
+                    "NCCL and HCCL run the point-to-point ops between two ranks one after another, each "
+                    "blocking until its peer op runs, so this deadlocks on a GPU/NPU even though gloo "
+                    "completes it. Post both in one batch_isend_irecv, or order them so each send meets "
+                    "its receive."
+                )
+        pair.matches.append(current)
+
+    # -- end of test ------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Publish this rank's counts, wait for every rank, and report unmatched messages."""
+        groups = {g: (n, self.last.get(g, "")) for g, n in self.seqs.items()}
+        sent = {k: v for k, v in self.channels.items()}
+        _put(self.store, f"done/{self.rank}", ({"groups": groups, "channels": sent}))
+        others = [r for r in range(self.world_size) if r != self.rank]
+        if not others:
+            return
+        keys = [f"done/{r}" for r in others]
+        try:
+            values = self._await(keys, others, "the end of the test", "(test end)")
+        except PeerFailedError:
+            return  # a peer failed: its own report says why
+        done = dict(zip(others, values, strict=True))
+        done[self.rank] = {"channels": self.channels}
+        problems = []
+        channels = {c for d in done.values() for c in d["channels"] if self.rank in c[1:]}
+        for group, src, dst in sorted(channels):
+            sent = done[src]["channels"].get((group, src, dst), 0)
+            received = done[dst]["channels"].get((group, src, dst), 0)
+            if sent > received:
+                first = self.sent.get((group, src, dst, received), "") if src == self.rank else ""
+                problems.append(
+                    f"  rank {src} sent {sent} message(s) to rank {dst} but rank {dst} received {received}"
+                    + (f"; first unreceived: #{received} {first}" if first else "")
+                )
+            elif received > sent:
+                problems.append(
+                    f"  rank {dst} posted {received} receive(s) from rank {src} but rank {src} sent {sent}"
+                )
+        if problems:
+            raise UnmatchedError(
+                "point-to-point messages without their other end at the end of the test:\n"
+                + "\n".join(problems)
+                + "\nOn NCCL or HCCL an unmatched send or receive hangs the stream. Pair every send with "
+                "a receive of the same size on the peer."
+            )

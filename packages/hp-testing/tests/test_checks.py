@@ -1,0 +1,306 @@
+"""Cross-rank checks with planted bugs: each is caught on every rank with the right message.
+
+One inner pytest session per group of scenarios (pools are reused inside it),
+so the planted bugs cost a second or two each. Every bug has a correct
+neighbour in the same session that must pass: no false positives.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import pytest
+
+HEADER = "import pytest\nimport torch\nimport torch.distributed as dist\nimport hp_core\n"
+
+
+def _run(pytester: pytest.Pytester, body: str) -> tuple[pytest.RunResult, dict[str, str]]:
+    pytester.makepyfile(test_inner=HEADER + textwrap.dedent(body))
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rA")
+    sections: dict[str, str] = {}
+    current = None
+    for line in result.stdout.lines:
+        match = re.match(r"^_+ (test_\w+(?:\[[^\]]*\])?) _+$", line)
+        if match:
+            current = match.group(1)
+            sections[current] = ""
+        elif current is not None:
+            sections[current] += line + "\n"
+    return result, sections
+
+
+COLLECTIVES = """
+@pytest.mark.distributed(world_size=2)
+def test_bug_different_op(rank):
+    if rank == 0:
+        dist.all_reduce(torch.ones(4))
+    else:
+        dist.broadcast(torch.ones(4), src=0)
+
+@pytest.mark.distributed(world_size=2, backend="nccl-emu")
+def test_bug_skipped_collective(rank):
+    dist.all_reduce(torch.ones(1))
+    if rank == 0:
+        dist.all_reduce(torch.ones(2))
+
+@pytest.mark.distributed(world_size=2)
+def test_bug_shape(rank):
+    dist.all_reduce(torch.ones(4 + rank))
+
+@pytest.mark.distributed(world_size=2, backend="hccl-emu")
+def test_bug_dtype(rank):
+    dist.all_reduce(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float16))
+
+@pytest.mark.distributed(world_size=2)
+def test_bug_reduce_op(rank):
+    dist.all_reduce(torch.ones(2), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
+
+@pytest.mark.distributed(world_size=4)
+def test_bug_group_order(rank):
+    a = dist.new_group([0, 1, 2, 3])
+    b = dist.new_group([0, 1, 2, 3])
+    first, second = (a, b) if rank != 3 else (b, a)
+    dist.all_reduce(torch.ones(1), group=first)
+    dist.all_reduce(torch.ones(1), group=second)
+
+@pytest.mark.distributed(world_size=4)
+def test_bug_non_member(rank):
+    g = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(1), group=g)
+
+@pytest.mark.distributed(world_size=2)
+def test_bug_all_to_all_splits(rank):
+    out = torch.empty(3)
+    ins = [1, 2] if rank == 0 else [1, 2]
+    outs = [1, 2] if rank == 0 else [1, 2]
+    dist.all_to_all_single(out, torch.ones(3), outs, ins)
+
+@pytest.mark.distributed(world_size=2)
+def test_bug_broadcast_object_list_lengths(rank):
+    dist.broadcast_object_list([1, 2] if rank == 0 else [None], src=0)
+
+@pytest.mark.distributed(world_size=2, timeout=600)
+def test_bug_rank_raises_mid_step(rank):
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        raise ValueError("boom in step 3 on rank 1")
+    dist.all_reduce(torch.ones(1))
+
+@pytest.mark.distributed(world_size=4, backend="nccl-emu")
+def test_ok_same_program(rank, device_mesh_factory):
+    mesh = device_mesh_factory((2, 2), ("dp", "tp"))
+    t = torch.ones(2, 4)
+    dist.all_reduce(t.view(8))  # same count, other shape: fine on every backend
+    hp_core.all_reduce(torch.ones(3), "avg", group=mesh["dp"])
+    hp_core.all_gather_into_tensor(torch.empty(3), torch.ones(1 + mesh.get_local_rank("tp")),
+                                   mesh["tp"], input_sizes=[1, 2])
+    hp_core.reduce_scatter_tensor(torch.empty(2), torch.ones(4), "premul_sum", mesh["tp"], scale=0.5)
+    hp_core.broadcast(torch.ones(2), src=0)
+    hp_core.barrier()
+    assert hp_core.all_gather_object(rank) == [0, 1, 2, 3]
+"""
+
+
+def test_collective_mismatches_are_reported_side_by_side(pytester: pytest.Pytester) -> None:
+    result, sections = _run(pytester, COLLECTIVES)
+    result.assert_outcomes(passed=1, failed=10)
+
+    text = sections["test_bug_different_op"]
+    assert "disagree on collective #0 of this test" in text
+    assert re.search(
+        r"rank 0: all_reduce\(tensor 4 torch.float32, op SUM\)\s+at .*test_inner.py:\d+ in test_bug_",
+        text,
+    )
+    assert re.search(
+        r"rank 1: broadcast\(tensor 4 torch.float32, root 0\)\s+at .*test_inner.py:\d+ in test_bug_",
+        text,
+    )
+    assert "failed on rank(s) [0, 1]" in text  # raised on every rank
+
+    text = sections["test_bug_skipped_collective"]
+    assert "rank 1 finished the test while rank 0 waited for it in all_reduce(tensor 2" in text
+    assert "It issued 1 collective(s) on that group; the last was all_reduce(tensor 1" in text
+
+    assert re.search(
+        r"rank 0: all_reduce\(tensor 4 torch.float32.*\n.*rank 1: all_reduce\(tensor 5",
+        sections["test_bug_shape"],
+    )
+    assert "torch.float16" in sections["test_bug_dtype"] and "hccl-emu" in sections["test_bug_dtype"]
+    assert "op MAX" in sections["test_bug_reduce_op"]
+
+    text = sections["test_bug_group_order"]
+    assert "disagree on collective #0" in text or "deadlock" in text
+
+    text = sections["test_bug_non_member"]
+    assert "rank 2 is not a member of the group it passed" in text
+    assert "rank 3 is not a member" in text
+
+    text = sections["test_bug_all_to_all_splits"]
+    assert "split sizes disagree" in text
+    assert "rank 0 sends 2 to rank 1 (input split 1" in text and "rank 1 expects 1 from rank 0" in text
+
+    assert "disagree" in sections["test_bug_broadcast_object_list_lengths"]
+
+    text = sections["test_bug_rank_raises_mid_step"]
+    assert "ValueError: boom in step 3 on rank 1" in text
+    assert "rank 1 failed while rank 0 waited for it in all_reduce" in text
+    assert "timeout" not in text
+
+
+P2P = """
+@pytest.mark.distributed(world_size=2)
+def test_bug_send_without_receive(rank):
+    if rank == 0:
+        dist.isend(torch.ones(2), 1).wait()
+
+@pytest.mark.distributed(world_size=2)
+def test_bug_send_never_waited_nor_received(rank):
+    if rank == 0:
+        dist.isend(torch.ones(2), 1)
+
+@pytest.mark.distributed(world_size=2, backend="nccl-emu")
+def test_bug_batch_shapes(rank):
+    peer = 1 - rank
+    ops = [dist.P2POp(dist.isend, torch.ones(2 + rank), peer), dist.P2POp(dist.irecv, torch.empty(2), peer)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+@pytest.mark.distributed(world_size=3, backend="nccl-emu")
+def test_bug_batch_peers(rank):
+    # rank 0 sends to 1, but rank 1 expects from 2 and rank 2 expects from 0
+    if rank == 0:
+        ops = [dist.P2POp(dist.isend, torch.ones(1), 1), dist.P2POp(dist.irecv, torch.empty(1), 2)]
+    elif rank == 1:
+        ops = [dist.P2POp(dist.isend, torch.ones(1), 2), dist.P2POp(dist.irecv, torch.empty(1), 2)]
+    else:
+        ops = [dist.P2POp(dist.isend, torch.ones(1), 0), dist.P2POp(dist.irecv, torch.empty(1), 0)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+@pytest.mark.distributed(world_size=2, backend="nccl-emu")
+def test_bug_send_send_deadlock(rank):
+    peer = 1 - rank
+    dist.send(torch.ones(2), peer)
+    dist.recv(torch.empty(2), peer)
+
+@pytest.mark.distributed(world_size=2, backend="hccl-emu")
+def test_bug_isend_irecv_opposite_order(rank):
+    peer = 1 - rank
+    works = [dist.isend(torch.ones(2), peer), dist.irecv(torch.empty(2), peer)]
+    for w in works:
+        w.wait()
+
+@pytest.mark.distributed(world_size=2, backend="nccl-emu")
+def test_bug_tags_cross(rank):
+    if rank == 0:
+        a, b = dist.isend(torch.ones(1), 1, tag=1), dist.isend(torch.ones(1), 1, tag=2)
+    else:
+        b, a = dist.irecv(torch.empty(1), 0, tag=2), dist.irecv(torch.empty(1), 0, tag=1)
+    a.wait(); b.wait()
+
+@pytest.mark.distributed(world_size=4, backend="nccl-emu")
+def test_ok_ring_and_pipeline(rank):
+    nxt, prev = (rank + 1) % 4, (rank - 1) % 4
+    got = torch.empty(2)
+    hp_core.batch_isend_irecv([hp_core.P2POp("isend", torch.full((2,), float(rank)), nxt),
+                               hp_core.P2POp("irecv", got, prev)]).wait()
+    assert got.tolist() == [float(prev)] * 2
+    if rank % 2 == 0:
+        dist.send(torch.ones(3), rank + 1)
+        dist.recv(got, rank + 1)
+    else:
+        dist.recv(torch.empty(3), rank - 1)
+        dist.send(torch.ones(2), rank - 1)
+    works = [dist.irecv(torch.empty(1), prev), dist.isend(torch.ones(1), nxt)] if rank else \\
+        [dist.isend(torch.ones(1), nxt), dist.irecv(torch.empty(1), prev)]
+    for w in works:
+        w.wait()
+"""
+
+
+def test_p2p_bugs_name_both_ends(pytester: pytest.Pytester) -> None:
+    result, sections = _run(pytester, P2P)
+    result.assert_outcomes(passed=1, failed=7)
+
+    text = sections["test_bug_send_without_receive"]
+    assert "rank 1 finished the test while rank 0 waited for it in isend(2 torch.float32 to rank 1)" in text
+    assert "waiting for rank 1's matching receive" in text
+
+    text = sections["test_bug_send_never_waited_nor_received"]
+    assert "failed on rank(s) [0, 1]" in text  # both ends report it
+    assert "rank 0 sent 1 message(s) to rank 1 but rank 1 received 0" in text
+    assert "first unreceived: #0 isend(2 torch.float32 to rank 1) at" in text
+
+    text = sections["test_bug_batch_shapes"]
+    assert "message #0 from rank 1 to rank 0: the two ends disagree" in text
+    assert re.search(r"rank 0: irecv\(2 torch.float32 from rank 1\)\s+at .*test_inner.py:\d+", text)
+    assert re.search(r"rank 1: isend\(3 torch.float32 to rank 0\)\s+at .*test_inner.py:\d+", text)
+
+    text = sections["test_bug_batch_peers"]
+    assert "deadlock" in text or "finished the test" in text or "never received" in text
+
+    text = sections["test_bug_send_send_deadlock"]
+    assert re.search(r"deadlock: ranks \[\d, \d\] wait on each other in a cycle", text)
+    assert re.search(r"rank 0: waits in send\(2 torch.float32 to rank 1\).*test_inner.py:\d+", text)
+    assert re.search(r"rank 1: waits in send\(2 torch.float32 to rank 0\).*test_inner.py:\d+", text)
+
+    text = sections["test_bug_isend_irecv_opposite_order"]
+    assert "post their point-to-point ops to each other in opposite orders" in text
+    assert "batch_isend_irecv" in text
+
+    assert "the tags differ" in sections["test_bug_tags_cross"]
+
+
+STRICT = """
+@pytest.mark.distributed(world_size=2, strict=True)
+def test_bug_read_before_wait(rank):
+    t = torch.ones(2)
+    work = dist.all_reduce(t, async_op=True)
+    total = t.sum().item()  # too early
+    work.wait()
+    assert total == 4.0, f"read {total} before wait()"
+
+@pytest.mark.distributed(world_size=2, strict=True)
+def test_bug_input_modified_before_wait(rank):
+    shard = torch.ones(2)
+    work = dist.all_gather_into_tensor(torch.empty(4), shard, async_op=True)
+    shard.add_(1)
+    work.wait()
+
+@pytest.mark.distributed(world_size=2, strict=True)
+def test_bug_never_waited(rank):
+    dist.all_reduce(torch.ones(2), async_op=True)
+
+@pytest.mark.distributed(world_size=2, strict=True, backend="nccl-emu")
+def test_ok_async_done_right(rank):
+    t = torch.ones(2)
+    out = torch.empty(4)
+    works = [hp_core.all_reduce(t, "avg", async_op=True),
+             hp_core.all_gather_into_tensor(out, torch.full((2,), float(rank)), async_op=True)]
+    for w in works:
+        w.wait()
+    assert t.tolist() == [1.0, 1.0] and out.tolist() == [0.0, 0.0, 1.0, 1.0]
+    got = torch.empty(1)
+    hp_core.batch_isend_irecv([hp_core.P2POp("isend", torch.ones(1), 1 - rank),
+                               hp_core.P2POp("irecv", got, 1 - rank)]).wait()
+    assert got.item() == 1.0
+
+@pytest.mark.distributed(world_size=2)
+def test_ok_not_strict_by_default(rank):
+    dist.all_reduce(torch.ones(2), async_op=True).wait()
+"""
+
+
+def test_strict_mode_catches_async_hazards(pytester: pytest.Pytester) -> None:
+    result, sections = _run(pytester, STRICT)
+    result.assert_outcomes(passed=2, failed=3)
+    assert "read nan before wait()" in sections["test_bug_read_before_wait"]
+    text = sections["test_bug_input_modified_before_wait"]
+    assert "all_gather_single(in 2 out 4 torch.float32) issued with async_op=True at" in text
+    assert "its input input_tensor was modified" in text
+    text = sections["test_bug_never_waited"]
+    assert "was never waited" in text
+    assert re.search(
+        r"all_reduce\(tensor 2 torch.float32, op SUM\) at .*test_inner.py:\d+ in test_bug_never_waited", text
+    )
