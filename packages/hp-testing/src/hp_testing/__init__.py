@@ -5,10 +5,14 @@ through the ``pytest11`` entry point; nothing here is needed at run time by
 any other hp package.
 """
 
-from hp_testing import faults
-from hp_testing.__about__ import __version__
-from hp_testing._hazards import AsyncHazardError
-from hp_testing._sidechannel import (
+from hp_testing import _prestart
+
+_prestart.start_forkserver_early()  # before the imports below pull in torch
+
+from hp_testing import faults  # noqa: E402
+from hp_testing.__about__ import __version__  # noqa: E402
+from hp_testing._hazards import AsyncHazardError  # noqa: E402
+from hp_testing._sidechannel import (  # noqa: E402
     CollectiveMismatchError,
     DeadlockError,
     DroppedMessageError,
@@ -16,9 +20,9 @@ from hp_testing._sidechannel import (
     PeerFailedError,
     UnmatchedError,
 )
-from hp_testing.fixtures import DeviceMeshFactory
-from hp_testing.pool import Outcome, PoolError, WorkerPool
-from hp_testing.profiles import BackendRuleError
+from hp_testing.fixtures import DeviceMeshFactory  # noqa: E402
+from hp_testing.pool import Outcome, PoolError, WorkerPool  # noqa: E402
+from hp_testing.profiles import BackendRuleError  # noqa: E402
 
 __all__ = [
     "AsyncHazardError",

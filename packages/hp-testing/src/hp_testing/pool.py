@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import multiprocessing
 import os
 import signal
 import tempfile
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from hp_testing._prestart import forkserver_context, start_forkserver
 from hp_testing._worker import RunOptions, Task, TaskResult, WorkerConfig, worker_main
 
 _CTX: Any = None
@@ -42,30 +42,10 @@ def _context() -> Any:
     """The forkserver context, preloading torch once for every rank ever forked."""
     global _CTX
     if _CTX is None:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["hp_testing._worker"])
-        _start_forkserver_quietly()
+        ctx = forkserver_context()
+        start_forkserver()
         _CTX = ctx
     return _CTX
-
-
-def _start_forkserver_quietly() -> None:
-    """Start the forkserver with torch's C++ warnings off.
-
-    The cross-rank checks wait on the store with short timeouts; each timeout
-    makes c10d print a socket warning, which would bury the test's own output.
-    The level is read once, when the forkserver imports torch.
-    """
-    from multiprocessing import forkserver
-
-    saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    if saved is None:
-        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    try:
-        forkserver.ensure_running()
-    finally:
-        if saved is None:
-            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
 def _store() -> Any:
