@@ -31,18 +31,18 @@ def test_blocking_send_recv_ring(rank, world_size, n):
 
 @on_ranks(2, 4)
 def test_isend_irecv_both_directions(rank, world_size, n):
-    nxt, prev = (rank + 1) % n, (rank - 1) % n
-    from_prev, from_next = torch.empty(2, dtype=torch.int64), torch.empty(2, dtype=torch.int64)
-    works = [
-        hp_core.irecv(from_prev, prev, tag=1),
-        hp_core.irecv(from_next, nxt, tag=2),
-        hp_core.isend(torch.tensor([rank, 1]), nxt, tag=1),
-        hp_core.isend(torch.tensor([rank, 2]), prev, tag=2),
-    ]
+    # Pairs (0,1), (2,3): each rank sends to and receives from its partner. The
+    # even rank sends first and the odd one receives first, the order that
+    # cannot deadlock where send and receive block (NCCL, HCCL).
+    partner = rank ^ 1
+    incoming = torch.empty(2, dtype=torch.int64)
+    send = lambda: hp_core.isend(torch.tensor([rank, 7]), partner, tag=1)  # noqa: E731
+    recv = lambda: hp_core.irecv(incoming, partner, tag=1)  # noqa: E731
+    works = [send(), recv()] if rank % 2 == 0 else [recv(), send()]
     results = [w.wait() for w in works]
-    assert results[0] is from_prev and results[1] is from_next
-    assert from_prev.tolist() == [prev, 1]
-    assert from_next.tolist() == [nxt, 2]
+    received = results[1] if rank % 2 == 0 else results[0]
+    assert received is incoming  # irecv's handle yields the receive buffer
+    assert incoming.tolist() == [partner, 7]
 
 
 @on_ranks(2, 4)
@@ -102,8 +102,10 @@ def test_p2p_within_a_mesh_group(rank, world_size):
     tp = mesh.get_group("tp")
     partner = rank ^ 1  # the other rank of this row
     received = torch.empty(1, dtype=torch.int64)
-    works = [hp_core.isend(torch.tensor([rank]), partner, tp), hp_core.irecv(received, partner, tp)]
-    for work in works:
+    # Even ranks send first, odd ranks receive first: safe where p2p blocks.
+    send = lambda: hp_core.isend(torch.tensor([rank]), partner, tp)  # noqa: E731
+    recv = lambda: hp_core.irecv(received, partner, tp)  # noqa: E731
+    for work in [send(), recv()] if rank % 2 == 0 else [recv(), send()]:
         work.wait()
     assert received.tolist() == [partner]
     other_row = (rank + 2) % 4

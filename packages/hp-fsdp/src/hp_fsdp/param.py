@@ -394,6 +394,8 @@ def _can_pin(tensor: torch.Tensor) -> bool:
     if tensor.device.type != "cpu" or tensor.is_pinned():
         return False
     try:
-        return get_platform().device_type != "cpu"
+        # Where tensors really live, not the device type code branches on: under
+        # NCCL/HCCL emulation the platform says "cuda" while tensors stay on CPU.
+        return get_platform().handle.is_accelerator
     except Exception:
         return False
