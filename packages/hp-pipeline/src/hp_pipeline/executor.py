@@ -103,6 +103,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hp_core import capabilities_for
 
 from hp_pipeline.errors import PipelineStepError, StageFailure
 from hp_pipeline.fsdp import is_sharded_module
@@ -199,7 +200,8 @@ class StepRunner:
         pg = dist.group.WORLD if group is None else group
         _check_p2p_setup(self.steps, peer_rank, pg)
         # [Note: direct p2p]: gloo runs each op on its own; others coalesce a batch (NCCL needs it).
-        self._coalesce = dist.get_backend(pg) != "gloo"
+        # The backend whose rules apply: under NCCL/HCCL emulation gloo carries NCCL semantics.
+        self._coalesce = capabilities_for(pg).backend != "gloo"
         self.vote = FailureVote(group, self._vote_device)
         self._reset()
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hp_core import capabilities_for
 
 from hp_pipeline.errors import StageFailure
 
@@ -68,7 +69,8 @@ class FailureVote:
             )
         self.root = ranks[0]
         self.peers = [r for r in ranks if r != self.rank] if self.rank == self.root else [self.root]
-        self.p2p = dist.get_backend(pg) == "gloo" and len(ranks) > 1
+        # Tags keep the vote apart from activations only on gloo; NCCL ignores tags.
+        self.p2p = capabilities_for(pg).backend == "gloo" and len(ranks) > 1
         self._device = device
         self._bufs: list[torch.Tensor] = []
         self._works: list[Any] = []
