@@ -328,9 +328,10 @@ class FSDPParam:
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """The full gradient accumulated since the last reduction (and clear it from the param)."""
         grad: torch.Tensor | None = None
-        if self.unsharded_param is not None and self.unsharded_param.grad is not None:
-            grad = self._plain_grad(self.unsharded_param.grad)
-            self.unsharded_param.grad = None
+        full = self.unsharded_param
+        if full is not None and full.grad is not None:
+            grad = self._plain_grad(full.grad)
+            full.grad = None
         if self.unsharded_accumulated_grad is not None:
             acc = self.unsharded_accumulated_grad
             self.unsharded_accumulated_grad = None

@@ -495,44 +495,10 @@ class StepRunner:
             raise _CommError(str(errors[0])) from errors[0]
 
     def _run_blocking(self) -> None:
-        """The first step: every transfer blocking, with headers ([Note: direct p2p]
-                Later steps are the hot path, and hp-core's ``batch_isend_irecv`` re-checks
-                per call what cannot change within a schedule: that the group is initialised
-                and this rank is in it, that every peer is a rank of the group and not this
-                rank, that every tensor is dense and contiguous. Here these hold once checked:
-                the group and every peer of the rank's order are checked when the runner is
-                built (``_check_p2p_setup``); receive buffers are our own ``torch.empty``; sent
-                tensors are made contiguous (``_forward``, ``_send_tensors``) and outputs are
-                checked dense in ``_forward``, where a failure drains like any compute error.
-                So steps after the first call ``torch.distributed`` directly. On gloo each op
-                is independent anyway (torch's ``batch_isend_irecv`` only loops), so the
-                executor posts them one by one and keeps a handle per receive: waiting for an
-                activation no longer also waits for the sends posted beside it, which on gloo
-                complete only when the peer has posted the matching receive. Backends that
-                coalesce (NCCL, HCCL) get one ``batch_isend_irecv`` per compute step, as
-                before, because posting mixed sends and receives separately can deadlock
-                there. The first step, blocking and rare, keeps hp-core's checked wrappers.
+        """The first step: every transfer blocking, with headers.
 
-                [Note: receive lookahead]
-        On gloo a transfer is a rendezvous: the payload leaves only once the
-        receiver has posted its receive. When the receive is posted first, the
-        sender's ``isend`` writes the payload at once; when the send comes first, it
-        announces itself, waits for the receiver's notice and the payload goes out
-        from gloo's transport thread later, a round trip and two more wake-ups on the
-        critical path, each costing milliseconds on a CPU the ranks share. So on
-        gloo the executor posts receives ``recv_lookahead`` compute steps ahead
-        (default: all of the step's receives when it starts, so every receive is
-        posted before its send), each into its own buffer. Posting a receive never
-        blocks, and receives from one peer are still posted in list order, so the
-        argument of [Note: posting and waiting] is untouched. The price is memory: the
-        buffers of the step's received activations and gradients all exist from the
-        start (on stage ``s > 0`` of 1F1B: ``m`` inputs and ``m`` output gradients,
-        each the size of one micro-batch's boundary tensors, where 1F1B otherwise holds
-        ``p``); pass ``recv_lookahead=k`` to a schedule to bound it. Backends that
-        coalesce keep one step: there a posted receive is a kernel that holds its
-        stream until matched, and the sends queued behind it could not start.
-
-        [Note: first step])."""
+        See [Note: direct p2p] and [Note: first step].
+        """
         self._first_step = True
         for block in self.blocks:
             for step in block.comms:
