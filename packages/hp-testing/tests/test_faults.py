@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from collections.abc import Callable
 
 import pytest
 from hp_testing import faults
@@ -66,27 +67,11 @@ def test_clean_at_the_end(rank):
 """
 
 
-def _forkserver_children() -> list[int]:
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    kids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if server is not None and int(fields[1]) == server and fields[0] != "Z":
-            kids.append(int(entry))
-    return kids
-
-
-def test_faults_are_reported_and_the_pool_recovers(pytester: pytest.Pytester) -> None:
+def test_faults_are_reported_and_the_pool_recovers(
+    pytester: pytest.Pytester, rank_processes: Callable[[], list[int]]
+) -> None:
     pytester.makepyfile(test_inner=HEADER + textwrap.dedent(FAULTS))
-    before_kids = set(_forkserver_children())
+    before_kids = set(rank_processes())
     result = pytester.runpytest("-p", "no:cacheprovider", "-rA")
     result.assert_outcomes(passed=4, failed=4)
     out = result.stdout.str()
@@ -102,7 +87,7 @@ def test_faults_are_reported_and_the_pool_recovers(pytester: pytest.Pytester) ->
     assert "did NOT fire: fail rank 1 at collective #5" in out
     assert "planned fault(s) never fired on this rank: fail rank 1 at collective #5" in out
     assert "rank 0: kill rank 0 (exit code 77) at collective #1 (the process exited with code 77)" in out
-    left = set(_forkserver_children()) - before_kids
+    left = set(rank_processes()) - before_kids
     assert left == set(), f"rank processes {sorted(left)} outlived the inner session"
 
 

@@ -6,8 +6,8 @@ tests use ``@pytest.mark.distributed`` and checks what a user would see.
 
 from __future__ import annotations
 
-import os
 import textwrap
+from collections.abc import Callable
 
 import pytest
 
@@ -16,27 +16,6 @@ HEADER = "import os\nimport pytest\nimport torch\nimport torch.distributed as di
 
 def _write(pytester: pytest.Pytester, body: str, name: str = "test_inner") -> None:
     pytester.makepyfile(**{name: HEADER + textwrap.dedent(body)})
-
-
-def _forkserver_children() -> list[int]:
-    """Live rank processes: children of the multiprocessing forkserver."""
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    if server is None:
-        return []
-    kids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == server and fields[0] != "Z":
-            kids.append(int(entry))
-    return kids
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -303,7 +282,9 @@ def test_exitfirst_stops_after_first_failure(pytester: pytest.Pytester) -> None:
     pytester.runpytest("-x", "-p", "no:cacheprovider").assert_outcomes(failed=1)
 
 
-def test_no_rank_process_outlives_the_session(pytester: pytest.Pytester) -> None:
+def test_no_rank_process_outlives_the_session(
+    pytester: pytest.Pytester, rank_processes: Callable[[], list[int]]
+) -> None:
     _write(
         pytester,
         """
@@ -317,9 +298,9 @@ def test_no_rank_process_outlives_the_session(pytester: pytest.Pytester) -> None
             pass
         """,
     )
-    before = set(_forkserver_children())  # the outer session's own pools, if any
+    before = set(rank_processes())  # the outer session's own pools, if any
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1, failed=1)
-    left = set(_forkserver_children()) - before
+    left = set(rank_processes()) - before
     assert left == set(), f"rank processes {sorted(left)} outlived the inner session"
 
 
