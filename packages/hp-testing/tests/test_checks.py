@@ -306,3 +306,70 @@ def test_strict_mode_catches_async_hazards(pytester: pytest.Pytester) -> None:
     assert re.search(
         r"all_reduce\(tensor 2 torch.float32, op SUM\) at .*test_inner.py:\d+ in test_bug_never_waited", text
     )
+
+
+FUNCTIONAL = """
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+@pytest.mark.distributed(world_size=2, backend="nccl-emu")
+def test_bug_funcol_skipped(rank):
+    funcol.all_gather_single(torch.ones(2), 0, dist.group.WORLD).wait()
+    if rank == 0:
+        funcol.all_gather_single(torch.ones(3), 0, dist.group.WORLD).wait()
+
+@pytest.mark.distributed(world_size=2)
+def test_bug_funcol_sizes(rank):
+    funcol.all_reduce(torch.ones(4 + rank), "sum", dist.group.WORLD).wait()
+
+@pytest.mark.distributed(world_size=2, backend="hccl-emu")
+def test_bug_funcol_dtype_rule(rank):
+    funcol.all_reduce(torch.ones(2, dtype=torch.complex64), "sum", [0, 1]).wait()
+
+@pytest.mark.distributed(world_size=2, backend="nccl-emu")
+def test_bug_torch_dtensor_on_one_rank(rank):
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    if rank == 0:
+        x.full_tensor()  # torch's DTensor gathers with a functional all-gather
+    else:
+        dist.all_reduce(torch.ones(1))
+
+@pytest.mark.distributed(world_size=2, backend="nccl-emu")
+def test_ok_functional_and_classic_mixed(rank):
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    assert x.redistribute(mesh, [Replicate()]).to_local().tolist() == list(range(8))
+    out = torch.empty(4)
+    if rank == 0:  # the same wire operation written two ways: fine on NCCL too
+        out = funcol.all_gather_single(torch.full((2,), 0.0), 0, mesh).wait()
+    else:
+        dist.all_gather_single(out, torch.full((2,), 1.0))
+    assert out.tolist() == [0.0, 0.0, 1.0, 1.0]
+    got = funcol.reduce_scatter_single(torch.ones(4), "sum", 0, mesh).wait()
+    assert got.tolist() == [2.0, 2.0]
+"""
+
+
+def test_functional_collectives_are_checked(pytester: pytest.Pytester) -> None:
+    result, sections = _run(pytester, FUNCTIONAL)
+    result.assert_outcomes(passed=1, failed=4)
+
+    text = sections["test_bug_funcol_skipped"]
+    assert "rank 1 finished the test while rank 0 waited for it in funcol.all_gather_single:" in text
+    assert re.search(r"the last was funcol.all_gather_single: .* at .*test_inner.py:\d+", text)
+
+    text = sections["test_bug_funcol_sizes"]
+    assert re.search(r"rank 0: funcol.all_reduce: all_reduce\(tensor 4 torch.float32, op SUM\)", text)
+    assert re.search(r"rank 1: funcol.all_reduce: all_reduce\(tensor 5 torch.float32, op SUM\)", text)
+    assert "test_inner.py" in text
+
+    text = sections["test_bug_funcol_dtype_rule"]
+    assert "funcol.all_reduce() under backend='hccl-emu'" in text
+    assert "torch.complex64" in text
+
+    text = sections["test_bug_torch_dtensor_on_one_rank"]
+    assert "disagree on collective #" in text
+    assert re.search(r"rank 0: funcol.all_gather_single: all_gather_single\(in 4 out 8", text)
+    assert re.search(r"rank 1: all_reduce\(tensor 1 torch.float32, op SUM\)\s+at .*test_inner.py", text)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from hp_testing._calls import Call, call_site, describe, describe_p2p, object_p2p
+from hp_testing._funcol import install_functional, uninstall_functional
 from hp_testing._hazards import AsyncHazardError, CheckedWork, DoneWork, Shadows
 from hp_testing._sidechannel import SideChannel
 from hp_testing.faults import Fault, InjectedFault
@@ -285,13 +286,7 @@ class Layer:
 
     def run_collective(self, name: str, orig: Callable[..., Any], args: dict[str, Any]) -> Any:
         call = describe(name, args)
-        call.site = call_site(3)
-        self.calls += 1
-        check_call(self.profile, call)
-        self._fault("collective")
-        channel = self._channel()
-        if channel is not None:
-            channel.collective(call)
+        self.check_collective(call)
         shadows: Shadows | None = None
         if self.strict and call.async_op and call.kind == "collective":
             shadows = self._shadow(name, call, args)
@@ -303,6 +298,16 @@ class Layer:
             return result
         shadows.poison()
         return CheckedWork(result, [], [shadows.settle], self._track(call))
+
+    def check_collective(self, call: Call) -> None:
+        """Rules, faults and cross-rank checks of one collective, classic or functional (:mod:`._funcol`)."""
+        call.site = call_site(2)
+        self.calls += 1
+        check_call(self.profile, call)
+        self._fault("collective")
+        channel = self._channel()
+        if channel is not None:
+            channel.collective(call)
 
     def _shadow(self, name: str, call: Call, args: dict[str, Any]) -> Shadows:
         shadows = Shadows(call.shown, call.site)
@@ -568,6 +573,7 @@ def install(profile_name: str, *, checks: bool = True, strict: bool = False) -> 
             setattr(dist, name, _wrap_group_factory(orig))
     _patch_p2pop()
     _LAYER = Layer(profile, checks=checks, strict=strict)
+    install_functional(_LAYER.check_collective)
     _inject(profile)
     return _LAYER
 
@@ -622,6 +628,7 @@ def uninstall() -> None:
         else:
             setattr(dist, name, orig)
     _ORIGINALS.clear()
+    uninstall_functional()
     _LAYER = None
     import hp_core
     from hp_core.capabilities import set_backend_semantics
