@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hp_core
 import pytest
 import torch
 from hp_dtensor import (
@@ -55,7 +56,12 @@ def _round_trip(full: torch.Tensor, mesh, placements) -> None:  # type: ignore[n
     assert tuple(theirs.placements) == tuple(_torch_placement(p) for p in placements)
     assert theirs.shape == dt.shape and theirs.stride() == dt.stride()
     assert theirs.to_local().data_ptr() == dt.to_local().data_ptr()  # the same storage: no copy
-    torch.testing.assert_close(theirs.full_tensor(), full)
+    if hp_core.get_platform().backend != "hccl" or not any(
+        isinstance(p, Partial) and p.reduce_op == "avg" for p in placements
+    ):
+        # torch's DTensor reduces Partial(avg) with a native AVG all-reduce, which HCCL lacks
+        # (hccl-emu rejects it); hp's own full_tensor below emulates it and is checked always.
+        torch.testing.assert_close(theirs.full_tensor(), full)
     back = from_torch_dtensor(theirs)
     assert isinstance(back, DTensor) and back.placements == dt.placements and back.shape == dt.shape
     torch.testing.assert_close(back.to_local(), dt.to_local())
