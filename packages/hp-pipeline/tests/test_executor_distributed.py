@@ -388,6 +388,9 @@ class FakeSharded(nn.Module):
         self.log.append(f"sync={requires}")
         self.sync = requires
 
+    def set_reshard_after_backward(self, reshard: bool) -> None:
+        self.log.append(f"reshard_after_backward={reshard}")
+
     def reduce_grad(self) -> None:
         assert self.sync, "reduce_grad must run with gradient sync on"
         self.log.append("reduce_grad")
@@ -412,8 +415,8 @@ def test_fsdp_protocol_calls(rank, world_size):
         log = module.log
         assert log.count("unshard") == 1 and log.count("reshard") == 1 and log.count("reduce_grad") == 1
         assert log.count("F") == 4
-        assert log[0] == "sync=False" and log[1] == "unshard"
-        assert log[-3:] == ["sync=True", "reduce_grad", "reshard"]
+        assert log[:3] == ["sync=False", "reshard_after_backward=False", "unshard"]
+        assert log[-4:] == ["sync=True", "reduce_grad", "reshard_after_backward=True", "reshard"]
 
 
 @pytest.mark.distributed(world_size=2, timeout=60)

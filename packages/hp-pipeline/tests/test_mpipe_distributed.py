@@ -14,9 +14,12 @@ comparison is tight (rtol=1e-7, atol=1e-9).
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import hp_core
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,7 +32,10 @@ from hp_pipeline import (
     stages_on_rank,
 )
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, SequentialSampler
+from torch.utils.data import DataLoader, SequentialSampler
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mpipe_testlib import Samples, token_mean, token_sum
 
 RTOL, ATOL = 1e-7, 1e-9
 D, PIX, NIMG, SEQ, VOCAB, MBS, STEPS = 8, 6, 2, 5, 13, 2, 5
@@ -108,29 +114,8 @@ def ref_logits(
     return h
 
 
-def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="sum")
-
-
-def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-
-
-class Samples(Dataset):
-    def __init__(self, n: int) -> None:
-        gen = torch.Generator().manual_seed(7)
-        self.pixels = torch.randn(n, NIMG, PIX, generator=gen)
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=gen)
-        labels = torch.randint(0, VOCAB, (n, SEQ), generator=gen)
-        drop = torch.rand(n, SEQ, generator=gen) < 0.3
-        drop[:, 0] = False  # every sample has a valid token, so per-micro means are defined
-        self.labels = labels.masked_fill(drop, -100)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, j: int) -> dict[str, torch.Tensor]:
-        return {"pixel_values": self.pixels[j], "input_ids": self.ids[j], "labels": self.labels[j]}
+def make_samples(n: int) -> Samples:
+    return Samples(n, seed=7, nimg=NIMG, pix=PIX, seq=SEQ, vocab=VOCAB)
 
 
 @dataclass(frozen=True)
@@ -145,6 +130,7 @@ class Case:
     mode: str = "full"
     tokens: bool = True
     accumulate: int = 1  # step() calls per optimizer step
+    base: str | None = None  # None: 1F1B (v == 1) or interleaved; "zb-h1" or "zbv"
 
 
 CASES = {
@@ -158,6 +144,15 @@ CASES = {
     "p4-m5-frozen-recompute-min-load": Case(
         4, 5, frozen=True, owner_backward=False, loading=True, mode="min"
     ),
+    # Zero-bubble bases ([Note: MPipe bases]): stage 0's I, not B, yields dL/dfeatures.
+    "p2-zbh1-m4-load": Case(2, 4, base="zb-h1", loading=True),
+    "p4-zbh1-m6-recompute-single-min": Case(
+        4, 6, base="zb-h1", owner_backward=False, batched=False, mode="min"
+    ),
+    "p2-zbv-m5-accumulate-load": Case(2, 5, v=2, base="zbv", loading=True, accumulate=2),
+    "p2-zbv-m3-recompute-mean-loss": Case(2, 3, v=2, base="zbv", owner_backward=False, tokens=False),
+    "p4-zbv-m6-min-load": Case(4, 6, v=2, base="zbv", loading=True, mode="min"),
+    "p2-zbv-m3-frozen-single": Case(2, 3, v=2, base="zbv", frozen=True, batched=False),
 }
 
 
@@ -176,7 +171,7 @@ def test_mpipe_matches_single_process(rank, world_size, name):
     num_stages = p * v
     tower, modules = build_model(num_stages, case.frozen)
     ref_tower, ref_stages = copy.deepcopy(tower), copy.deepcopy(modules)
-    mine = stages_on_rank(rank, p, v)
+    mine = stages_on_rank(rank, p, v, style="v" if case.base == "zbv" else "loop")
     my_tower = copy.deepcopy(tower)
     if rank != 0:  # replicas start different: the schedule's broadcast must fix them
         with torch.no_grad():
@@ -187,23 +182,26 @@ def test_mpipe_matches_single_process(rank, world_size, name):
         stages if v > 1 else stages[0],
         m,
         preprocess=my_tower,
-        loss_fn=token_sum_loss if case.tokens else token_mean_loss,
+        loss_fn=token_sum if case.tokens else token_mean,
         owner_backward=case.owner_backward,
         overflow_mode=case.mode,  # type: ignore[arg-type]
         batched_recv=case.batched,
         in_schedule_loading=case.loading,
         normalize_by_tokens=case.tokens,
         check_tower_sync=True,
+        base=case.base,
     )
+    coalescing = hp_core.capabilities_for(schedule.group or dist.group.WORLD).backend != "gloo"
     if p > 1 and 0 in mine and case.batched:
-        assert schedule.batched, "stage 0's rank should post its feature receives batched"
+        # [Note: MPipe receive posting]: batched on gloo, list order where batches coalesce.
+        assert schedule.batched is (not coalescing), f"batched={schedule.batched}, coalescing={coalescing}"
     params = [q for s in stages for q in s.submod.parameters()] + list(my_tower.parameters())
     opt = torch.optim.AdamW([q for q in params if q.requires_grad], lr=0.01)
     ref_params = [q for s in ref_stages for q in s.parameters()] + list(ref_tower.parameters())
     ref_opt = torch.optim.AdamW([q for q in ref_params if q.requires_grad], lr=0.01)
 
     step_size = m * MBS
-    data = Samples(STEPS * case.accumulate * step_size)
+    data = make_samples(STEPS * case.accumulate * step_size)
     owned = mpipe_owned_micros(p, m, rank, case.mode)  # type: ignore[arg-type]
     it = None
     if case.loading:
@@ -225,14 +223,14 @@ def test_mpipe_matches_single_process(rank, world_size, name):
             logits = ref_logits(ref_tower, ref_stages, pixels, ids)
             if case.tokens:
                 count = int((labels != -100).sum())
-                (token_sum_loss(logits, labels) / count).backward()
+                (token_sum(logits, labels) / count).backward()
                 ref_losses += [
-                    (token_sum_loss(a, b) / count).detach()
+                    (token_sum(a, b) / count).detach()
                     for a, b in zip(logits.tensor_split(m), labels.tensor_split(m), strict=True)
                 ]
             else:
                 micro = [
-                    token_mean_loss(a, b)
+                    token_mean(a, b)
                     for a, b in zip(logits.tensor_split(m), labels.tensor_split(m), strict=True)
                 ]
                 (torch.stack(micro).sum() / m).backward()
@@ -275,9 +273,9 @@ def test_tower_drift_is_detected_and_loading_needs_owners(rank, world_size):
     tower, modules = build_model(2, frozen=False)
     stage = PipelineStage(copy.deepcopy(modules[rank]), rank, 2)
     schedule = ScheduleMPipe(
-        stage, 2, preprocess=tower, loss_fn=token_sum_loss, normalize_by_tokens=True, check_tower_sync=True
+        stage, 2, preprocess=tower, loss_fn=token_sum, normalize_by_tokens=True, check_tower_sync=True
     )
-    data = Samples(4)
+    data = make_samples(4)
     schedule.step(data.ids[:4], target=data.labels[:4], preprocess_inputs=data.pixels[:4])
     if rank == 1:
         with torch.no_grad():
@@ -294,7 +292,7 @@ def test_tower_drift_is_detected_and_loading_needs_owners(rank, world_size):
                 stage1,
                 1,
                 preprocess=tower,
-                loss_fn=token_sum_loss,
+                loss_fn=token_sum,
                 in_schedule_loading=True,
                 broadcast_tower=False,
             )
@@ -303,7 +301,7 @@ def test_tower_drift_is_detected_and_loading_needs_owners(rank, world_size):
             stage1,
             1,
             preprocess=tower,
-            loss_fn=token_sum_loss,
+            loss_fn=token_sum,
             in_schedule_loading=True,
             broadcast_tower=False,
         )
@@ -322,8 +320,8 @@ def test_tower_failure_reaches_every_rank(rank, world_size):
     tower = Broken()
     _, modules = build_model(2, frozen=False)
     stage = PipelineStage(copy.deepcopy(modules[rank]), rank, 2)
-    schedule = ScheduleMPipe(stage, 2, preprocess=tower, loss_fn=token_sum_loss, normalize_by_tokens=True)
-    data = Samples(4)
+    schedule = ScheduleMPipe(stage, 2, preprocess=tower, loss_fn=token_sum, normalize_by_tokens=True)
+    data = make_samples(4)
     with pytest.raises(PipelineStepError, match=r"rank 1 raised ValueError: tower boom in step 1PF1"):
         schedule.step(data.ids, target=data.labels, preprocess_inputs=data.pixels)
     dist.barrier()
@@ -333,7 +331,7 @@ def test_tower_failure_reaches_every_rank(rank, world_size):
 def test_forward_only_and_global_clip(rank, world_size):
     tower, modules = build_model(2, frozen=False)
     ref_tower, ref_stages = copy.deepcopy(tower), copy.deepcopy(modules)
-    data = Samples(8)
+    data = make_samples(8)
     pixels, ids, labels = data.pixels, data.ids, data.labels
     # Forward only (no loss_fn): no tower backward, no reduction, the last stage gets the logits.
     stage = PipelineStage(copy.deepcopy(modules[rank]), rank, 2)
@@ -347,9 +345,9 @@ def test_forward_only_and_global_clip(rank, world_size):
     # The global clip counts the tower once although every rank holds it.
     my_tower = copy.deepcopy(tower)
     stage = PipelineStage(copy.deepcopy(modules[rank]), rank, 2)
-    train = ScheduleMPipe(stage, 4, preprocess=my_tower, loss_fn=token_sum_loss, normalize_by_tokens=True)
+    train = ScheduleMPipe(stage, 4, preprocess=my_tower, loss_fn=token_sum, normalize_by_tokens=True)
     train.step(ids, target=labels, preprocess_inputs=pixels)
-    token_mean_loss(ref_logits(ref_tower, ref_stages, pixels, ids), labels).backward()
+    token_mean(ref_logits(ref_tower, ref_stages, pixels, ids), labels).backward()
     norm = train.clip_grad_norm_(0.01)
     ref_params = [*ref_stages[0].parameters(), *ref_stages[1].parameters(), *ref_tower.parameters()]
     ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.01)
@@ -365,8 +363,8 @@ def test_forward_only_and_global_clip(rank, world_size):
 def test_feature_shape_change_fails_on_every_rank(rank, world_size):
     tower, modules = build_model(2, frozen=False)
     stage = PipelineStage(copy.deepcopy(modules[rank]), rank, 2)
-    schedule = ScheduleMPipe(stage, 2, preprocess=tower, loss_fn=token_sum_loss, normalize_by_tokens=True)
-    data = Samples(4)
+    schedule = ScheduleMPipe(stage, 2, preprocess=tower, loss_fn=token_sum, normalize_by_tokens=True)
+    data = make_samples(4)
     schedule.step(data.ids, target=data.labels, preprocess_inputs=data.pixels)
     wider = torch.cat([data.pixels, data.pixels[:, :1]], dim=1)  # one more image token
     with pytest.raises(

@@ -15,6 +15,8 @@ from hp_pipeline import (
     build_1f1b_order,
     build_interleaved_1f1b_order,
     build_mpipe_order,
+    build_zbv_order,
+    build_zero_bubble_h1_order,
     insert_comms,
     mpipe_order,
     mpipe_owned_micros,
@@ -127,6 +129,89 @@ def test_mpipe_orders_are_valid_and_strip_to_the_base(p, m, v, mode, owner, towe
             assert recv[0] < row0.index(MetaStep(i, T.FWD, 0))
     peer_of = {s: stage_to_rank(s, p) for s in range(p * v)}
     assert mpipe_receives_lead(row0, peer_of)
+
+
+ZB_CASES = [
+    (base, p, m, mode, owner, tower, load)
+    for base in ("zb-h1", "zbv")
+    for p in (2, 3, 4)
+    for m in range(1, 13)
+    for mode in ("full", "min")
+    for owner in (True, False)
+    for tower, load in ((True, False), (True, True), (False, True))
+]
+
+
+@pytest.mark.parametrize("base, p, m, mode, owner, tower, load", ZB_CASES)
+def test_mpipe_over_zero_bubble_bases(base, p, m, mode, owner, tower, load) -> None:
+    """[Note: MPipe bases]: ZB-H1 and ZB-V orders with the MPipe steps woven in."""
+    ref = build_zero_bubble_h1_order(p, m) if base == "zb-h1" else build_zbv_order(p, m)
+    v, style = (1, "loop") if base == "zb-h1" else (2, "v")
+    options = dict(overflow_mode=mode, owner_backward=owner, tower_backward=tower, load_data=load, base=base)
+    assert strip_mpipe(build_mpipe_order(p, m, **options)) == ref  # type: ignore[arg-type]
+    runnable = mpipe_order(p, m, **options)  # type: ignore[arg-type]
+    validate_order(runnable, n_microbatches=m, num_stages=p * v, require_comms=True)
+    assert {r: [s for s in row if not s.type.is_comm] for r, row in strip_mpipe(runnable).items()} == ref
+    counts = Counter((s.type, s.micro_index) for row in runnable.values() for s in row)
+    row0 = runnable[0]
+    compute0 = [s for s in row0 if not s.type.is_comm]
+    for i in range(m):
+        owner_rank = mpipe_owner(p, m, i, mode)  # type: ignore[arg-type]
+        # Owned once, by its owner, whose home stage is its rank in both placements.
+        assert counts[T.PREPROCESS_FWD, i] == 1
+        assert MetaStep(i, T.PREPROCESS_FWD, owner_rank) in runnable[owner_rank]
+        assert counts[T.PREPROCESS_BWD, i] == int(tower)
+        assert counts[T.DATA_LOAD, i] == int(load)
+        remote = owner_rank != 0
+        assert counts[T.PREPROCESS_SEND, i] == counts[T.PREPROCESS_RECV, i] == int(remote)
+        assert counts[T.PREPROCESS_GRAD_SEND, i] == int(remote and tower and owner)
+        if load:
+            # Stage 0 and the last stage each get their own keys from the owner unless they are on
+            # its rank; in the V placement both are on rank 0, so a remote owner sends twice there.
+            need = sum(stage_to_rank(s, p, style=style) != owner_rank for s in (0, p * v - 1))  # type: ignore[arg-type]
+            assert counts[T.DATA_SEND, i] == counts[T.DATA_RECV, i] == need
+        # dL/dfeatures leaves stage 0 after its input-gradient step I, never its W.
+        grad_from = MetaStep(i, T.BWD_INPUT, 0)
+        if tower and (not owner or not remote):
+            assert compute0.index(MetaStep(i, T.PREPROCESS_BWD, 0)) == compute0.index(grad_from) + 1
+        if tower and owner and remote:
+            send = MetaStep(i, T.PREPROCESS_GRAD_SEND, 0, owner_rank)
+            assert row0.index(grad_from) < row0.index(send)
+    peer_of = {s: stage_to_rank(s, p, style=style) for s in range(p * v)}  # type: ignore[arg-type]
+    assert mpipe_receives_lead(row0, peer_of)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(base="gpipe"), r"cannot build on base 'gpipe'.*\['1f1b', 'interleaved', 'zb-h1', 'zbv'\]"),
+        (
+            dict(base="zb-h1", stages_per_rank=2),
+            r"over base 'zb-h1' runs 1 stage\(s\) per rank, got stages_per_rank=2",
+        ),
+        (
+            dict(base="zbv", stages_per_rank=3),
+            r"over base 'zbv' runs 2 stage\(s\) per rank, got stages_per_rank=3",
+        ),
+        (dict(stages_per_rank=0), r"stages_per_rank must be an int >= 1, got 0"),
+    ],
+)
+def test_mpipe_rejects_bases_it_cannot_serve(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_mpipe_order(2, 4, **kwargs)
+
+
+def test_schedule_mpipe_rejects_other_schedule_classes() -> None:
+    from hp_pipeline import ScheduleGPipe, ScheduleMPipe
+    from torch import nn
+
+    # The base is checked before the stages or the process group are looked at.
+    with pytest.raises(
+        ValueError, match=r"cannot build on ScheduleGPipe \(GPipe has 1F1B's bubble.*Schedule1F1B"
+    ):
+        ScheduleMPipe([], 4, preprocess=nn.Linear(1, 1), loss_fn=None, base=ScheduleGPipe)
+    with pytest.raises(ValueError, match=r"cannot build on ScheduleMPipe; base= takes one of"):
+        ScheduleMPipe([], 4, preprocess=nn.Linear(1, 1), loss_fn=None, base=ScheduleMPipe)
 
 
 def test_text_forms_of_the_mpipe_steps_round_trip() -> None:

@@ -2,13 +2,14 @@
 
 [Note: posting and waiting]
 The rank's steps are cut into *blocks*: the communication steps between two
-compute steps, then the compute step. Right before compute step ``k`` the
-executor posts the sends of block ``k`` (their payloads were produced by
-earlier compute) and the receives of block ``k+L``, ``L`` compute steps ahead
-of where ``insert_comms`` put them (``L = 1`` and one ``batch_isend_irecv`` on
-backends that coalesce; on gloo ``L`` is the whole step unless bounded, see
-[Note: receive lookahead] and [Note: direct p2p]). A receive is waited only right before the
-compute step that consumes it, and waiting it waits nothing else; sends are
+compute steps, then the compute step. On gloo, right before compute step
+``k`` the executor posts the sends of block ``k`` (their payloads were
+produced by earlier compute) and the receives of block ``k+L``, ``L`` compute
+steps ahead of where ``insert_comms`` put them (``L`` is the whole step unless
+bounded, see [Note: receive lookahead] and [Note: direct p2p]); backends that
+coalesce post in list order instead ([Note: coalesced batches]). A receive is
+waited only right before the compute step that consumes it, and waiting it
+waits nothing else (on gloo; its batch, elsewhere); sends are
 waited at the end of the step. This is deadlock-free for any order that passes
 ``validate_order``: every rank posts its communication in its list's order,
 its list is a subsequence of one global sequence in which each SEND/RECV pair
@@ -30,9 +31,44 @@ is independent anyway (torch's ``batch_isend_irecv`` only loops), so the
 executor posts them one by one and keeps a handle per receive: waiting for an
 activation no longer also waits for the sends posted beside it, which on gloo
 complete only when the peer has posted the matching receive. Backends that
-coalesce (NCCL, HCCL) get one ``batch_isend_irecv`` per compute step, as
-before, because posting mixed sends and receives separately can deadlock
-there. The first step, blocking and rare, keeps hp-core's checked wrappers.
+coalesce (NCCL, HCCL) get one ``batch_isend_irecv`` per compute step
+([Note: coalesced batches]). The first step, blocking and rare, keeps
+hp-core's checked wrappers.
+
+[Note: coalesced batches]
+On NCCL and HCCL a ``batch_isend_irecv`` is one group (``ncclGroupStart`` /
+``ncclGroupEnd``): its operations progress together, but the groups a rank
+issues run one after another on its stream, each until every operation in it
+has met its peer operation (NCCL user guide, "Point-to-point communication").
+So two ranks must meet their transfers to each other in the same order: if
+rank A posts its receive of ``y`` in an earlier group than its send of ``x``
+while rank B posts its receive of ``x`` in an earlier group than its send of
+``y``, both groups wait forever. Posting the receives of the next block ahead
+of this block's sends (what gloo does, [Note: receive lookahead]) does exactly
+that whenever a block starts with a send and the next block holds a receive
+from the same peer (GPipe's last forward send and first gradient receive).
+
+The executor therefore posts a rank's transfers *in its list's order*, cut
+into one batch per compute step (:func:`_coalesced_batches`): batch ``k``
+holds what is left of block ``k``'s communication, then the receives that lead
+block ``k+1`` (up to its first send, whose payload compute ``k`` produces).
+Deadlock freedom: every list is a subsequence of one global sequence in which
+each SEND/RECV pair is one event ([Note: deadlock-free placement] in
+:mod:`hp_pipeline.comms`). Hoisting the leading receives of block ``k+1``
+above compute ``k`` keeps that true, because compute ``k`` is private to the
+rank and its results leave the rank only through later sends, so it can be
+moved after those receives in the global sequence. (An FSDP step is a
+collective over the stage's data-parallel replicas, which run the same order
+with the same batches in lockstep; it moves the same way on all of them.)
+Each batch is then a run of
+consecutive transfers of the rank's (rewritten) list with no compute inside,
+and the earliest unfinished event of the global sequence can always finish:
+both of its ranks have finished everything before it, every batch in front of
+its own on either rank holds only earlier events, and operations within a
+batch progress together. Waiting a receive waits its whole batch (one handle;
+on NCCL the consumer's stream waits for the group), which this argument
+already allows for. The price against gloo is lookahead: a receive is posted at
+most one compute step early.
 
 [Note: receive lookahead]
 On gloo a transfer is a rendezvous: the payload leaves only once the
@@ -50,8 +86,9 @@ buffers of the step's received activations and gradients all exist from the
 start (on stage ``s > 0`` of 1F1B: ``m`` inputs and ``m`` output gradients,
 each the size of one micro-batch's boundary tensors, where 1F1B otherwise holds
 ``p``); pass ``recv_lookahead=k`` to a schedule to bound it. Backends that
-coalesce keep one step: there a posted receive is a kernel that holds its
-stream until matched, and the sends queued behind it could not start.
+coalesce ignore it: there a posted receive is a group that holds its stream
+until matched, and the sends queued behind it could not start
+([Note: coalesced batches]).
 
 [Note: first step]
 The first step of a schedule also learns the tensor metadata ([Note: tensor
@@ -136,6 +173,28 @@ def _blocks(steps: Sequence[MetaStep]) -> list[_Block]:
     if pending:
         blocks.append(_Block(pending, None))
     return blocks
+
+
+def _coalesced_batches(blocks: Sequence[_Block]) -> list[list[MetaStep]]:
+    """The ``batch_isend_irecv`` posted before each block's action on NCCL/HCCL.
+
+    See [Note: coalesced batches]: batch ``k`` holds the communication of block
+    ``k`` not posted yet, then the receives that *lead* block ``k+1`` (those
+    before its first send), so the rank's transfers are posted exactly in
+    list order, cut into batches.
+    """
+    batches: list[list[MetaStep]] = []
+    carried = 0  # leading comms of the current block already posted with the previous batch
+    for k, block in enumerate(blocks):
+        batch = list(block.comms[carried:])
+        carried = 0
+        if block.action is not None and k + 1 < len(blocks):
+            following = blocks[k + 1].comms
+            while carried < len(following) and following[carried].type.is_recv:
+                carried += 1
+            batch.extend(following[:carried])
+        batches.append(batch)
+    return batches
 
 
 class _CommError(Exception):
@@ -269,11 +328,11 @@ class StepRunner:
         self.draining = True
 
     def _prepare_sharded(self, stage: PipelineStage) -> None:
+        """Step start of a sharded stage: no per-micro-batch reduce or reshard ([Note: FSDP protocol])."""
         module = stage.submod
         if self.training and is_sharded_module(module):
-            setter = getattr(module, "set_requires_gradient_sync", None)
-            if callable(setter):
-                setter(False)
+            _call_if_present(module, "set_requires_gradient_sync", False)
+            _call_if_present(module, "set_reshard_after_backward", False)
 
     def _act(self, step: MetaStep) -> None:
         if step.type.is_fsdp:
@@ -299,11 +358,11 @@ class StepRunner:
         if step.type is T.UNSHARD:
             self._unsharded[step.stage_index] = module.unshard()
         elif step.type is T.RESHARD:
+            if self.training:
+                _call_if_present(module, "set_reshard_after_backward", True)  # FSDP's default again
             module.reshard()
         else:
-            setter = getattr(module, "set_requires_gradient_sync", None)
-            if callable(setter):
-                setter(True)
+            _call_if_present(module, "set_requires_gradient_sync", True)
             module.reduce_grad()
 
     def _compute(self, step: MetaStep) -> None:
@@ -443,8 +502,18 @@ class StepRunner:
                 into.append((key, bufs, peer_rank(step.peer_stage)))  # type: ignore[arg-type]
             self._post_p2p(out, into)
 
+        if self._coalesce:
+            # [Note: coalesced batches]: one batch per compute step, in list order.
+            try:
+                for block, batch in zip(blocks, _coalesced_batches(blocks), strict=True):
+                    post([s for s in batch if s.type.is_send], [s for s in batch if s.type.is_recv])
+                    if block.action is not None:
+                        self._act(block.action)
+            finally:
+                self._drain_handles()
+            return
         # [Note: receive lookahead]
-        ahead = 1 if self._coalesce else (self.recv_lookahead or len(blocks))
+        ahead = self.recv_lookahead or len(blocks)
         try:
             post([], [s for block in blocks[:ahead] for s in block.comms if s.type.is_recv])
             for k, block in enumerate(blocks):
@@ -577,6 +646,13 @@ class StepRunner:
             "communication breaks or times out.",
             [],
         ) from cause
+
+
+def _call_if_present(module: Any, name: str, value: bool) -> None:
+    """Call an optional setter of a sharded module ([Note: FSDP protocol] requires three methods only)."""
+    setter = getattr(module, name, None)
+    if callable(setter):
+        setter(value)
 
 
 def _header_of(failure: StageFailure | None) -> StageFailure:

@@ -7,13 +7,25 @@ the methods of :class:`ShardedModule` is treated as sharded. Per step the
 executor
 
 1. calls ``set_requires_gradient_sync(False)`` (when present) before the first
-   compute step, so the per-micro-batch backwards only accumulate;
+   compute step, so the per-micro-batch backwards only accumulate, and
+   ``set_reshard_after_backward(False)`` (when present), so the parameters
+   gathered by ``UNSHARD`` survive each micro-batch's backward instead of being
+   freed and gathered again for the next micro-batch (with hp-fsdp's default
+   ``True`` a step of ``m`` micro-batches costs ``m`` all-gathers per stage
+   instead of one);
 2. runs ``UNSHARD`` -> ``unshard()`` before the stage's first compute step; a
    returned handle with ``wait()`` is waited before the stage computes;
 3. runs ``REDUCE_GRAD`` -> ``set_requires_gradient_sync(True)`` then
    ``reduce_grad()`` after the stage's last backward: the gradients of all
    micro-batches are reduced once per step, not once per micro-batch;
-4. runs ``RESHARD`` -> ``reshard()`` at the end.
+4. runs ``RESHARD`` -> ``set_reshard_after_backward(True)`` (when present:
+   FSDP's default, so the module behaves as usual outside the pipeline) then
+   ``reshard()`` at the end.
+
+Forward-only steps (no ``loss_fn``) only unshard and reshard. The stage
+module's own ``reshard_after_forward`` is left alone: nested units that free
+their parameters after forward (a memory choice) still gather them again in
+backward, as in plain FSDP; the stage's root unit keeps them by default.
 
 A wrapper without ``reduce_grad`` cannot take part; such a module is treated as
 unsharded and its steps are not added. :func:`add_fsdp_steps` inserts the steps
@@ -42,6 +54,8 @@ class ShardedModule(Protocol):
 
     def reduce_grad(self) -> None:
         """Reduce (e.g. reduce-scatter) the gradients accumulated over the step's micro-batches."""
+
+    # Optional, called when present: set_requires_gradient_sync(bool), set_reshard_after_backward(bool).
 
 
 def is_sharded_module(module: object) -> bool:

@@ -82,7 +82,8 @@ class PipelineSchedule:
             posted; ``None`` (default) posts all of a step's receives when it
             starts, fastest but holding every receive buffer of the step
             ([Note: receive lookahead] in :mod:`hp_pipeline.executor`).
-            Backends that coalesce batches always post one step ahead.
+            Backends that coalesce batches (NCCL, HCCL) ignore it and post
+            in list order, one batch per compute step ([Note: coalesced batches]).
     """
 
     _style: Style = "loop"

@@ -1,22 +1,33 @@
 """MPipe: multimodal pipelines whose preprocess tower runs on the rank that owns each micro-batch.
 
 * :mod:`~hp_pipeline.mpipe.ownership`: which rank owns which micro-batch;
-* :mod:`~hp_pipeline.mpipe.order`: the MPipe order over 1F1B / interleaved 1F1B;
+* :mod:`~hp_pipeline.mpipe.order`: the MPipe order over 1F1B, interleaved 1F1B, ZB-H1 or ZB-V;
 * :mod:`~hp_pipeline.mpipe.runner`: how the MPipe steps run;
 * :mod:`~hp_pipeline.mpipe.schedule`: :class:`ScheduleMPipe`;
 * :mod:`~hp_pipeline.mpipe.sampler`: :class:`PPRankOwnedSampler`.
 """
 
-from hp_pipeline.mpipe.order import build_mpipe_order, mpipe_order, mpipe_receives_lead, strip_mpipe
+from hp_pipeline.mpipe.order import (
+    MPIPE_BASES,
+    MPipeBase,
+    build_mpipe_order,
+    mpipe_base_layout,
+    mpipe_order,
+    mpipe_receives_lead,
+    strip_mpipe,
+)
 from hp_pipeline.mpipe.ownership import OverflowMode, mpipe_owned_micros, mpipe_owner
 from hp_pipeline.mpipe.sampler import PPRankOwnedSampler
 from hp_pipeline.mpipe.schedule import ScheduleMPipe
 
 __all__ = [
+    "MPIPE_BASES",
+    "MPipeBase",
     "OverflowMode",
     "PPRankOwnedSampler",
     "ScheduleMPipe",
     "build_mpipe_order",
+    "mpipe_base_layout",
     "mpipe_order",
     "mpipe_owned_micros",
     "mpipe_owner",

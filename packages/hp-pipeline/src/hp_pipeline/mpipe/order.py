@@ -1,4 +1,4 @@
-"""MPipe's order: the tower's steps woven into a 1F1B or interleaved 1F1B order.
+"""MPipe's order: the tower's steps woven into a 1F1B, interleaved 1F1B, ZB-H1 or ZB-V order.
 
 [Note: MPipe steps]
 A multimodal model runs a *preprocess tower* (a vision encoder) on each
@@ -16,9 +16,10 @@ and ships the features to stage 0. For each micro-batch ``i`` owned by rank
 * ``oPBi``: the tower's backward. With the owner backward, stage 0 sends
   dL/dfeatures back (``0SEND_PGi->o`` / ``oRECV_PGi<-0``) and the owner
   backpropagates through the graph it kept; the owner's ``PB`` steps go at
-  the end of its list (rank 0's right after its ``0Bi``). Without it, stage 0
+  the end of its list (rank 0's right after its ``0Bi``, or ``0Ii`` on a
+  zero-bubble base, see [Note: MPipe bases]). Without it, stage 0
   recomputes the tower from the inputs that travelled with the features:
-  every ``PB`` is ``0PBi``, right after ``0Bi``;
+  every ``PB`` is ``0PBi``, right after ``0Bi`` / ``0Ii``;
 * ``oREDUCE_P``: one per rank, last: the tower's gradients of this step are
   summed over the pipeline group (a collective).
 
@@ -28,29 +29,64 @@ compute-only order gives the base builder's order exactly: MPipe only adds.
 Transfers are placed by :func:`~hp_pipeline.insert_comms`, so the order cannot
 deadlock, and ``validate_order`` checks the MPipe rules too.
 
+[Note: MPipe bases]
+The MPipe steps only need three things of the base order, all of which hold
+for 1F1B, interleaved 1F1B (loop placement), ZB-H1 and ZB-V (V placement):
+stage 0 lives on rank 0, each rank has a first ("home") stage that can name
+the rank's tower steps (rank ``r``'s is stage ``r`` in both placements), and
+stage 0 has exactly one step that produces the gradient of its inputs for
+each micro-batch: ``B``, or ``I`` when the base splits the backward. dL/dfeatures
+is ready after that step, so the tower's backward (``PB``, or the
+``SEND_PG`` that feeds it) hangs off stage 0's ``I``, not its ``W``: the
+tower's backward then overlaps stage 0's deferred weight gradients, like any
+other input gradient in a zero-bubble schedule. GPipe is not offered: it
+has 1F1B's bubble with ``m`` live micro-batches instead of ``p``, and MPipe
+would keep every owner's tower graphs alive just as long.
+
 [Note: MPipe receive posting]
 Every MPipe transfer into stage 0 (features and data) is sent from the start
 of its owner's list, before the owner's first step that depends on another
 rank. So on stage 0's rank these receives are the first receives from each
 peer in the step, and they can all be posted at once, in list order, at the
-start of the step, and each waited right before the forward that needs it
-(on backends that coalesce a batch: the batch's one handle, waited before the
-first such forward): the owners send them without waiting for anything.
+start of the step, and each waited right before the forward that needs it:
+the owners send them without waiting for anything.
 :func:`mpipe_receives_lead` checks this property of an order.
+
+This holds on gloo, where every operation progresses on its own. Backends
+that coalesce (NCCL, HCCL) run a rank's ``batch_isend_irecv`` groups one after
+another, each until all its operations are matched ([Note: coalesced batches]
+in :mod:`hp_pipeline.executor`), so a group of receives posted first holds
+back the rank's own later sends. With in-schedule loading an owner is also a
+receiver (the last stage's rank receives its targets), and two ranks that
+each post their receives from the other ahead of their sends to it wait for
+each other forever (found with hp-testing's ``nccl-emu``). There the MPipe
+receives are posted in list order like every other transfer: the executor
+does not batch them (``ScheduleMPipe.batched`` is ``False``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
-from hp_pipeline.builders import build_1f1b_order, build_interleaved_1f1b_order, stages_on_rank
+from hp_pipeline.builders import (
+    build_1f1b_order,
+    build_interleaved_1f1b_order,
+    build_zbv_order,
+    build_zero_bubble_h1_order,
+    stages_on_rank,
+)
+from hp_pipeline.builders.placement import Style
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.ir import MetaStep, MetaStepType, Order
 from hp_pipeline.mpipe.ownership import OverflowMode, mpipe_owned_micros, mpipe_owner
 from hp_pipeline.validate import validate_order
 
 __all__ = [
+    "MPIPE_BASES",
+    "MPipeBase",
     "build_mpipe_order",
+    "mpipe_base_layout",
     "mpipe_order",
     "mpipe_receives_lead",
     "strip_mpipe",
@@ -59,11 +95,56 @@ __all__ = [
 T = MetaStepType
 _DATA = frozenset({T.DATA_LOAD, T.DATA_SEND, T.DATA_RECV})
 _MPIPE_RECVS = frozenset({T.PREPROCESS_RECV, T.DATA_RECV})
+# The step of stage 0 after which dL/dfeatures exists ([Note: MPipe bases]).
+_INPUT_GRAD = frozenset({T.BWD, T.BWD_INPUT})
 
 
-def _base(num_ranks: int, n_microbatches: int, stages_per_rank: int) -> Order:
-    if stages_per_rank == 1:
+MPipeBase = Literal["1f1b", "interleaved", "zb-h1", "zbv"]
+#: The base orders MPipe weaves its steps into ([Note: MPipe bases]).
+MPIPE_BASES: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zbv")
+
+
+def mpipe_base_layout(base: str | None, stages_per_rank: int | None) -> tuple[MPipeBase, int, Style]:
+    """``(base, stages_per_rank, placement)`` for a base name, checked; ``None`` picks by the stage count.
+
+    ``base=None`` keeps the historical choice: 1F1B for one stage per rank,
+    interleaved 1F1B for more. ``stages_per_rank=None`` means the base's own
+    count (1; 2 for ZB-V). ZB-H1 runs one stage per rank, ZB-V exactly two
+    in the V placement; a mismatch is an error naming the fix.
+    """
+    if stages_per_rank is None:
+        stages_per_rank = 2 if base in ("zbv", "interleaved") else 1
+    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise ValueError(f"MPipe: stages_per_rank must be an int >= 1, got {stages_per_rank!r}")
+    if base is None:
+        return ("1f1b" if stages_per_rank == 1 else "interleaved"), stages_per_rank, "loop"
+    if base not in MPIPE_BASES:
+        raise ValueError(
+            f"MPipe cannot build on base {base!r}; it weaves its steps into one of {list(MPIPE_BASES)} "
+            "(see [Note: MPipe bases] in hp_pipeline.mpipe.order)"
+        )
+    want = {"1f1b": 1, "zb-h1": 1, "zbv": 2}.get(base)
+    if want is not None and stages_per_rank != want:
+        hint = (
+            "pass this rank's single PipelineStage"
+            if want == 1
+            else "pass [PipelineStage(chunk_a, r, 2 * p), PipelineStage(chunk_b, 2 * p - 1 - r, 2 * p)]"
+        )
+        raise ValueError(
+            f"MPipe over base {base!r} runs {want} stage(s) per rank, got stages_per_rank="
+            f"{stages_per_rank}; {hint}, or pick a base for {stages_per_rank} stage(s) per rank "
+            f"({'interleaved' if stages_per_rank > 1 else '1f1b or zb-h1'})"
+        )
+    return base, stages_per_rank, ("v" if base == "zbv" else "loop")  # type: ignore[return-value]
+
+
+def _base(base: MPipeBase, num_ranks: int, n_microbatches: int, stages_per_rank: int) -> Order:
+    if base == "1f1b":
         return build_1f1b_order(num_ranks, n_microbatches)
+    if base == "zb-h1":
+        return build_zero_bubble_h1_order(num_ranks, n_microbatches)
+    if base == "zbv":
+        return build_zbv_order(num_ranks, n_microbatches)
     return build_interleaved_1f1b_order(num_ranks, n_microbatches, stages_per_rank)
 
 
@@ -71,28 +152,33 @@ def build_mpipe_order(
     num_ranks: int,
     n_microbatches: int,
     *,
-    stages_per_rank: int = 1,
+    stages_per_rank: int | None = None,
     overflow_mode: OverflowMode = "full",
     owner_backward: bool = True,
     tower_backward: bool = True,
     load_data: bool = False,
+    base: str | None = None,
 ) -> Order:
-    """The compute-only MPipe order ([Note: MPipe steps]) over the 1F1B or interleaved base.
+    """The compute-only MPipe order ([Note: MPipe steps]) over one of :data:`MPIPE_BASES`.
 
     Args:
         num_ranks, n_microbatches: ``p`` and ``m``.
-        stages_per_rank: 1 for 1F1B, ``v > 1`` for interleaved 1F1B (loop placement).
+        stages_per_rank: 1 for 1F1B / ZB-H1, ``v > 1`` for interleaved 1F1B
+            (loop placement), 2 for ZB-V (V placement); ``None``: the base's own
+            (1, or 2 for interleaved and ZB-V).
         overflow_mode: ``"full"`` or ``"min"`` ([Note: MPipe ownership]).
         owner_backward: the owner backpropagates through its kept graph
             (``True``) or stage 0 recomputes the tower (``False``).
         tower_backward: ``False`` for a frozen tower: no ``PB`` and no ``REDUCE_P``.
         load_data: each owner loads its micro-batches (``LOAD`` before ``PF``).
+        base: ``"1f1b"``, ``"interleaved"``, ``"zb-h1"`` or ``"zbv"``; ``None``
+            picks 1F1B or interleaved by ``stages_per_rank`` ([Note: MPipe bases]).
     """
-    base = _base(num_ranks, n_microbatches, stages_per_rank)
+    kind, v, style = mpipe_base_layout(base, stages_per_rank)
     p, m = num_ranks, n_microbatches
     order: Order = {}
-    for rank, steps in base.items():
-        home = stages_on_rank(rank, p, stages_per_rank)[0]
+    for rank, steps in _base(kind, p, m, v).items():
+        home = stages_on_rank(rank, p, v, style=style)[0]
         owned = mpipe_owned_micros(p, m, rank, overflow_mode)
         out: list[MetaStep] = []
         for i in owned:
@@ -104,7 +190,7 @@ def build_mpipe_order(
             if (
                 tower_backward
                 and rank == 0
-                and step.type is T.BWD
+                and step.type in _INPUT_GRAD
                 and step.stage_index == 0
                 and (not owner_backward or mpipe_owner(p, m, step.micro_index or 0, overflow_mode) == 0)
             ):
@@ -121,11 +207,12 @@ def mpipe_order(
     num_ranks: int,
     n_microbatches: int,
     *,
-    stages_per_rank: int = 1,
+    stages_per_rank: int | None = None,
     overflow_mode: OverflowMode = "full",
     owner_backward: bool = True,
     tower_backward: bool = True,
     load_data: bool = False,
+    base: str | None = None,
 ) -> Order:
     """:func:`build_mpipe_order` with communication inserted and validated: what the schedule runs.
 
@@ -140,8 +227,9 @@ def mpipe_order(
         owner_backward=owner_backward,
         tower_backward=tower_backward,
         load_data=load_data,
+        base=base,
     )
-    num_stages = num_ranks * stages_per_rank
+    num_stages = num_ranks * mpipe_base_layout(base, stages_per_rank)[1]
     runnable = insert_comms(order, data_stages=[0, num_stages - 1] if load_data else None)
     validate_order(runnable, n_microbatches=n_microbatches, num_stages=num_stages, require_comms=True)
     return runnable

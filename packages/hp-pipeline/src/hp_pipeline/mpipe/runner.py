@@ -13,9 +13,21 @@ and [Note: failures] in :mod:`hp_pipeline.executor`) with:
 * stage 0's forward is called as ``module(*text_args, *features, **kwargs)``,
   the features being leaves that collect dL/dfeatures in stage 0's backward;
 * ``PB``: backward through the tower, on the owner (with the gradient
-  ``SEND_PG``/``RECV_PG`` brought back) or recomputed on stage 0;
+  ``SEND_PG``/``RECV_PG`` brought back) or recomputed on stage 0
+  ([Note: feature gradients]);
 * ``REDUCE_P``: sum this step's tower-gradient contribution over the pipeline
-  group ([Note: tower gradient reduction]).
+  group ([Note: feature gradients]
+Stage 0's features are leaves; their gradient is dL/dfeatures, which the
+tower's backward needs. A full backward (``B``) accumulates it into
+``leaf.grad``, but a split one (``I`` of a zero-bubble base) computes input
+gradients with ``torch.autograd.grad``, which fills no ``.grad``, and a
+first stage keeps no input gradient of its own. So every feature leaf that
+requires grad gets a tensor hook that records the gradient as autograd
+computes it: the hook fires for ``B`` and ``I`` alike, once per backward (a
+leaf used twice gets the sum), and not for ``W``, which asks for parameter
+gradients only. ``SEND_PG`` and the recompute ``PB`` read the recorded value.
+
+[Note: tower gradient reduction]).
 
 On the first step every MPipe transfer carries one header object (the list of
 :class:`~hp_pipeline.stage.TensorMeta` of all its tensors: one metadata
@@ -31,7 +43,9 @@ gets ``input_keys`` (its positional text inputs), the last stage
 
 [Note: tower gradient reduction]
 Each rank backpropagates only its own micro-batches through its replica of the
-tower, so its gradients hold part of the step's gradient. ``REDUCE_P`` sums,
+tower, so its gradients hold part of the step's gradient (with ``dp_group``
+the sum is then averaged over the data-parallel replicas, see [Note: MPipe
+with data parallelism] in :mod:`hp_pipeline.mpipe.schedule`). ``REDUCE_P`` sums,
 over the pipeline group, each parameter's *contribution of this step*
 (``grad - grad_at_step_start``) and adds the sum back to the value at the
 start of the step. Gradients accumulated over earlier steps (which every
@@ -125,9 +139,15 @@ class MPipeRunner(StepRunner):
         self.ignore_index = ignore_index
         self.num_stages = next(iter(stages.values())).num_stages
         self.device = next(iter(stages.values())).device
-        # [Note: MPipe receive posting]: batch the leading receives when the order allows it.
+        # [Note: MPipe receive posting]: batch the leading receives when the order allows it,
+        # and never on backends that coalesce (their receive groups would hold back our sends).
         self._early = [s for s in self.steps if s.type in (T.PREPROCESS_RECV, T.DATA_RECV)]
-        self.batched = bool(batched_recv and self._early and mpipe_receives_lead(self.steps, stage_rank))
+        self.batched = bool(
+            batched_recv
+            and not self._coalesce
+            and self._early
+            and mpipe_receives_lead(self.steps, stage_rank)
+        )
         self._lean_blocks = _blocks([s for s in self.steps if s not in set(self._early)])
         self._full_blocks = self.blocks
         self._recv_keys = {(s.type, s.stage_index, s.micro_index) for s in self.steps if s.type.is_recv}
@@ -137,6 +157,9 @@ class MPipeRunner(StepRunner):
         self._n_features: dict[int, int] = {}
         self.n_micro = 0
         self.loading = False
+        # [Note: MPipe with data parallelism]: the tower's gradients are averaged over this group.
+        self.dp_group: dist.ProcessGroup | None = None
+        self.dp_size = 1
         # Per-step inputs, set by the schedule before run().
         self.data_iter: Iterator[Any] | None = None
         self.tower_chunks: list[tuple[Any, ...]] | None = None
@@ -150,6 +173,8 @@ class MPipeRunner(StepRunner):
         self._tower_out: dict[int, tuple[torch.Tensor, ...]] = {}  # detached outputs
         self._tower_graph: dict[int, tuple[torch.Tensor, ...]] = {}  # graph-connected (owner backward)
         self._features: dict[int, tuple[torch.Tensor, ...]] = {}  # leaves on stage 0
+        # [Note: feature gradients]: micro -> {feature position: dL/dfeature}.
+        self._feature_grad: dict[int, dict[int, torch.Tensor]] = {}
         self._feature_meta: dict[int, tuple[TensorMeta, ...]] = {}
 
     # -- helpers --------------------------------------------------------------------
@@ -273,13 +298,21 @@ class MPipeRunner(StepRunner):
         else:
             outs, metas = self._tower_out[i], self._feature_meta[i]
         leaves = []
-        for t, meta in zip(outs, metas, strict=True):
+        got = self._feature_grad[i] = {}
+        for k, (t, meta) in enumerate(zip(outs, metas, strict=True)):
             leaf = t.detach()
             if meta.requires_grad and self.training:
                 leaf.requires_grad_(True)
+                leaf.register_hook(_recorder(got, k))
             leaves.append(leaf)
         self._features[i] = tuple(leaves)
         return self._features[i]
+
+    def _take_feature_grads(self, i: int) -> list[torch.Tensor | None]:
+        """dL/dfeatures of micro-batch ``i`` (``None`` where no gradient reached a feature or none is due)."""
+        leaves = self._features.pop(i, ())
+        got = self._feature_grad.pop(i, {})
+        return [got.get(k) if leaf.requires_grad else None for k, leaf in enumerate(leaves)]
 
     def _owner_stage(self, i: int) -> int:
         for s in self.steps:
@@ -355,8 +388,7 @@ class MPipeRunner(StepRunner):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
     def _local_feature_grads(self, i: int) -> list[torch.Tensor | None]:
-        leaves = self._features.pop(i, ())
-        return [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+        return self._take_feature_grads(i)
 
     def _feature_grads(self, stage: int, i: int) -> list[torch.Tensor | None]:
         key = (T.PREPROCESS_GRAD_RECV, stage, i)
@@ -386,10 +418,14 @@ class MPipeRunner(StepRunner):
             flat = torch.cat([*parts, torch.tensor(flags, dtype=dtype, device=parts[0].device)])
             try:
                 all_reduce(flat, "sum", self.group)
+                if self.dp_group is not None:
+                    all_reduce(flat, "sum", self.dp_group)
             except Exception as exc:
                 raise _CommError(str(exc)) from exc
-            offset = 0
             flag_at = flat.numel() - len(indices)
+            if self.dp_size > 1:  # the dp average; the flags only need to be non-zero
+                flat[:flag_at].div_(self.dp_size)
+            offset = 0
             for k, index in enumerate(indices):
                 p, start = params[index], self.tower_grad_start[index]
                 total = flat[offset : offset + p.numel()].view_as(p)
@@ -424,10 +460,11 @@ class MPipeRunner(StepRunner):
                 metas = metas + tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in ins)
             self._n_features[i] = len(outs)
         else:  # PREPROCESS_GRAD_SEND: dL/dfeatures, zeros for features that got none
-            leaves = self._features.pop(i, ())
+            leaves = self._features.get(i, ())
+            grads = self._take_feature_grads(i)
             tensors = [
-                (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).contiguous()
-                for leaf in leaves
+                (g if g is not None else torch.zeros_like(leaf)).contiguous()
+                for leaf, g in zip(leaves, grads, strict=True)
                 if leaf.requires_grad
             ]
             metas = tuple(TensorMeta(tuple(t.shape), t.dtype, False) for t in tensors)
@@ -509,6 +546,15 @@ class MPipeRunner(StepRunner):
             super()._run_overlapped()
         finally:
             self.blocks = self._full_blocks
+
+
+def _recorder(store: dict[int, torch.Tensor], k: int) -> Any:
+    """A tensor hook that keeps feature ``k``'s gradient ([Note: feature gradients])."""
+
+    def hook(grad: torch.Tensor) -> None:
+        store[k] = grad
+
+    return hook
 
 
 class _Stage0Args:

@@ -1,7 +1,23 @@
-"""``ScheduleMPipe``: 1F1B or interleaved 1F1B with the preprocess tower spread over the ranks.
+"""``ScheduleMPipe``: 1F1B, interleaved 1F1B, ZB-H1 or ZB-V with the preprocess tower spread over the ranks.
 
 See [Note: MPipe steps] (:mod:`hp_pipeline.mpipe.order`) for the order and
 :mod:`hp_pipeline.mpipe.runner` for how each step runs.
+
+[Note: MPipe with data parallelism]
+With a ``(pp, dp)`` mesh every dp replica runs its own MPipe pipeline on its
+share of the global batch; the text stages are typically wrapped with
+``fully_shard`` on the dp submesh and take part through the FSDP steps
+([Note: FSDP protocol] in :mod:`hp_pipeline.fsdp`), whose gradient reduction
+*averages* over dp. The tower is a plain replica on every rank of the mesh, so
+``dp_group=`` makes the schedule treat it the same way: ``REDUCE_P`` sums this
+step's tower gradients over the pipeline group, then averages the sum over
+``dp_group``; the construction broadcast and the sync check cover the dp
+group too. With ``normalize_by_tokens`` the token count is summed over both
+groups (``N``) and each replica divides by ``N / dp``, so that the dp average
+of the gradients is the gradient of ``sum(token losses) / N`` over the whole
+global batch; reported losses are divided the same way, so the dp *mean* of
+each replica's ``sum(losses)`` is the global loss. This assumes the stages'
+dp reduction averages (hp-fsdp's default).
 
 [Note: token-normalised loss]
 A language-model loss is a mean over the *valid* tokens of the whole batch
@@ -32,7 +48,7 @@ from hp_pipeline.executor import StepRunner, raise_step_error
 from hp_pipeline.grads import clip_grad_norm_, sync_tied
 from hp_pipeline.ir import Order
 from hp_pipeline.microbatch import split_args_kwargs
-from hp_pipeline.mpipe.order import build_mpipe_order
+from hp_pipeline.mpipe.order import MPIPE_BASES, build_mpipe_order, mpipe_base_layout
 from hp_pipeline.mpipe.ownership import OverflowMode, check_owns_data, mpipe_owned_micros
 from hp_pipeline.mpipe.runner import MPipeRunner
 from hp_pipeline.schedules import LossFn, PipelineSchedule, _failure_outside_steps
@@ -41,11 +57,50 @@ from hp_pipeline.stage import PipelineStage
 __all__ = ["ScheduleMPipe"]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local piece of a DTensor-like tensor (``to_local``), else the tensor: elementwise ops act on it."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _base_name(base: str | type | None) -> str | None:
+    """A base given as a schedule class or a name, as a name of ``MPIPE_BASES`` ([Note: MPipe bases])."""
+    if base is None or isinstance(base, str):
+        return base
+    from hp_pipeline.schedules import (
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+        ScheduleZBV,
+        ScheduleZeroBubble,
+    )
+
+    by_class: dict[type, str] = {
+        Schedule1F1B: "1f1b",
+        ScheduleInterleaved1F1B: "interleaved",
+        ScheduleZeroBubble: "zb-h1",
+        ScheduleZBV: "zbv",
+    }
+    if isinstance(base, type) and base in by_class:
+        return by_class[base]
+    name = base.__name__ if isinstance(base, type) else type(base).__name__
+    why = (
+        " (GPipe has 1F1B's bubble but keeps all m micro-batches alive; use Schedule1F1B)"
+        if name == "ScheduleGPipe"
+        else ""
+    )
+    raise ValueError(
+        f"ScheduleMPipe cannot build on {name}{why}; base= takes one of "
+        f"{[c.__name__ for c in by_class]} or a name in {list(MPIPE_BASES)}"
+    )
+
+
 class ScheduleMPipe(PipelineSchedule):
     """MPipe: micro-batch ``k``'s preprocess tower runs on its owning rank, features go to stage 0.
 
     One stage per rank gives the 1F1B base order; a list of ``v > 1`` stages
-    per rank (loop placement) the interleaved one. Every rank holds a replica
+    per rank (loop placement) the interleaved one; ``base=`` picks ZB-H1 (one
+    stage per rank) or ZB-V (two per rank, V placement) instead
+    ([Note: MPipe bases]). Every rank holds a replica
     of ``preprocess`` (include its parameters in every rank's optimizer);
     stage 0's module is called as ``module(*text_args, *features, **kwargs)``.
 
@@ -61,8 +116,9 @@ class ScheduleMPipe(PipelineSchedule):
         overflow_mode: ``"full"`` or ``"min"`` ([Note: MPipe ownership]).
         batched_recv: post all of stage 0's feature/data receives of a step at
             once and wait them once ([Note: MPipe receive posting]); ``False``
-            receives each with the base executor's posting, one compute step
-            ahead of its consumer.
+            receives each with the base executor's posting. Backends that
+            coalesce (NCCL, HCCL) always use the base posting, in list order:
+            batching there can deadlock (the same note).
         in_schedule_loading: each owner reads its micro-batches inside the
             step (``step(data=iterator)``); only ``input_keys`` travel to stage
             0 and ``target_key`` to the last stage.
@@ -76,6 +132,16 @@ class ScheduleMPipe(PipelineSchedule):
             every rank at construction.
         check_tower_sync: before every step, verify that the tower's
             parameters are identical on every rank (raises otherwise).
+        base: the base schedule: ``None`` (1F1B or interleaved by the stage
+            count), a name in ``MPIPE_BASES`` (``"1f1b"``, ``"interleaved"``,
+            ``"zb-h1"``, ``"zbv"``) or the class ``Schedule1F1B``,
+            ``ScheduleInterleaved1F1B``, ``ScheduleZeroBubble`` or ``ScheduleZBV``.
+            Any other raises ``ValueError`` naming the ones MPipe serves.
+        dp_group: the data-parallel group across pipeline replicas when the
+            stages are sharded or replicated over data parallelism (e.g.
+            ``mesh["dp"].get_group()`` of a ``(pp, dp)`` mesh, stages wrapped
+            with ``fully_shard`` on ``mesh["dp"]``); see [Note: MPipe with
+            data parallelism]. ``None``: one pipeline, no data parallelism.
         args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
         abort_timeout: as for the other schedules.
     """
@@ -100,6 +166,8 @@ class ScheduleMPipe(PipelineSchedule):
         ignore_index: int = -100,
         broadcast_tower: bool = True,
         check_tower_sync: bool = False,
+        base: str | type | None = None,
+        dp_group: dist.ProcessGroup | None = None,
         **options: Any,
     ) -> None:
         if not isinstance(preprocess, nn.Module):
@@ -117,8 +185,12 @@ class ScheduleMPipe(PipelineSchedule):
         self.target_key, self.ignore_index = target_key, ignore_index
         self.normalize_by_tokens = bool(normalize_by_tokens)
         self.check_sync = bool(check_tower_sync)
+        self.dp_group = dp_group
+        self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.tower_trainable = any(p.requires_grad for p in preprocess.parameters())
-        self._v = 1 if isinstance(stage_or_stages, PipelineStage) else len(stage_or_stages)
+        local = 1 if isinstance(stage_or_stages, PipelineStage) else len(stage_or_stages)
+        # An empty list is reported by the base class (it names what it needs), not here.
+        self.base, self._v, self._style = mpipe_base_layout(_base_name(base), max(local, 1))
         self._training = loss_fn is not None
         super().__init__(stage_or_stages, n_microbatches, loss_fn, **options)
         p, m = self.num_ranks, n_microbatches
@@ -137,6 +209,7 @@ class ScheduleMPipe(PipelineSchedule):
         return build_mpipe_order(
             p,
             m,
+            base=self.base,
             stages_per_rank=self._v,
             overflow_mode=self.overflow_mode,
             owner_backward=self.owner_backward,
@@ -167,6 +240,7 @@ class ScheduleMPipe(PipelineSchedule):
             stage_rank={s: self._peer_rank(s) for s in range(self.num_ranks * self._v)},
         )
         runner.n_micro = self._n_microbatches
+        runner.dp_group, runner.dp_size = self.dp_group, self.dp_size
         runner.loading = self.in_schedule_loading
         return runner
 
@@ -187,6 +261,8 @@ class ScheduleMPipe(PipelineSchedule):
         with torch.no_grad():
             for _, tensor in self._tower_tensors():
                 broadcast(tensor.detach(), group=self.group, group_src=0)
+                if self.dp_group is not None:  # [Note: MPipe with data parallelism]
+                    broadcast(tensor.detach(), group=self.dp_group, group_src=0)
 
     def check_tower_sync(self) -> None:
         """Raise ``RuntimeError`` naming the tower parameters that differ between ranks (every rank)."""
@@ -198,8 +274,9 @@ class ScheduleMPipe(PipelineSchedule):
         device = named[0][1].device
         flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for _, t in named]).to(device)
         high, low = flat.clone(), flat.clone()
-        all_reduce(high, "max", self.group)
-        all_reduce(low, "min", self.group)
+        for group in (self.group, self.dp_group) if self.dp_group is not None else (self.group,):
+            all_reduce(high, "max", group)
+            all_reduce(low, "min", group)
         gap = high - low
         if not bool((gap > 0).any()):
             return
@@ -328,17 +405,23 @@ class ScheduleMPipe(PipelineSchedule):
         device = next(iter(self._stages.values())).device
         count = torch.tensor([local], dtype=torch.int64, device=device)
         all_reduce(count, "sum", self.group)
-        total = max(int(count.item()), 1)
+        if self.dp_group is not None:
+            all_reduce(count, "sum", self.dp_group)
         self.last_token_count = int(count.item())
+        # [Note: MPipe with data parallelism]: the dp average then divides by dp once more.
+        total = max(int(count.item()), 1) / self.dp_size
         with torch.no_grad():
             for params, starts in ((stage_params, stage_start), (tower_params, tower_start)):
                 for p, start in zip(params, starts, strict=True):
                     if p.grad is None:
                         continue
+                    # A sharded gradient (a DTensor of fully_shard) is scaled shard by shard.
+                    grad = _local(p.grad)
                     if start is None:
-                        p.grad.div_(total)
+                        grad.div_(total)
                     else:
-                        p.grad.sub_(start).div_(total).add_(start)
+                        begin = _local(start)
+                        grad.sub_(begin).div_(total).add_(begin)
         last = self._stages.get(self.num_stages - 1)
         if last is not None:
             for i, loss in list(last._last_losses.items()):
