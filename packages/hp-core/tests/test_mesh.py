@@ -247,3 +247,47 @@ def test_2x2x2_mesh(rank, world_size):
     assert theirs.shape == (2, 2, 2) and tuple(theirs.get_coordinate()) == (p, d, t)
     assert theirs["dp", "tp"].mesh.tolist() == inner.mesh.tolist()
     assert all(theirs.get_group(n) is mesh.get_group(n) for n in ("pp", "dp", "tp"))
+
+
+@pytest.mark.distributed(world_size=4)
+def test_2x2_concatenate_and_permute(rank, world_size, monkeypatch):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    row, col = divmod(rank, 2)
+
+    def no_new_group(*args, **kwargs):
+        raise AssertionError("concatenate/permute must reuse cached groups, not create any")
+
+    monkeypatch.setattr(dist, "new_group", no_new_group)
+    both = DeviceMesh.concatenate([mesh["dp"], mesh["tp"]])
+    assert both == mesh and both.mesh_dim_names == ("dp", "tp")
+    swapped = DeviceMesh.concatenate([mesh["tp"], mesh["dp"]])
+    assert swapped.mesh.tolist() == [[0, 2], [1, 3]] and swapped.mesh_dim_names == ("tp", "dp")
+    assert swapped.get_coordinate() == (col, row)
+    assert swapped.get_group("tp") is mesh.get_group("tp") and swapped.get_group("dp") is mesh.get_group("dp")
+    assert mesh.permute("tp", "dp") == swapped and mesh.permute(1, 0) == swapped
+    assert mesh.permute(("dp", "tp")) is mesh and swapped.permute("dp", "tp") == mesh
+    renamed = DeviceMesh.concatenate([mesh["tp"], mesh["dp"]], mesh_dim_names=("a", "b"))
+    assert renamed.mesh_dim_names == ("a", "b") and renamed.mesh.tolist() == swapped.mesh.tolist()
+    unnamed = init_device_mesh("cpu", (2, 2))
+    assert unnamed.permute(1, 0).mesh.tolist() == [[0, 2], [1, 3]]
+    assert unnamed.permute(1, 0).mesh_dim_names is None
+    # a flattened dim combines too: (dp_tp,) plus nothing else is the flattened mesh itself
+    flat = mesh.flatten()
+    assert DeviceMesh.concatenate([flat]) is flat
+
+    with pytest.raises(ValueError, match=r"overlap \(they share dim\(s\) \[0\]"):
+        DeviceMesh.concatenate([mesh["dp"], mesh])
+    with pytest.raises(ValueError, match=r"overlap"):
+        DeviceMesh.concatenate([flat, mesh["tp"]])
+    other = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("x", "y"))  # groups exist already
+    with pytest.raises(ValueError, match=r"not sliced from the same mesh \(their parents are"):
+        DeviceMesh.concatenate([mesh["dp"], other["y"]])
+    with pytest.raises(TypeError, match=r"non-empty list of hp_core DeviceMeshes"):
+        DeviceMesh.concatenate([])
+    with pytest.raises(ValueError, match=r"mesh_dim_names=\(...\) with one distinct name"):
+        clash = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "dp"))["dp"]
+        DeviceMesh.concatenate([mesh["dp"], clash])
+    with pytest.raises(ValueError, match=r"list every dim exactly once"):
+        mesh.permute("dp", "dp")
+    with pytest.raises(KeyError, match=r"no dim named 'pp'"):
+        mesh.permute("pp", "dp")

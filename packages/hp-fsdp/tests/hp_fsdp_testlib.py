@@ -49,10 +49,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Embedding, ``n_blocks`` blocks, final norm and head."""
 
-    def __init__(self, n_blocks: int = 2) -> None:
+    def __init__(self, n_blocks: int = 2, block: Callable[[], nn.Module] = Block) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block() for _ in range(n_blocks)])
+        self.blocks = nn.ModuleList([block() for _ in range(n_blocks)])
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
 
@@ -66,13 +66,48 @@ class Transformer(nn.Module):
 def build(seed: int = 0, n_blocks: int = 2, dtype: torch.dtype = torch.float64) -> Transformer:
     """The same model on every rank (seeded), in ``dtype``."""
     torch.manual_seed(seed)
-    model = Transformer(n_blocks).to(dtype)
-    with torch.no_grad():  # non-trivial norm params, so their gradients matter
+    return _spread_norms(Transformer(n_blocks).to(dtype))
+
+
+def _spread_norms(model: nn.Module) -> Any:
+    """Non-trivial norm params, so their gradients matter."""
+    with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.LayerNorm):
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.1, 0.1)
     return model
+
+
+# Even over tp=2 (hp_dtensor's TP hooks rebuild activations with from_local, which assumes even
+# chunks), uneven again over dp=2: each TP-local 5 rows split 3 / 2.
+TP_HIDDEN = 10
+
+
+class TPBlock(nn.Module):
+    """Pre-norm MLP with a residual: ``up`` column-wise and ``down`` row-wise under TP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, TP_HIDDEN)
+        self.down = nn.Linear(TP_HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TPModel(Transformer):
+    """Embedding, two TP-able MLP blocks, final norm and head."""
+
+    def __init__(self) -> None:
+        super().__init__(2, block=TPBlock)
+
+
+def build_tp() -> TPModel:
+    """The FSDP x TP test model, float64, seeded (the same on every rank)."""
+    torch.manual_seed(0)
+    return _spread_norms(TPModel().double())
 
 
 def global_batch(step: int, dp_world: int, per_rank: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

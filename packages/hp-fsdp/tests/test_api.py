@@ -177,3 +177,106 @@ def test_implicit_backward_prefetch(rank: int, world_size: int, monkeypatch: Any
     assert events.index(("gather", 0)) < events.index(("reduce", 1)), events
     model.zero_grad()
     parity(model, ref, dp_rank=rank, dp_world=world_size, steps=2)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_implicit_forward_prefetch_on_cpu(rank: int, world_size: int, monkeypatch: Any) -> None:
+    """On CPU a unit starts the next unit's gather before it computes ([Note: implicit forward prefetch])."""
+    from hp_core import get_platform
+    from hp_fsdp.param_group import FSDPParamGroup
+    from hp_fsdp.state import get_state
+
+    model = build(n_blocks=3)
+    ref = ref_copy(model)
+    shard_blocks(model)
+    tokens, targets = global_batch(0, world_size)
+    mine = slice(2 * rank, 2 * rank + 2)
+    loss_fn(model, tokens[mine], targets[mine]).backward()  # records the forward order
+    context = get_state(model).context
+    assert context.implicit_forward_prefetch is (get_platform().device_type == "cpu")
+    context.implicit_forward_prefetch = True  # forced on under NCCL/HCCL emulation too
+    groups = {id(get_state(b).group): i for i, b in enumerate(model.blocks)}
+    events: list[tuple[str, int]] = []
+    unshard = FSDPParamGroup.unshard
+
+    def record_unshard(self: Any) -> None:
+        if id(self) in groups and self.is_idle_sharded:
+            events.append(("gather", groups[id(self)]))
+        unshard(self)
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", record_unshard)
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(lambda m, a, o, i=i: events.append(("computed", i)))
+    with count_collectives() as counter:
+        loss = loss_fn(model, tokens[mine], targets[mine])
+    assert counter.calls["all_gather"] == 4  # prefetching moves gathers earlier, never adds one
+    # block i+1's gather was started before block i computed
+    for i in range(2):
+        assert events.index(("gather", i + 1)) < events.index(("computed", i)), events
+    loss.backward()
+    model.zero_grad()
+
+    # The order changes: block 1 is skipped. Its prefetch (from block 0) must not outlive the
+    # forward, or the optimizer step would leave stale gathered values for a later forward.
+    skipped = model.blocks[1]
+    kept = {k: v for k, v in model.blocks._modules.items() if k != "1"}
+    monkeypatch.setattr(model.blocks, "_modules", kept)
+    with torch.no_grad():
+        model(tokens[mine])
+    assert not get_state(skipped).group.is_unsharded and get_state(skipped).group.is_idle_sharded
+    assert isinstance(skipped.up.weight, DTensor)
+    monkeypatch.undo()
+    model.reshard()  # the root stays gathered after forward; the optimizer must see the shards
+    context.implicit_forward_prefetch = get_platform().device_type == "cpu"
+    parity(model, ref, dp_rank=rank, dp_world=world_size, steps=3)
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_keeps_counts_and_numbers(
+    rank: int, world_size: int, monkeypatch: Any, reentrant: bool
+) -> None:
+    """Blocks re-run their forward in backward (checkpointed): [Note: forward in backward]."""
+    from hp_fsdp.state import FSDPState, get_state
+    from torch.utils.checkpoint import checkpoint
+
+    model = build(n_blocks=3)
+    ref = ref_copy(model)
+    shard_blocks(model)
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:  # the blocks' hooks run again in the recompute
+        h = model.emb(tokens)
+        for block in model.blocks:
+            h = checkpoint(block, h, use_reentrant=reentrant)
+        return model.head(model.norm(h))
+
+    model.forward = forward
+    tokens, targets = global_batch(0, world_size)
+    mine = slice(2 * rank, 2 * rank + 2)
+    groups = {id(get_state(b).group): i for i, b in enumerate(model.blocks)}
+    reduced: list[int] = []
+    post_backward = FSDPState.post_backward
+
+    def record_post_backward(self: Any, *, final: bool = False) -> None:
+        group = self.group
+        tracked = not final and group is not None and id(group) in groups and not group.post_backward_done
+        if tracked and group.post_backward_runs + 1 >= group.forward_calls:
+            reduced.append(groups[id(group)])
+        post_backward(self, final=final)
+
+    monkeypatch.setattr(FSDPState, "post_backward", record_post_backward)
+    for _ in range(2):  # the second step runs with the forward order known (implicit prefetch on CPU)
+        with count_collectives() as counter:
+            loss = loss_fn(model, tokens[mine], targets[mine])
+        assert counter.calls["all_gather"] == 4
+        reduced.clear()
+        with count_collectives() as counter:
+            loss.backward()
+        # each block gathers once for its backward (recompute and gradients share the gather) and
+        # reduces in its own post-backward, in backward order, not late in the final callback
+        assert counter.calls == {"all_gather": 3, "reduce_scatter": 4, "all_reduce": 0}
+        assert reduced == [2, 1, 0], reduced
+        assert all(not get_state(b)._ran for b in model.blocks)  # the re-run left no half-run mark
+        model.zero_grad()
+    monkeypatch.undo()
+    parity(model, ref, dp_rank=rank, dp_world=world_size, steps=2)

@@ -8,61 +8,18 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hp_dtensor import ColwiseParallel, DTensor, Replicate, RowwiseParallel, Shard, parallelize_module
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hp_fsdp_testlib import DIM, VOCAB, full, parity, ref_copy
-
-# Even over tp=2 (hp_dtensor's TP hooks rebuild activations with from_local, which assumes even
-# chunks), uneven again over dp=2: each TP-local 5 rows split 3 / 2.
-HIDDEN = 10
+from hp_fsdp_testlib import build_tp as _build
+from hp_fsdp_testlib import full, parity, ref_copy
 
 
-class MLPBlock(nn.Module):
-    """Pre-norm MLP with a residual: ``up`` column-wise and ``down`` row-wise under TP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class TPModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([MLPBlock() for _ in range(2)])
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
-
-
-def _build() -> TPModel:
-    torch.manual_seed(0)
-    model = TPModel().double()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.uniform_(-0.1, 0.1)
-    return model
-
-
-def _tp_then_fsdp(model: TPModel, tp_mesh: Any, dp_mesh: Any) -> TPModel:
+def _tp_then_fsdp(model: nn.Module, tp_mesh: Any, dp_mesh: Any) -> nn.Module:
     from hp_fsdp import fully_shard
 
-    for block in model.blocks:
+    for block in model.blocks:  # type: ignore[union-attr]
         parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)

@@ -494,6 +494,98 @@ class DeviceMesh:
             self._flattened[name] = flat
         return flat
 
+    # -- combining and reordering dims (see [Note: combining meshes]) -------------------
+
+    # [Note: combining meshes]
+    # A library that composes parallelisms is handed meshes sliced from one
+    # mesh (FSDP gets mesh["dp"], tensor parallelism mesh["tp"]) and needs
+    # the mesh over both, sometimes in another dim order (hp_fsdp orders a TP
+    # dim before the FSDP dim when both cut the same tensor dim). Every dim of
+    # such a mesh spans root dims some existing mesh already spans, so its
+    # process groups are in the cache: combining and permuting are local, no
+    # rank communicates, and they may run anywhere, in any order, like slicing.
+    # torch's DeviceMesh has the same operation as the private
+    # ``DeviceMesh._concatenate``; ``permute`` follows ``Tensor.permute``.
+
+    @staticmethod
+    def concatenate(
+        meshes: Sequence[DeviceMesh], *, mesh_dim_names: Sequence[str] | None = None
+    ) -> DeviceMesh:
+        """One mesh whose dims are the dims of ``meshes``, in order (``mesh["dp"]`` + ``mesh["tp"]``).
+
+        The meshes must be sliced (or flattened) from the same mesh and span
+        disjoint dims of it; this rank must belong to all of them. The names
+        default to the meshes' names joined (None when one is unnamed). No
+        communication (see [Note: combining meshes]).
+        """
+        what = "DeviceMesh.concatenate"
+        parts = list(meshes) if not isinstance(meshes, DeviceMesh) else None
+        if not parts or not all(isinstance(m, DeviceMesh) for m in parts):
+            raise TypeError(
+                f"{what}: expected a non-empty list of hp_core DeviceMeshes, got {meshes!r}; e.g. "
+                "DeviceMesh.concatenate([mesh['dp'], mesh['tp']])."
+            )
+        first = parts[0]
+        for index, part in enumerate(parts):
+            part._check_fresh("concatenate")
+            part._check_member("concatenate")
+            if part._device_type != first._device_type:
+                raise ValueError(
+                    f"{what}: meshes[{index}] has device type {part._device_type!r} but meshes[0] has "
+                    f"{first._device_type!r}; combine meshes of one device type."
+                )
+            if part._root.shape != first._root.shape or not torch.equal(part._root, first._root):
+                raise ValueError(
+                    f"{what}: meshes[{index}] {part!r} and meshes[0] {first!r} were not sliced from the same "
+                    f"mesh (their parents are {part._root.tolist()} and {first._root.tolist()}); slice "
+                    "both from one mesh, e.g. mesh = init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', "
+                    "'tp')), then mesh['dp'] and mesh['tp']."
+                )
+        dims = tuple(dim for part in parts for dim in part._dims)
+        spanned = [d for dim in dims for d in dim]
+        shared = sorted({d for d in spanned if spanned.count(d) > 1})
+        if shared:
+            raise ValueError(
+                f"{what}: the meshes {parts!r} overlap (they share dim(s) {shared} of the mesh they were "
+                "sliced from), so a rank would appear twice; combine meshes over different dims."
+            )
+        names: tuple[str, ...] | None
+        if mesh_dim_names is not None:
+            names = _check_names(mesh_dim_names, len(dims), what)
+        elif all(part._names is not None for part in parts):
+            names = tuple(n for part in parts for n in part._names or ())
+            if len(set(names)) != len(names):
+                raise ValueError(
+                    f"{what}: the joined names {names} repeat a name; pass mesh_dim_names=(...) with one "
+                    "distinct name per dim."
+                )
+        else:
+            names = None
+        if len(parts) == 1 and names == first._names:
+            return first
+        return DeviceMesh._derived(first, dims, names)
+
+    def permute(self, *dims: int | str) -> DeviceMesh:
+        """The same ranks with the dims reordered: ``mesh.permute("tp", "dp")`` of a ``("dp", "tp")`` mesh.
+
+        ``dims`` lists every dim once, by index or name; each dim keeps its
+        name and its process group. No communication (see [Note: combining meshes]).
+        """
+        self._check_fresh("permute")
+        self._check_member("permute")
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = tuple(dims[0])
+        order = [self._dim_index(d, "permute") for d in dims]
+        if sorted(order) != list(range(self.ndim)):
+            raise ValueError(
+                f"DeviceMesh.permute: got dims {dims}, which is not an ordering of this mesh's {self.ndim} "
+                f"dims {self._names or tuple(range(self.ndim))}; list every dim exactly once."
+            )
+        if order == list(range(self.ndim)):
+            return self
+        names = None if self._names is None else tuple(self._names[i] for i in order)
+        return DeviceMesh._derived(self, tuple(self._dims[i] for i in order), names)
+
     # -- interop ----------------------------------------------------------------------
 
     def to_torch(self) -> TorchDeviceMesh:

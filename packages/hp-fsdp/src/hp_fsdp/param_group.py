@@ -196,6 +196,11 @@ class FSDPParamGroup:
         self.post_backward_runs = 0
 
     @property
+    def is_idle_sharded(self) -> bool:
+        """Neither gathered nor gathering: :meth:`unshard` would issue a collective now."""
+        return not self.is_unsharded and self._gather is None
+
+    @property
     def post_backward_done(self) -> bool:
         """Whether every marker placed in forward this iteration has run its post-backward."""
         return self.post_backward_runs >= max(1, self.forward_calls)

@@ -92,6 +92,24 @@ def _streams_overlap() -> bool:
         return False
 
 
+# [Note: implicit forward prefetch]
+# On an accelerator the CPU runs ahead of the device, so the all-gather a unit
+# issues in its pre-forward already overlaps the previous unit's kernels. On a
+# CPU platform nothing runs ahead: without prefetch every unit's forward waits
+# for its own gather from start to end. So on CPU each unit, once its own
+# parameters are gathered, starts the gather of the unit that ran after it in
+# the last training forward, and the communication proceeds on the backend's
+# threads while this unit computes (``benchmarks/fsdp_step.py`` at 2 ranks:
+# step 119 ms against 137 ms without, torch's fully_shard 138 ms). It does not
+# raise the peak: two units are gathered only during forward, while the
+# activations are still below their peak at the start of backward, and the
+# last unit prefetches nothing. A prefetch is only a hint: if the predicted
+# unit does not run in this forward (the order changed), the root resharding
+# it at the end of the forward keeps the next optimizer step from leaving it
+# with stale gathered values. An explicit ``set_modules_to_forward_prefetch``
+# list replaces it for that unit.
+
+
 # [Note: when a reduction is waited for]
 # A reduce-scatter's send buffer holds the unit's whole gradient (padded) and
 # must live until the collective completes. On an accelerator the reduction
@@ -115,6 +133,25 @@ class RootContext:
         self.callback_queued = False
         self.implicit_prefetch = _streams_overlap()
         self.overlap_reduce = _streams_overlap()  # see [Note: when a reduction is waited for]
+        # see [Note: implicit forward prefetch]
+        self.implicit_forward_prefetch = not _streams_overlap()
+        self.prefetch_order: list[FSDPState] = []  # the forward order of the last training forward
+        self.prefetched: list[FSDPState] = []  # implicitly prefetched, not yet run in this forward
+
+    def next_in_forward(self, state: FSDPState) -> FSDPState | None:
+        """The unit that ran after ``state`` in the last training forward, if any."""
+        order = self.prefetch_order
+        for index, candidate in enumerate(order):
+            if candidate is state:
+                return order[index + 1] if index + 1 < len(order) else None
+        return None
+
+    def drop_unused_prefetches(self) -> None:
+        """Reshard units prefetched for this forward that did not run in it (their shards may change)."""
+        unused, self.prefetched = self.prefetched, []
+        for state in unused:
+            if state.group is not None:
+                state.group.reshard()
 
     def finish_pending(self) -> None:
         """Wait for every reduction in flight and assign its gradients."""
@@ -137,6 +174,27 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread.
+
+    [Note: forward in backward]
+    Activation checkpointing runs a unit's forward again inside backward to
+    recompute what it did not save. That run is not an iteration's forward:
+    the unit's pre-backward has already gathered its parameters, and its
+    backward follows at once. So it only waits for the gather and leaves the
+    forward bookkeeping alone: it does not count as a run of the module, does
+    not enter the forward order, prefetches nothing, places no second
+    post-backward marker (non-reentrant checkpointing keeps the first
+    forward's; the recomputed graph's marker would never run, so the unit
+    would wait for it and reduce only in the root's final callback) and does
+    not reshard after it (the backward about to run uses those parameters;
+    with torch's default early stop the post-hook does not even run).
+    Reentrant checkpointing runs the first forward without grad, so no marker
+    exists yet and the re-run places it.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
@@ -157,7 +215,7 @@ class FSDPState:
         self.mp_policy = mp_policy
         self.is_root: bool | None = None
         self.context: RootContext | None = None
-        self.forward_prefetch: list[FSDPState] = []
+        self.forward_prefetch: list[FSDPState] | None = None  # None: implicit on CPU
         self.backward_prefetch: list[FSDPState] | None = None
         self.reshard_after_forward_set = False
         self._ran: set[int] = set()
@@ -199,23 +257,54 @@ class FSDPState:
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         context = self._root_context()
-        if self.is_root and torch.is_grad_enabled():
-            context.forward_order = []
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if _in_backward():
+            return self._pre_forward_in_backward(args, kwargs)
+        if self.is_root and torch.is_grad_enabled():
+            if context.forward_order:
+                context.prefetch_order = context.forward_order
+            context.forward_order = []
         first = not self._ran
         self._ran.add(id(module))
+        if first and context.prefetched and self in context.prefetched:
+            context.prefetched.remove(self)
         if self.group is not None:
             self.group.wait_for_unshard()
-            if first:
-                for target in self.forward_prefetch:
-                    if target.group is not None:
-                        target.group.unshard()
+        if first:
+            self._forward_prefetch(context)
         if torch.is_grad_enabled():
             if first and self not in context.forward_order:
                 context.forward_order.append(self)
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
+
+    def _pre_forward_in_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A forward re-run during backward (activation checkpointing): see [Note: forward in backward]."""
+        if self.group is None:
+            return args, kwargs
+        self.group.wait_for_unshard()
+        if self.group.forward_calls == 0 and torch.is_grad_enabled():
+            # reentrant checkpointing: the first forward ran without grad and placed no marker, so
+            # this run's marker is the one the inner backward reaches
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _forward_prefetch(self, context: RootContext) -> None:
+        """Start the next units' gathers (explicit list, else [Note: implicit forward prefetch])."""
+        if self.forward_prefetch is not None:
+            for target in self.forward_prefetch:
+                if target.group is not None:
+                    target.group.unshard()
+            return
+        if not context.implicit_forward_prefetch:
+            return
+        following = context.next_in_forward(self)
+        if following is None or following.group is None:
+            return
+        if following.group.is_idle_sharded:
+            following.group.unshard()
+            context.prefetched.append(following)
 
     def _register_post_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -229,10 +318,16 @@ class FSDPState:
         return pytree.tree_unflatten(flat, spec)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if _in_backward():  # see [Note: forward in backward]: keep the parameters for this backward
+            if self.mp_policy.output_dtype is not None:
+                output = _cast_floats(output, self.mp_policy.output_dtype)
+            return output
         if len(self._ran) >= len(self.modules):
             self._ran.clear()
             if self.group is not None and self.group.reshard_after_forward:
                 self.group.reshard()
+            if self.is_root and self.context is not None and self.context.prefetched:
+                self.context.drop_unused_prefetches()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():

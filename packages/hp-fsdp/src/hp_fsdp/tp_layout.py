@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import torch
 from hp_core import DeviceMesh
 from hp_dtensor import DTensor, Layout, Partial, Placement, Shard
 
@@ -31,11 +30,6 @@ def _layout(param: Any) -> Layout | None:
 def tp_layout_of(param: Any, fqn: str) -> Layout | None:
     """The TP layout of an already-distributed parameter, or None for a plain parameter."""
     return _layout(param)
-
-
-def _mesh_dims(mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
-    dims: tuple[tuple[int, ...], ...] = mesh._dims  # the root dims each mesh dim spans
-    return dims
 
 
 def check_tp_param(param: Any, fqn: str, mesh: DeviceMesh, *, replicate: bool, shard_dim: int) -> None:
@@ -60,15 +54,15 @@ def check_tp_param(param: Any, fqn: str, mesh: DeviceMesh, *, replicate: bool, s
             f"fully_shard: parameter {fqn!r} is a DTensor with ragged shard sizes; hp_fsdp composes with the "
             "torch.chunk sizes parallelize_module produces. Redistribute it first or ignore it."
         )
-    same_root = tp_mesh._root.shape == mesh._root.shape and torch.equal(tp_mesh._root, mesh._root)
-    overlap = {d for dim in _mesh_dims(tp_mesh) for d in dim} & {d for dim in _mesh_dims(mesh) for d in dim}
-    if not same_root or overlap:
+    try:
+        DeviceMesh.concatenate([mesh, tp_mesh])  # local: validates that the two meshes compose
+    except ValueError as error:
         raise ValueError(
             f"fully_shard: parameter {fqn!r} is a DTensor over mesh {tp_mesh!r}, which is not another dim of "
-            f"the data-parallel mesh {mesh!r}. Slice both from one mesh, e.g. mesh = init_device_mesh(..., "
-            "(dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(model, mesh['tp'], plan); "
-            "fully_shard(block, mesh=mesh['dp'])."
-        )
+            f"the data-parallel mesh {mesh!r} ({error}). Slice both from one mesh, e.g. mesh = "
+            "init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(model, "
+            "mesh['tp'], plan); fully_shard(block, mesh=mesh['dp'])."
+        ) from error
 
 
 def combined_layout(
@@ -83,23 +77,15 @@ def combined_layout(
     assert isinstance(fsdp, Shard)
     ndim = len(tp_layout.shape)
     same_dim = isinstance(tp_placement, Shard) and tp_placement.dim % ndim == fsdp.dim % ndim
-    dp_dims, tp_dims = _mesh_dims(dp_mesh), _mesh_dims(tp_mesh)
-    dp_names = dp_mesh.mesh_dim_names
-    tp_names = tp_mesh.mesh_dim_names
-    names: tuple[str, ...] | None = None
+    mesh = DeviceMesh.concatenate([dp_mesh, tp_mesh])  # (*dp dims, tp), no communication
+    n = mesh.ndim
     if same_dim:  # TP-major nesting: the TP dim goes before the FSDP shard dim
-        dims = (*dp_dims[:-1], *tp_dims, dp_dims[-1])
+        mesh = mesh.permute(*range(n - 2), n - 1, n - 2)
         placements = (*dp_placements[:-1], tp_placement, fsdp)
-        if dp_names is not None and tp_names is not None:
-            names = (*dp_names[:-1], *tp_names, dp_names[-1])
-        shard_pos, tp_pos = len(dims) - 1, len(dims) - 2
+        shard_pos, tp_pos = n - 1, n - 2
     else:
-        dims = (*dp_dims, *tp_dims)
         placements = (*dp_placements, tp_placement)
-        if dp_names is not None and tp_names is not None:
-            names = (*dp_names, *tp_names)
-        shard_pos, tp_pos = len(dims) - 2, len(dims) - 1
-    mesh = DeviceMesh._derived(dp_mesh, dims, names)
+        shard_pos, tp_pos = n - 2, n - 1
     table = []
     for coord in itertools.product(*(range(n) for n in mesh.shape)):
         sizes = list(tp_layout.local_shape_at((coord[tp_pos],)))
