@@ -131,6 +131,36 @@ def test_sdpa_with_heads_or_batch_sharded(rank, device_mesh_factory) -> None:  #
 
 
 @pytest.mark.distributed(world_size=4)
+def test_sdpa_with_a_trainable_mask(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """A mask that needs a gradient takes the math path ([Note: why dropout and a trainable mask
+    take the math path]); its pieces' rules give the right values and gradients, the mask's included."""
+    line = device_mesh_factory((4,))
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(5, 5, dtype=torch.float64)
+    heads = [Shard(1)]
+    # Values and every gradient only: the math path's matmuls fold (batch, heads) into one dim and
+    # gather the heads on the way, so the output comes back replicated (slower, still right).
+    out = check(
+        lambda a, b, c, m: F.scaled_dot_product_attention(a, b, c, attn_mask=m),
+        [q, k, v, mask],
+        [heads, heads, heads, R],
+        line,
+    )
+    assert out.shape == (2, 4, 5, 8)
+
+
+def test_cpu_has_no_fused_sdpa_for_dropout_or_mask_gradients() -> None:
+    """The facts [Note: why dropout and a trainable mask take the math path] rests on; when this
+    fails, torch gained a fused CPU path and the note (and the rules) should be revisited."""
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    with pytest.raises(RuntimeError, match="dropout"):
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.5)
+    schema = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default._schema
+    assert [r.name for r in schema.returns] == ["grad_query", "grad_key", "grad_value"], str(schema)
+
+
+@pytest.mark.distributed(world_size=4)
 def test_vocab_parallel_cross_entropy(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     line = device_mesh_factory((4,))
     torch.manual_seed(1)
@@ -218,6 +248,40 @@ def test_embeddings_row_and_column_wise(rank, device_mesh_factory) -> None:  # t
     )
     # batch-sharded ids, replicated table: local lookups, a partial table gradient
     check(lambda t, i: F.embedding(i, t), [table, ids], [R, S0], line, expect=S0, forward_collectives=NO_COMM)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_rowwise_embedding_backward_is_local(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """A row-sharded table's gradient is computed as this rank's rows only, never the full table."""
+    line = device_mesh_factory((4,))
+    grid = device_mesh_factory((2, 2), ("dp", "tp"))
+    torch.manual_seed(5)
+    table = torch.randn(10, 6, dtype=torch.float64)  # rows over 4 ranks: 3, 3, 3, 1
+    ids = torch.tensor([[1, 2, 9], [0, 4, 3], [8, 8, 6]])
+    cases = [
+        (line, S0, {}, (Shard(0),)),
+        (line, S0, {"padding_idx": 4}, (Shard(0),)),
+        (grid, [Shard(0), Shard(1)], {}, (Shard(0), Shard(1))),
+        # scale_grad_by_freq counts ids over the whole vocabulary: the full (replicated) gradient
+        (line, S0, {"scale_grad_by_freq": True}, (Replicate(),)),
+    ]
+    for mesh, placements, options, grad_placements in cases:
+        full = table.clone().requires_grad_(True)
+        weights = torch.linspace(0.5, 1.5, 3 * 3 * 6, dtype=torch.float64).view(3, 3, 6)
+        (F.embedding(ids, full, **options) * weights).sum().backward()
+        dt = distribute_tensor(table.clone().requires_grad_(True), mesh, list(placements))
+        out = F.embedding(ids, dt, **options)
+        with count_collectives() as counts:
+            (out.full_tensor() * weights).sum().backward()
+        grad = dt.grad
+        assert isinstance(grad, DTensor)
+        assert grad.placements == grad_placements, (options, grad.placements)
+        if grad_placements == tuple(placements):
+            # only this rank's shard was built: the local gradient has the local table's shape
+            assert grad.to_local().shape == dt.to_local().shape, (grad.to_local().shape, dt.to_local().shape)
+        assert full.grad is not None
+        torch.testing.assert_close(grad.full_tensor(), full.grad)
+        assert "all_gather_into_tensor" not in counts or mesh is grid, dict(counts)
 
 
 @pytest.mark.distributed(world_size=4)

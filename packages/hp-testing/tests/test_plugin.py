@@ -175,16 +175,22 @@ def test_state_does_not_leak_between_tests(pytester: pytest.Pytester) -> None:
         HERE = os.path.dirname(os.path.abspath(__file__))
 
         @pytest.mark.distributed(world_size=2)
-        def test_a_dirty(rank):
+        def test_a_dirty(rank, monkeypatch):
+            monkeypatch.setattr(dist, "new_group", None)  # undone in the rank, not only in pytest
+            monkeypatch.setenv("HP_PATCHED", "1")
             with open(os.path.join(HERE, f"rng{rank}"), "w") as f:
                 f.write(repr(torch.rand(1).item()))
             torch.rand(100)
             os.environ["HP_LEAK"] = "1"
             torch.set_default_dtype(torch.float64)
+            monkeypatch.undo()
             dist.new_group([0, 1])
+            monkeypatch.setattr(dist, "new_group", None)
 
         @pytest.mark.distributed(world_size=2)
         def test_b_clean(rank):
+            assert dist.new_group is not None, "test_a's monkeypatch is still applied in the rank"
+            assert "HP_PATCHED" not in os.environ
             assert "HP_LEAK" not in os.environ
             assert torch.get_default_dtype() == torch.float32
             assert len(c10d._world.pg_map) == 1, "the group test_a made is still alive"

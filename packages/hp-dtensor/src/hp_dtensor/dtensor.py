@@ -23,6 +23,7 @@ from typing import Any
 import hp_core.collectives as hc
 import torch
 from hp_core import DeviceMesh
+from hp_core.distributed import mesh_group
 from torch import nn
 
 from hp_dtensor.layout import Layout, global_stride_like, normalize_placements
@@ -176,10 +177,16 @@ class DTensor(torch.Tensor):
             )
         if placements is None:
             raise ValueError(f"{what}: pass placements=, e.g. [Replicate()] * {self._layout.mesh.ndim}.")
-        target = normalize_placements(placements, self._layout.mesh, self.dim(), what)
-        if target == self._layout.placements and self._layout.ragged is None:
+        layout = self._layout
+        target = normalize_placements(placements, layout.mesh, layout.ndim, what)
+        if target == layout.placements and layout.ragged is None:
             return self
-        return _Redistribute.apply(self, target)
+        if self.requires_grad and torch.is_grad_enabled():
+            return _Redistribute.apply(self, target)
+        # Nothing to record for autograd: skip the Function machinery (a large share of the cost
+        # of a small redistribution); the result is the same tensor _Redistribute.forward builds.
+        local, out = redistribute_local(self._local, layout, target)
+        return new_dtensor(local, out)
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every rank, as a plain tensor; differentiable.
@@ -198,7 +205,7 @@ def _gather_table(mesh: DeviceMesh, value: tuple[int, ...]) -> list[tuple[int, .
     """Every mesh coordinate's ``value``, in row-major coordinate order (one gather per mesh dim)."""
     data: Any = value
     for mesh_dim in reversed(range(mesh.ndim)):
-        data = hc.all_gather_object(data, mesh.get_group(mesh_dim))
+        data = hc.all_gather_object(data, mesh_group(mesh, mesh_dim))
     flat: list[tuple[int, ...]] = []
 
     def walk(node: Any, depth: int) -> None:
@@ -388,7 +395,7 @@ def distribute_tensor(
     if src_data_rank is not None:
         full = full.contiguous().clone()
         for mesh_dim in range(mesh.ndim):
-            hc.broadcast(full, group=mesh.get_group(mesh_dim), group_src=src_data_rank)
+            hc.broadcast(full, group=mesh_group(mesh, mesh_dim), group_src=src_data_rank)
     layout = Layout(mesh, normalized, tuple(tensor.shape), global_stride_like(tensor, tuple(tensor.shape)))
     local = slice_for_layout(full, layout)
     if local.untyped_storage().data_ptr() in (

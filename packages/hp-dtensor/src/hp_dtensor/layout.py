@@ -117,6 +117,7 @@ class Layout:
     __slots__ = (
         "_hash",
         "_key_cache",
+        "_lines",
         "_local_shape",
         "_token",
         "mesh",
@@ -152,6 +153,7 @@ class Layout:
         self._hash: int | None = None
         self._key_cache: tuple[Any, ...] | None = None
         self._token: int | None = None  # see token()
+        self._lines: dict[tuple[int, int], list[int]] | None = None  # see line_sizes()
 
     # -- identity -------------------------------------------------------------------
 
@@ -166,9 +168,16 @@ class Layout:
         return self is other or self._key() == other._key()
 
     def token(self) -> int:
-        """A small int equal for equal layouts (interned on first use): a cheap dispatch-cache key."""
+        """A small int, equal for equal layouts on the same mesh object: a cheap dispatch-cache key.
+
+        Interned on first use. Unlike ``==`` it tells apart equal meshes that
+        are different objects, so a cache keyed by tokens never hands a layout
+        on one mesh object to a tensor on another (a mesh rebuilt after its
+        groups were released must not be swapped for the stale one). Mesh ids
+        stay unique because :func:`mesh_key` keeps every mesh it saw alive.
+        """
         if self._token is None:
-            key = self._key()
+            key = (id(self.mesh), self._key())
             token = _TOKENS.get(key)
             if token is None:
                 token = len(_TOKENS)
@@ -277,12 +286,22 @@ class Layout:
         return self.local_offset_at(self.my_coordinate())
 
     def line_sizes(self, mesh_dim: int, tensor_dim: int) -> list[int]:
-        """Sizes along ``tensor_dim`` of the ranks on this rank's line along ``mesh_dim``, in order."""
-        coord = list(self.my_coordinate())
-        out = []
-        for k in range(self.mesh.shape[mesh_dim]):
-            coord[mesh_dim] = k
-            out.append(self.local_shape_at(coord)[tensor_dim])
+        """Sizes along ``tensor_dim`` of the ranks on this rank's line along ``mesh_dim``, in order.
+
+        Memoised (layouts are immutable): every all-gather and all-to-all asks.
+        Callers must not modify the returned list.
+        """
+        lines = self._lines
+        if lines is None:
+            lines = self._lines = {}
+        out = lines.get((mesh_dim, tensor_dim))
+        if out is None:
+            coord = list(self.my_coordinate())
+            out = []
+            for k in range(self.mesh.shape[mesh_dim]):
+                coord[mesh_dim] = k
+                out.append(self.local_shape_at(coord)[tensor_dim])
+            lines[(mesh_dim, tensor_dim)] = out
         return out
 
     def local_numel(self) -> int:
@@ -291,7 +310,7 @@ class Layout:
 
 
 _MESH_KEYS: dict[int, tuple[DeviceMesh, tuple[Any, ...]]] = {}
-_TOKENS: dict[tuple[Any, ...], int] = {}  # layout value -> token; only grows (tokens stay unique)
+_TOKENS: dict[tuple[Any, ...], int] = {}  # (mesh id, layout value) -> token; only grows (tokens stay unique)
 
 
 def mesh_key(mesh: DeviceMesh) -> tuple[Any, ...]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import hp_core.collectives as hc
 import torch
+from hp_core.distributed import mesh_group
 
 from hp_dtensor.layout import Layout, chunk_sizes
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
@@ -38,10 +39,16 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
 
 def _all_gather(local: torch.Tensor, layout: Layout, mesh_dim: int, dim: int) -> torch.Tensor:
     sizes = layout.line_sizes(mesh_dim, dim)
+    uneven = sizes.count(sizes[0]) != len(sizes)
+    group = mesh_group(layout.mesh, mesh_dim)
+    if dim == 0:  # the common case needs no dim shuffling
+        x = local.contiguous()
+        out = x.new_empty((sum(sizes), *x.shape[1:]))
+        hc.all_gather_into_tensor(out, x, group, input_sizes=sizes if uneven else None)
+        return out
     x = local.movedim(dim, 0).contiguous()
     out = x.new_empty((sum(sizes), *x.shape[1:]))
-    uneven = any(s != sizes[0] for s in sizes)
-    hc.all_gather_into_tensor(out, x, layout.mesh.get_group(mesh_dim), input_sizes=sizes if uneven else None)
+    hc.all_gather_into_tensor(out, x, group, input_sizes=sizes if uneven else None)
     return out.movedim(0, dim).contiguous()
 
 
@@ -53,7 +60,7 @@ def _chunk(local: torch.Tensor, mesh: Any, mesh_dim: int, dim: int) -> torch.Ten
 
 def _all_reduce(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int) -> torch.Tensor:
     buffer = local.clone(memory_format=torch.contiguous_format)
-    hc.all_reduce(buffer, op, mesh.get_group(mesh_dim))
+    hc.all_reduce(buffer, op, mesh_group(mesh, mesh_dim))
     return buffer
 
 
@@ -71,7 +78,7 @@ def _reduce_scatter(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int, dim:
         for k, (offset, size) in enumerate(zip(_offsets(sizes), sizes, strict=True)):
             source[k * largest : k * largest + size].copy_(x[offset : offset + size])
     out = x.new_empty((largest, *rest))
-    hc.reduce_scatter_tensor(out, source, op, mesh.get_group(mesh_dim))
+    hc.reduce_scatter_tensor(out, source, op, mesh_group(mesh, mesh_dim))
     return out[: sizes[index]].movedim(0, dim).contiguous()
 
 
@@ -95,7 +102,7 @@ def _all_to_all(
     in_splits = [local.shape[src_dim] * dst_sizes[k] * cell for k in range(n)]
     out_splits = [src_sizes[k] * dst_sizes[me] * cell for k in range(n)]
     recv = send.new_empty((sum(out_splits),))
-    hc.all_to_all_single(recv, send, out_splits, in_splits, mesh.get_group(mesh_dim))
+    hc.all_to_all_single(recv, send, out_splits, in_splits, mesh_group(mesh, mesh_dim))
     shaped = []
     for k, piece in enumerate(recv.split(out_splits)):
         shape = list(local.shape)
@@ -191,11 +198,42 @@ def redistribute_local(
     return _run_plan(local, src, placements)
 
 
+# (source layout token, target placements, itemsize) -> ((step, layout before, layout after), ...)
+_Program = tuple[tuple[RedistributeStep, Layout, Layout], ...]
+_PROGRAMS: dict[tuple[int, tuple[Placement, ...], int], _Program] = {}
+_MAX_PROGRAMS = 4096
+
+
+def _program(layout: Layout, placements: tuple[Placement, ...], itemsize: int) -> _Program:
+    """The plan's steps with the layout before and after each, built once per (layout, target).
+
+    Reusing the layouts (not only the plan) keeps redistribution from
+    building Layout objects per call, and keeps each result's layout token
+    stable, so the ops that consume it hit the dispatch fast path. Keyed by
+    the layout's token, which tells apart equal meshes that are different
+    objects (see :meth:`Layout.token`).
+    """
+    key = (layout.token(), placements, itemsize)
+    program = _PROGRAMS.get(key)
+    if program is None:
+        steps = []
+        current = layout
+        for step in plan_redistribute(layout, placements, itemsize).steps:
+            after = _next_layout(current, step.mesh_dim, step.dst)
+            steps.append((step, current, after))
+            current = after
+        program = tuple(steps)
+        if len(_PROGRAMS) >= _MAX_PROGRAMS:
+            _PROGRAMS.clear()
+        _PROGRAMS[key] = program
+    return program
+
+
 def _run_plan(
     local: torch.Tensor, layout: Layout, placements: tuple[Placement, ...]
 ) -> tuple[torch.Tensor, Layout]:
-    plan = plan_redistribute(layout, placements, local.element_size())
-    for step in plan.steps:
-        local = _run_step(local, layout, step)
-        layout = _next_layout(layout, step.mesh_dim, step.dst)
+    program = _program(layout, placements, local.element_size())
+    for step, before, after in program:
+        local = _run_step(local, before, step)
+        layout = after
     return local, layout

@@ -70,9 +70,10 @@ def _grad_like(placements: Sequence[Placement]) -> Any:
     [Note: gradient placements of parameters]
     Backward ops choose their output placements from what they see, not from
     the parameter: a norm's weight under sequence parallelism gets a
-    ``Partial("sum")`` gradient (a sum over the local rows), a row-wise
-    embedding table a replicated one (``embedding_dense_backward`` does not
-    see the table's cut). The optimizer would reconcile them at its first
+    ``Partial("sum")`` gradient (a sum over the local rows), and a row-wise
+    embedding table whose ids were redistributed for the lookup a replicated
+    one (normally its gradient is already row-sharded: [Note: row-wise
+    backward] in :mod:`hp_dtensor.ops.embedding`). The optimizer would reconcile them at its first
     in-place op anyway; doing it here (the same all-reduce for a partial
     gradient, a local slice for a replicated one) gives every parameter a
     gradient laid out like itself, which is what gradient clipping, FSDP

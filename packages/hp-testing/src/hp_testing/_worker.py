@@ -34,11 +34,15 @@ from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
 # Fixtures whose value differs per rank: computed inside the worker, never sent.
-RANK_LOCAL_FIXTURES = ("rank", "world_size", "device_mesh_factory")
+#: Fixtures each rank builds itself instead of receiving a pickled copy. ``monkeypatch`` is one:
+#: a copy pickled from the pytest process would patch the rank but be undone only in the pytest
+#: process, leaving the patch in the pooled rank for every later test.
+RANK_LOCAL_FIXTURES = ("rank", "world_size", "device_mesh_factory", "monkeypatch")
 EMULATED_BACKENDS = ("nccl-emu", "hccl-emu")
 
 
@@ -229,6 +233,8 @@ def _rank_local_value(name: str, cfg: WorkerConfig) -> Any:
         from hp_testing.fixtures import make_device_mesh_factory
 
         return make_device_mesh_factory()
+    if name == "monkeypatch":
+        return pytest.MonkeyPatch()
     raise KeyError(name)
 
 
@@ -269,6 +275,7 @@ def _run_task(
     start = time.perf_counter()
     result = TaskResult(rank=cfg.rank, ok=True)
     layer = emulation.active_layer()
+    kwargs: dict[str, Any] = {}
     with guard.around_test(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             if layer is not None and dist.is_initialized():
@@ -293,6 +300,9 @@ def _run_task(
             if layer is not None:
                 layer.post_failure(result.error)
         finally:
+            for value in kwargs.values():
+                if isinstance(value, pytest.MonkeyPatch):
+                    value.undo()
             if layer is not None:
                 result.faults = layer.end_test()
                 emulation.reinject()

@@ -5,6 +5,24 @@ On CPU, ``F.scaled_dot_product_attention`` runs
 whenever dropout is off; with dropout it decomposes into matmuls, softmax and
 dropout, which have rules of their own.
 
+[Note: why dropout and a trainable mask take the math path]
+Checked on torch 2.13 (CPU); there is no fused path with correct gradients
+for these two cases, so the decomposition (the "math" path) is used, and is
+right, with each piece sharded by its own rule:
+
+* dropout: the only fused CPU kernel, ``_flash_attention_for_cpu``, raises
+  "Currently do not support dropout > 0" when called with ``dropout_p > 0``
+  and SDPA's backend selection refuses it ("Both fused kernels do not support
+  non-zero dropout"); the efficient and cuDNN kernels are not built for CPU
+  (``NotImplementedError`` for the CPU backend).
+* an ``attn_mask`` that requires grad: ``_flash_attention_for_cpu_backward``
+  returns gradients for query, key and value only (its schema has no mask
+  gradient), so SDPA does not pick it, and forcing it
+  (``sdpa_kernel([SDPBackend.FLASH_ATTENTION])``) fails with "No available
+  kernel". A mask that needs no grad does take the fused path.
+
+Revisit when a CPU build gains a fused kernel with dropout or a mask gradient.
+
 Attention mixes positions within one (batch, head) pair and never across
 pairs, so every leading dim of ``(..., heads, seq, head_dim)`` may be cut as
 long as query, key and value are cut the same way: each rank attends over

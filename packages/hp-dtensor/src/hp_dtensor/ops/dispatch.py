@@ -19,12 +19,21 @@ above; when it needed no redistribution, the dispatcher remembers the
 output layouts (and the local size argument of view ops) under that
 signature. Later calls with the same signature only swap DTensors for their
 local tensors, run the op and wrap the results in the remembered layouts:
-no rule, no meta run, no new Layout objects. The signature holds each
-DTensor's layout token (:meth:`Layout.token`, equal for equal layouts) and
-dtype, each plain tensor's metadata and each other argument's type and value,
-so a hit is exactly a call the slow path would have treated the same way. Entries also remember their mesh
-object and a hit on another (equal) mesh object takes the slow path, so a
-mesh rebuilt after its groups were released is never swapped for a stale one.
+no rule, no meta run, no new Layout objects. The signature holds the op's
+id, each DTensor's layout token (:meth:`Layout.token`: equal for equal
+layouts on the same mesh object) and local dtype, each plain tensor's
+metadata and each other argument's type and value, so a hit is exactly a
+call the slow path would have treated the same way; a layout on another
+(equal) mesh object has another token, so a mesh rebuilt after its groups
+were released is never swapped for a stale one.
+
+The signature of a call with positional DTensors and scalars only (nearly
+every call) is built inline in :func:`_torch_dispatch`, which *is*
+``DTensor.__torch_dispatch__`` (one Python frame per op), and its remembered
+entry is a closure specialised to the call's shape: which arguments to
+unwrap (generated once per pattern, see :func:`_unwrapped_call`) and the one
+output layout to wrap in. Everything else (kwargs, kernels, view sizes,
+in-place and multi-output ops) hits through the general :func:`_run_entry`.
 
 [Note: fallback]
 An op without a rule (or a rule that declines) runs replicated: every input
@@ -45,6 +54,7 @@ gathers the ragged dims, so rules never see one.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +70,7 @@ from hp_dtensor.layout import Layout, mesh_key
 from hp_dtensor.placements import Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local
 
-__all__ = ["RULES", "Decision", "LocalCall", "OpCall", "clear_caches", "dispatch", "register"]
+__all__ = ["RULES", "UNCACHED", "Decision", "LocalCall", "OpCall", "clear_caches", "dispatch", "register"]
 
 aten = torch.ops.aten
 
@@ -136,6 +146,7 @@ class OpCall:
 Rule = Callable[[OpCall], Decision | None]
 RULES: dict[Any, Rule] = {}
 LAYOUT_PRESERVING: set[Any] = set()  # ops that may carry ragged layouts (see [Note: ragged inputs])
+UNCACHED: set[Any] = set()  # ops whose rule looks past the layouts: never cached, never fast
 _warned: set[str] = set()
 _resolved: set[Any] = set()
 _meta_cache: dict[Any, Any] = {}
@@ -143,8 +154,14 @@ _decision_cache: dict[Any, Decision | None] = {}
 _MAX_ENTRIES = 8192
 
 
-def register(*ops: Any, keeps_layout: bool = False) -> Callable[[Rule], Rule]:
-    """Register ``rule`` for every op (an OpOverload or an OpOverloadPacket for all overloads)."""
+def register(*ops: Any, keeps_layout: bool = False, cached: bool = True) -> Callable[[Rule], Rule]:
+    """Register ``rule`` for every op (an OpOverload or an OpOverloadPacket for all overloads).
+
+    ``cached=False`` is for rules whose decision depends on more than the
+    arguments' layouts and values (the row-wise embedding backward asks which
+    table its ids were looked up in): their decisions are never cached and
+    their calls never take the fast path.
+    """
 
     def wrap(rule: Rule) -> Rule:
         for op in ops:
@@ -153,6 +170,8 @@ def register(*ops: Any, keeps_layout: bool = False) -> Callable[[Rule], Rule]:
                 RULES[overload] = rule
                 if keeps_layout:
                     LAYOUT_PRESERVING.add(overload)
+                if not cached:
+                    UNCACHED.add(overload)
         _FAST.clear()
         return rule
 
@@ -207,16 +226,20 @@ class _Entry:
         self.kwarg_layouts = kwarg_layouts
 
 
-_FAST: dict[tuple[Any, ...], _Entry] = {}
+# signature -> (func, runner, layout, target). With a layout (a plain single-output op),
+# ``runner(args)`` is the op on the unwrapped arguments, ``target`` the op's callable (which
+# _torch_dispatch calls on the local tensors itself for the shapes it keys inline), and the result
+# is wrapped in ``layout``; without, ``runner(args, kwargs)`` does everything.
+_FAST: dict[tuple[Any, ...], tuple[Any, Callable[..., Any], Layout | None, Any]] = {}
 _UNCACHEABLE = object()
 _PLAIN_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format})
+_make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 def _signature_leaf(value: Any) -> Any:
     """Two items per argument, so the flat signature is unambiguous (see [Note: dispatch fast path])."""
     if isinstance(value, DTensor):
-        layout = value._layout
-        return (layout._token if layout._token is not None else layout.token(), value.dtype)
+        return (value._layout.token(), value._local.dtype)
     if isinstance(value, torch.Tensor):
         return ("T", (value.shape, value.stride(), value.dtype, value.device))
     if isinstance(value, (list, tuple)):
@@ -227,42 +250,131 @@ def _signature_leaf(value: Any) -> Any:
     return (type(value), value)
 
 
-def _signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """``(signature or None, mesh of the first DTensor)``; the common argument kinds are inlined."""
-    key: list[Any] = [func]
-    append = key.append
-    mesh = None
+def _signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The call's fast-path signature, or None when an argument cannot be part of one.
+
+    For positional DTensors and plain scalars it equals the key
+    :func:`_torch_dispatch` builds inline (the two must stay in step).
+    """
+    key: list[Any] = [id(func)]
     for value in args:
-        cls = type(value)
-        if cls is DTensor:
-            layout = value._layout
-            if mesh is None:
-                mesh = layout.mesh
-            token = layout._token
-            append(token if token is not None else layout.token())
-            append(value.dtype)
-        elif cls in _PLAIN_TYPES:
-            append(cls)
-            append(value)
-        else:
-            leaf = _signature_leaf(value)
-            if leaf is _UNCACHEABLE:
-                return None, None
-            if mesh is None and isinstance(value, DTensor):
-                mesh = value._layout.mesh
-            key.extend(leaf)
+        leaf = _signature_leaf(value)
+        if leaf is _UNCACHEABLE:
+            return None
+        key.extend(leaf)
     for name, value in kwargs.items():
         leaf = _signature_leaf(value)
         if leaf is _UNCACHEABLE:
-            return None, None
-        if mesh is None and isinstance(value, DTensor):
-            mesh = value._layout.mesh
-        append(name)
+            return None
+        key.append(name)
         key.extend(leaf)
-    return tuple(key), mesh
+    signature = tuple(key)
+    try:
+        hash(signature)
+    except TypeError:  # an unhashable argument value
+        return None
+    return signature
+
+
+_UNWRAPPERS: dict[tuple[bool, ...], Callable[[Any], Callable[[tuple[Any, ...]], Any]]] = {}
+
+
+def _unwrapped_call(func: Any, mask: tuple[bool, ...]) -> Callable[[tuple[Any, ...]], Any]:
+    """``call(args)``: ``func`` on ``args[i]._local`` where ``mask[i]``, on ``args[i]`` elsewhere.
+
+    The body is generated once per pattern: a straight call like
+    ``f(a[0]._local, a[1])`` costs a fraction of a loop that swaps arguments
+    in a list (see [Note: dispatch fast path]); its source is built from
+    indices only. An OpOverload is called through its C++ callable
+    (``_op``, what ``OpOverload.__call__`` forwards to), saving a Python frame.
+    """
+    factory = _UNWRAPPERS.get(mask)
+    if factory is None:
+        items = ", ".join(f"a[{i}]._local" if is_dt else f"a[{i}]" for i, is_dt in enumerate(mask))
+        factory = eval(f"lambda f: lambda a: f({items})")  # only integers are interpolated
+        _UNWRAPPERS[mask] = factory
+    return factory(_op_callable(func))
+
+
+def _op_callable(func: Any) -> Any:
+    """What calling ``func`` runs: an OpOverload's C++ callable (``OpOverload.__call__`` forwards to it)."""
+    return func._op if isinstance(func, torch._ops.OpOverload) else func
+
+
+def _torch_dispatch(
+    cls: type, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+) -> Any:
+    """``DTensor.__torch_dispatch__``: the fast path inline, everything else in :func:`dispatch`.
+
+    The key is :func:`_signature`'s, built by hand for the shapes of nearly
+    every call (one to three DTensors, a DTensor and a scalar). For those
+    shapes the key fixes which arguments are DTensors, so a hit on a plain
+    single-output op calls the op's C++ callable on the local tensors and
+    wraps the result right here: one Python frame per op (see [Note:
+    dispatch fast path]). An untokened layout puts None in the key: a miss,
+    and the slow path tokens it.
+    """
+    if kwargs:
+        return dispatch(func, args, kwargs)
+    hit: Any = None
+    local: Any = None
+    n = len(args)
+    if n == 2:
+        a, b = args
+        if a.__class__ is DTensor:
+            if b.__class__ is DTensor:
+                hit = _FAST.get(
+                    (id(func), a._layout._token, a._local.dtype, b._layout._token, b._local.dtype)
+                )
+                if hit is not None and hit[0] is func and hit[2] is not None:
+                    local = hit[3](a._local, b._local)
+            elif b.__class__ in _PLAIN_TYPES:
+                hit = _FAST.get((id(func), a._layout._token, a._local.dtype, b.__class__, b))
+                if hit is not None and hit[0] is func and hit[2] is not None:
+                    local = hit[3](a._local, b)
+    elif n == 1:
+        a = args[0]
+        if a.__class__ is DTensor:
+            hit = _FAST.get((id(func), a._layout._token, a._local.dtype))
+            if hit is not None and hit[0] is func and hit[2] is not None:
+                local = hit[3](a._local)
+    elif n == 3 and args[0].__class__ is args[1].__class__ is args[2].__class__ is DTensor:
+        a, b, c = args  # addmm, addcmul, where, ...
+        la, lb, lc = a._layout, b._layout, c._layout
+        hit = _FAST.get(
+            (id(func), la._token, a._local.dtype, lb._token, b._local.dtype, lc._token, c._local.dtype)
+        )
+        if hit is not None and hit[0] is func and hit[2] is not None:
+            local = hit[3](a._local, b._local, c._local)
+    else:
+        key: tuple[Any, ...] = (id(func),)
+        for value in args:
+            kind = value.__class__
+            if kind is DTensor:
+                key += (value._layout._token, value._local.dtype)
+            elif kind in _PLAIN_TYPES:
+                key += (kind, value)
+            else:
+                break  # not keyed inline: dispatch() builds the full signature
+        else:
+            hit = _FAST.get(key)
+            if hit is not None and hit[0] is func and hit[2] is not None:
+                local = hit[1](args)
+    if local is not None:  # a plain single-output op ran on the local tensors: wrap it
+        layout = hit[2]
+        out = _make_wrapper(
+            DTensor, layout.shape, strides=layout.stride, dtype=local.dtype, device=local.device
+        )
+        out._local = local
+        out._layout = layout
+        return out
+    if hit is not None and hit[0] is func:  # remembered, but not a plain single-output op
+        return hit[1](args, {})
+    return dispatch(func, args, {})
 
 
 def _run_entry(entry: _Entry, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The general remembered call: any arguments, kernels, view sizes, in-place and multi-output ops."""
     local_args = list(args)
     for index in entry.dtensor_args:  # the signature fixes which arguments are DTensors
         local_args[index] = args[index]._local
@@ -292,8 +404,10 @@ def _run_entry(entry: _Entry, func: Any, args: tuple[Any, ...], kwargs: dict[str
 
 
 def _remember(
+    func: Any,
     signature: tuple[Any, ...] | None,
     args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     mesh: DeviceMesh,
     result: Any,
     wrapped: Any,
@@ -302,6 +416,7 @@ def _remember(
     layouts: tuple[Any, ...],
     kwarg_layouts: dict[str, Any],
 ) -> None:
+    """Store how to repeat this call without rules (see [Note: dispatch fast path])."""
     if signature is None:
         return
     outputs: list[Layout | None] | Layout
@@ -320,19 +435,39 @@ def _remember(
                 outputs.append(None)
     else:
         return
+    # Token the output layouts now, so the outputs' next use already hits.
+    for layout in [outputs] if isinstance(outputs, Layout) else outputs:
+        if layout is not None:
+            layout.token()
+    mask = tuple(isinstance(value, DTensor) for value in args)
+    runner: Callable[..., Any]
+    single: Layout | None = None
+    target: Any = None
+    if (
+        isinstance(outputs, Layout)
+        and not kwargs
+        and decision.kernel is None
+        and decision.size_arg is None
+        and not decision.inplace
+    ):
+        runner, single = _unwrapped_call(func, mask), outputs
+        target = _op_callable(func)
+    else:
+        entry = _Entry(
+            mesh,
+            outputs,
+            decision.inplace,
+            decision.size_arg,
+            local_size,
+            decision.kernel,
+            layouts,
+            kwarg_layouts,
+            tuple(i for i, is_dt in enumerate(mask) if is_dt),
+        )
+        runner = functools.partial(_run_entry, entry, func)
     if len(_FAST) >= _MAX_ENTRIES:
         _FAST.clear()
-    _FAST[signature] = _Entry(
-        mesh,
-        outputs,
-        decision.inplace,
-        decision.size_arg,
-        local_size,
-        decision.kernel,
-        layouts,
-        kwarg_layouts,
-        tuple(i for i, value in enumerate(args) if isinstance(value, DTensor)),
-    )
+    _FAST[signature] = (func, runner, single, target)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -459,39 +594,22 @@ def _is_first_list_member(args: tuple[Any, ...], dt: Any) -> bool:
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``)."""
+    """Run ``func`` on DTensor arguments: the general path behind :func:`_torch_dispatch`.
+
+    Also the entry for calls :func:`_torch_dispatch` does not key inline
+    (kwargs, lists, plain tensors): it builds the full signature and still
+    takes the fast path on a hit.
+    """
     special = SPECIAL.get(func)
     if special is not None:
         return special(args, kwargs)
-    if kwargs:
-        signature, first_mesh = _signature(func, args, kwargs)
-    else:  # the common case, inlined: positional DTensors and scalars
-        parts: list[Any] = [func]
-        first_mesh = None
-        for value in args:
-            cls = value.__class__
-            if cls is DTensor:
-                layout = value._layout
-                if first_mesh is None:
-                    first_mesh = layout.mesh
-                token = layout._token
-                parts.append(token if token is not None else layout.token())
-                parts.append(value.dtype)
-            elif cls in _PLAIN_TYPES:
-                parts.append(cls)
-                parts.append(value)
-            else:
-                signature, first_mesh = _signature(func, args, kwargs)
-                break
-        else:
-            signature = tuple(parts)
+    signature = _signature(func, args, kwargs)
     if signature is not None:
-        try:
-            entry = _FAST.get(signature)
-        except TypeError:  # an unhashable argument value
-            entry, signature = None, None
-        if entry is not None and entry.mesh is first_mesh:
-            return _run_entry(entry, func, args, kwargs)
+        hit = _FAST.get(signature)
+        if hit is not None and hit[0] is func:
+            if hit[2] is None:
+                return hit[1](args, kwargs)
+            return new_dtensor(hit[1](args), hit[2])
     rule = RULES.get(func)
     if special is None and rule is None and func not in _resolved:
         _resolved.add(func)
@@ -517,27 +635,31 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 flat[p] = DTensor(local, layout)
     if any(flat[p]._layout.ragged is not None for p in positions):
         signature = None
+    uncached = func in UNCACHED
+    if uncached:
+        signature = None
     key: Any = None
     leaf_keys = [_leaf_key(v) for v in flat]
     if all(k is not None for k in leaf_keys):
         key = (func, tuple(leaf_keys), mesh_key(mesh))
     decision: Decision | None = None
     if rule is not None:
-        if key is not None and key in _decision_cache:
+        if key is not None and not uncached and key in _decision_cache:
             decision = _decision_cache[key]
         else:
             a, k = pytree.tree_unflatten(flat, spec)
             decision = rule(OpCall(func, a, k, flat, positions))
-            if key is not None:
+            if key is not None and not uncached:
                 _decision_cache[key] = decision
     if decision is None:
         return _fallback(func, flat, spec, positions, mesh)
-    return _run(func, args, flat, spec, positions, decision, key, mesh, signature)
+    return _run(func, args, kwargs, flat, spec, positions, decision, key, mesh, signature)
 
 
 def _run(
     func: Any,
     args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     flat: list[Any],
     spec: Any,
     positions: list[int],
@@ -585,16 +707,18 @@ def _run(
         )
     else:
         result = func(*local_args, **local_kwargs)
+    wrapped: Any = None
     if decision.inplace:
-        if not moved:
-            _remember(signature, args, mesh, result, None, decision, local_size, layouts, kwarg_layouts)
-        return flat[positions[0]]
-    if meta is None:
-        meta = _output_meta(func, key, flat, spec)
-    wrapped = _wrap(func, result, meta, decision.outputs, mesh, flat, positions)
+        value = flat[positions[0]]
+    else:
+        if meta is None:
+            meta = _output_meta(func, key, flat, spec)
+        wrapped = value = _wrap(func, result, meta, decision.outputs, mesh, flat, positions)
     if not moved:
-        _remember(signature, args, mesh, result, wrapped, decision, local_size, layouts, kwarg_layouts)
-    return wrapped
+        _remember(
+            func, signature, args, kwargs, mesh, result, wrapped, decision, local_size, layouts, kwarg_layouts
+        )
+    return value
 
 
 def _wrap(
@@ -724,3 +848,5 @@ SPECIAL: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
 }
 
 _dtensor_module._DISPATCH = dispatch
+# One Python frame per op instead of two (see [Note: dispatch fast path]).
+DTensor.__torch_dispatch__ = classmethod(_torch_dispatch)  # type: ignore[assignment,method-assign]

@@ -37,6 +37,7 @@ from typing import Any
 
 import hp_core.collectives as hc
 import torch
+from hp_core.distributed import mesh_group
 
 from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
@@ -106,7 +107,7 @@ def _localize(
 
 
 def _groups(layout: Layout, roles: list[str | None], wanted: tuple[str, ...]) -> list[Any]:
-    return [layout.mesh.get_group(m) for m, role in enumerate(roles) if role in wanted]
+    return [mesh_group(layout.mesh, m) for m, role in enumerate(roles) if role in wanted]
 
 
 def _forward_kernel(call: LocalCall) -> tuple[torch.Tensor, torch.Tensor]:

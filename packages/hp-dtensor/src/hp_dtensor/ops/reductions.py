@@ -26,6 +26,7 @@ from typing import Any
 
 import hp_core.collectives as hc
 import torch
+from hp_core.distributed import mesh_group
 
 from hp_dtensor.layout import Layout, chunk_sizes
 from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
@@ -136,7 +137,7 @@ def _select_kernel(kind: str) -> Callable[[LocalCall], tuple[torch.Tensor, torch
             values, indices = call.func(x, dim, keepdim)
         offset = layout.local_offset()[dim]
         groups = [
-            layout.mesh.get_group(m)
+            mesh_group(layout.mesh, m)
             for m, p in enumerate(layout.placements)
             if isinstance(p, Shard) and p.dim == dim
         ]

@@ -25,6 +25,7 @@ from typing import Any
 
 import hp_core.collectives as hc
 import torch
+from hp_core.distributed import mesh_group
 
 from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
 from hp_dtensor.placements import Placement, Replicate, Shard
@@ -44,7 +45,7 @@ def _groups(call: LocalCall, index: int, dim: int) -> list[Any]:
     """The process groups of the mesh dims that shard ``dim`` of argument ``index``."""
     layout = call.layout(index)
     return [
-        layout.mesh.get_group(m)
+        mesh_group(layout.mesh, m)
         for m, p in enumerate(layout.placements)
         if isinstance(p, Shard) and p.dim == dim
     ]

@@ -1,0 +1,118 @@
+"""The dispatch fast path and the redistribution program cache: hits are exactly the slow path's answers.
+
+See [Note: dispatch fast path] in ``hp_dtensor.ops.dispatch``. Every check
+here compares a repeated call (a cache hit) with the full tensors, and
+counts slow-path entries to prove the repeats really took the fast path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import hp_core.collectives as hc
+import pytest
+import torch
+from hp_dtensor import DTensor, Replicate, Shard, distribute_tensor
+from hp_dtensor.ops import dispatch as D
+
+aten = torch.ops.aten
+
+
+@contextmanager
+def counting_slow_path(op: object) -> Iterator[list[object]]:
+    """Count the calls of ``op`` that miss the fast path (each one enters ``dispatch``)."""
+    calls: list[object] = []
+    original = D.dispatch
+
+    def counted(func, args, kwargs):  # type: ignore[no-untyped-def]
+        if func is op:
+            calls.append(func)
+        return original(func, args, kwargs)
+
+    D.clear_caches()
+    D.dispatch = counted  # _torch_dispatch looks the name up at call time
+    try:
+        yield calls
+    finally:
+        D.dispatch = original
+        D.clear_caches()
+
+
+@pytest.mark.distributed(world_size=4)
+def test_repeated_calls_hit_and_stay_right(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((4,))
+    torch.manual_seed(0)
+    a, b = torch.randn(10, 3), torch.randn(10, 3)  # uneven rows over 4 ranks: 3, 3, 3, 1
+    da, db = distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(b, mesh, [Shard(0)])
+    with counting_slow_path(aten.add.Tensor) as calls:
+        outs = [da + db for _ in range(4)]
+        assert len(calls) == 1, f"{len(calls)} of 4 identical calls took the slow path"
+        for out in outs:
+            assert isinstance(out, DTensor) and out.placements == (Shard(0),)
+            torch.testing.assert_close(out.full_tensor(), a + b)
+        # another dtype with the same layouts is another signature, with its own answer
+        d64 = distribute_tensor(a.double(), mesh, [Shard(0)])
+        assert (d64 + d64).dtype == torch.float64 and len(calls) == 2
+        torch.testing.assert_close((d64 + d64).full_tensor(), 2 * a.double())
+        # an int and a float scalar are different signatures (1 == 1.0 in Python)
+        ints = distribute_tensor(torch.arange(10).view(10, 1), mesh, [Shard(0)])
+        assert (ints + 1).dtype == torch.int64
+        assert (ints + 1.0).dtype == torch.float32
+        torch.testing.assert_close((ints + 1.0).full_tensor(), torch.arange(10).view(10, 1) + 1.0)
+    # in-place and three-argument ops through the fast path
+    acc = distribute_tensor(torch.zeros(10, 3), mesh, [Shard(0)])
+    for _ in range(3):
+        acc.add_(da)
+        acc = torch.addcmul(acc, da, db)
+    expected = torch.zeros(10, 3)
+    for _ in range(3):
+        expected = torch.addcmul(expected + a, a, b)
+    torch.testing.assert_close(acc.full_tensor(), expected)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_equal_meshes_do_not_share_entries(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    first = device_mesh_factory((4,))
+    second = device_mesh_factory((4,))  # a second, equal mesh object over the same groups
+    assert first == second and first is not second
+    t = torch.randn(8, 2)
+    x1, x2 = distribute_tensor(t, first, [Shard(0)]), distribute_tensor(t, second, [Shard(0)])
+    assert x1._layout == x2._layout and x1._layout.token() != x2._layout.token()
+    with counting_slow_path(aten.mul.Tensor) as calls:
+        y1, y2 = x1 * x1, x2 * x2
+        assert len(calls) == 2, "a hit across equal mesh objects would hand out the other mesh's layout"
+        assert y1.device_mesh is first and y2.device_mesh is second
+        assert (x2 * x2).device_mesh is second and len(calls) == 2
+
+
+@pytest.mark.distributed(world_size=4)
+def test_redistribute_cache_and_autograd(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2, 2), ("dp", "tp"))
+    torch.manual_seed(1)
+    t = torch.randn(6, 5)
+    dt = distribute_tensor(t, mesh, [Shard(0), Shard(1)])
+    counts: dict[str, int] = {}
+    saved = hc.all_gather_into_tensor
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        counts["all_gather"] = counts.get("all_gather", 0) + 1
+        return saved(*args, **kwargs)
+
+    hc.all_gather_into_tensor = counted  # type: ignore[assignment]
+    try:
+        first = dt.redistribute(placements=[Replicate(), Replicate()])
+        second = dt.redistribute(placements=[Replicate(), Replicate()])
+    finally:
+        hc.all_gather_into_tensor = saved  # type: ignore[assignment]
+    assert counts == {"all_gather": 4}, counts  # two gathers per call, both calls communicate
+    assert first._layout is second._layout  # the cached program hands out the same layout
+    assert first.grad_fn is None and not first.requires_grad  # no autograd Function without grads
+    torch.testing.assert_close(second.to_local(), t)
+    # with a gradient to carry, the autograd Function runs and the gradient comes back sharded
+    leaf = distribute_tensor(t, mesh, [Shard(0), Shard(1)]).requires_grad_(True)
+    out = leaf.redistribute(placements=[Replicate(), Replicate()])
+    assert out.grad_fn is not None
+    (out.to_local() * 2).sum().backward()
+    assert leaf.grad is not None and leaf.grad.placements == (Shard(0), Shard(1))
+    torch.testing.assert_close(leaf.grad.full_tensor(), torch.full_like(t, 2.0))
