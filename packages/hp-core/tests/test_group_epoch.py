@@ -78,3 +78,41 @@ def test_mesh_group_never_returns_a_released_group(rank, monkeypatch):  # type: 
     t = torch.tensor([2.0])
     dist.all_reduce(t, group=group)
     assert t.item() == 2.0
+
+
+@pytest.mark.distributed(world_size=2)
+def test_group_facts_are_memoised_and_never_stale(rank, world_size, monkeypatch):  # type: ignore[no-untyped-def]
+    """See [Note: group facts] in ``hp_core._checks``: hits skip torch's lookups, dead groups miss."""
+    import hp_core.collectives as hc
+    from hp_core._checks import group_facts, resolve_group
+    from hp_core.capabilities import capabilities_for
+
+    group = dist.new_group([0, 1])
+    facts = group_facts(group)
+    assert (facts.rank, facts.size, facts.backend) == (rank, 2, str(dist.get_backend(group)))
+    caps = capabilities_for(group)
+    calls: list[str] = []
+    for name in ("get_rank", "get_world_size", "get_backend"):
+        original = getattr(dist, name)
+
+        def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, counted)
+    for _ in range(3):
+        assert resolve_group("f", group) is group
+        assert group_facts(group) is facts
+        assert capabilities_for(group) == caps
+    assert calls == [], f"a live group's facts were looked up again: {calls}"
+    t = torch.tensor([rank + 1.0])
+    assert hc.all_reduce(t, "avg", group=group).item() == 1.5
+    monkeypatch.undo()
+
+    # destroyed behind hp_core's back: the memo must not vouch for it any more
+    dist.destroy_process_group(group)
+    with pytest.raises(ValueError):
+        resolve_group("f", group)
+    again = dist.new_group([0, 1])
+    assert group_facts(again).size == 2 and resolve_group("f", again) is again
+    dist.destroy_process_group(again)

@@ -116,3 +116,43 @@ def test_redistribute_cache_and_autograd(rank, device_mesh_factory) -> None:  # 
     (out.to_local() * 2).sum().backward()
     assert leaf.grad is not None and leaf.grad.placements == (Shard(0), Shard(1))
     torch.testing.assert_close(leaf.grad.full_tensor(), torch.full_like(t, 2.0))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_float_scalars_of_pointwise_ops_key_by_type(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """AdamW divides by a bias correction that changes every step: one slow call, not one per value.
+
+    See [Note: scalar-blind ops]. Each call still uses its own scalar, ints
+    keep their value in the key, and the result dtype follows the scalar's
+    type.
+    """
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 4), torch.randn(6, 4)
+    da, db = distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(b, mesh, [Shard(0)])
+    scalars = [1 - 0.9**step for step in range(1, 6)]
+    with counting_slow_path(aten.div.Tensor) as calls:
+        outs = [da / s for s in scalars]
+        assert len(calls) == 1, f"{len(calls)} of {len(scalars)} divisions by new floats took the slow path"
+        for out, s in zip(outs, scalars, strict=True):
+            assert out.placements == (Shard(0),)
+            torch.testing.assert_close(out.full_tensor(), a / s)
+    with counting_slow_path(aten.lerp.Scalar) as calls:  # a float in third place: the general inline key
+        outs = [torch.lerp(da, db, w) for w in (0.1, 0.25, 0.7)]
+        assert len(calls) == 1
+        for out, w in zip(outs, (0.1, 0.25, 0.7), strict=True):
+            torch.testing.assert_close(out.full_tensor(), torch.lerp(a, b, w))
+    with counting_slow_path(aten.mul.Tensor) as calls:  # complex: keyed by type through dispatch()
+        outs = [da * complex(1, k) for k in range(3)]
+        for out, k in zip(outs, range(3), strict=True):
+            assert out.dtype == torch.complex64
+            torch.testing.assert_close(out.full_tensor(), a * complex(1, k))
+    with counting_slow_path(aten.add.Tensor) as calls:  # ints keep their value; types stay apart
+        ints = distribute_tensor(torch.arange(6).view(6, 1), mesh, [Shard(0)])
+        assert (ints + 1).dtype == torch.int64 and (ints + 2.5).dtype == torch.float32
+        assert (ints + 3.5).dtype == torch.float32 and (ints + 4).dtype == torch.int64
+        torch.testing.assert_close((ints + 2).full_tensor(), torch.arange(6).view(6, 1) + 2)
+        torch.testing.assert_close((ints + 0.5).full_tensor(), torch.arange(6).view(6, 1) + 0.5)
+        assert len(calls) == 4  # int 1, float 2.5 (3.5 and 0.5 hit), int 4, int 2
+    # a view's size argument is an int list and keeps deciding the output
+    assert da.view(24).shape == (24,) and da.view(3, 8).shape == (3, 8)

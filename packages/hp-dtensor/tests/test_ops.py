@@ -105,3 +105,25 @@ def test_mixed_meshes_are_refused(rank, device_mesh_factory) -> None:  # type: i
     y = distribute_tensor(torch.ones(4), mesh_b, [Shard(0)])
     with pytest.raises(ValueError, match="different meshes"):
         _ = x + y
+
+
+@pytest.mark.distributed(world_size=2)
+def test_scalar_operand_of_a_partial_sum_is_counted_once(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    term = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)  # full value: 3 * [1, 2, 3]
+    part = DTensor.from_local(term, mesh, [Partial()])
+    full = torch.tensor([3.0, 6.0, 9.0])
+    for result, expected in [
+        (part + 1.0, full + 1.0),
+        (part - 2.5, full - 2.5),
+        (torch.add(part, 1.0, alpha=3), full + 3.0),
+    ]:
+        assert result.placements != (Partial(),), "a scalar added to each partial term"
+        torch.testing.assert_close(result.full_tensor(), expected)
+    in_place = DTensor.from_local(term.clone(), mesh, [Partial()])
+    in_place.add_(1.0)
+    torch.testing.assert_close(in_place.full_tensor(), full + 1.0)
+    # linear uses of the partial terms stay partial (no communication needed)
+    for result, expected in [(part * 2.0, full * 2.0), (part / 4.0, full / 4.0), (part + part, full * 2)]:
+        assert result.placements == (Partial(),)
+        torch.testing.assert_close(result.full_tensor(), expected)

@@ -7,10 +7,12 @@ we can see locally is reported locally, naming the observed value and the fix.
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
 
 __all__: list[str] = []
 
@@ -27,6 +29,44 @@ def require_initialized(what: str) -> None:
             "hp_core.init_distributed() first, and start the script with torchrun or "
             "`hp-run -n N script.py` so RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set."
         )
+
+
+# -- per-group facts (see [Note: group facts]) -----------------------------------------------
+
+# [Note: group facts]
+# A ProcessGroup's members, size, this rank's place in it and its backend
+# never change while the group lives, but torch answers each question with
+# several dict lookups behind property calls, and a collective asked three of
+# them per call. ``group_facts`` remembers them per group object. A hit needs
+# the very same object (a weak reference, so the memo keeps no group alive and
+# a reused id never matches) and that object still registered with torch
+# (``pg_map``): destroying the group, alone or with the default group, drops
+# it from there, so a dead group is never served; it takes the full path and
+# gets torch's own error. A re-created group is a new object, a new entry.
+
+
+class GroupFacts(NamedTuple):
+    """What a collective needs to know about a live group."""
+
+    rank: int  # this rank's rank in the group (-1 when not a member)
+    size: int
+    backend: str  # dist.get_backend(group), e.g. "gloo" or "cpu:gloo,cuda:nccl"
+
+
+_FACTS: dict[int, tuple[weakref.ref[Any], GroupFacts]] = {}
+_MAX_FACTS = 4096
+
+
+def group_facts(group: dist.ProcessGroup) -> GroupFacts:
+    """``group``'s rank, size and backend, remembered per live group (see [Note: group facts])."""
+    entry = _FACTS.get(id(group))
+    if entry is not None and entry[0]() is group and group in _c10d._world.pg_map:
+        return entry[1]
+    facts = GroupFacts(dist.get_rank(group), dist.get_world_size(group), str(dist.get_backend(group)))
+    if len(_FACTS) >= _MAX_FACTS:
+        _FACTS.clear()
+    _FACTS[id(group)] = (weakref.ref(group), facts)
+    return facts
 
 
 def resolve_group(fn: str, group: Any) -> dist.ProcessGroup:
@@ -50,7 +90,7 @@ def resolve_group(fn: str, group: Any) -> dist.ProcessGroup:
             f"{fn}(): group must be a torch.distributed ProcessGroup, a 1-D hp_core DeviceMesh or None, "
             f"got {type(group).__name__}."
         )
-    if dist.get_rank(group) < 0:
+    if group_facts(group).rank < 0:
         raise ValueError(
             f"{fn}(): rank {dist.get_rank()} is not in the group {dist.get_process_group_ranks(group)}; "
             "call it only on the group's ranks."

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from hp_core._checks import group_facts
+
 __all__ = [
     "REDUCE_OPS",
     "BackendCapabilities",
@@ -147,7 +149,7 @@ def set_backend_semantics(real: str, emulated: str | None) -> str | None:
 def _backend_name(group: dist.ProcessGroup | None, tensor_device_type: str) -> str:
     # A group may be built over several backends ("cpu:gloo,cuda:nccl"); the
     # one that runs a collective is the one for the tensor's device.
-    name = str(dist.get_backend(group))
+    name = str(dist.get_backend(group)) if group is None else group_facts(group).backend
     if ":" in name:
         pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
         name = pairs.get(tensor_device_type, next(iter(pairs.values())))

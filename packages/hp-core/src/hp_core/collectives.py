@@ -28,7 +28,7 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from hp_core._checks import check_group_rank, check_same_dtype, check_tensor, resolve_group
+from hp_core._checks import check_group_rank, check_same_dtype, check_tensor, group_facts, resolve_group
 from hp_core.capabilities import REDUCE_OPS, BackendCapabilities, capabilities_for
 from hp_core.work import Work
 
@@ -112,7 +112,7 @@ def _plan_reduce(
             return _ReducePlan(dist._make_nccl_premul_sum(float(scale)))  # type: ignore[arg-type]
         return _ReducePlan(_NATIVE_OPS[name])
     if name == "avg":
-        return _ReducePlan(dist.ReduceOp.SUM, divide_by=dist.get_world_size(group))
+        return _ReducePlan(dist.ReduceOp.SUM, divide_by=group_facts(group).size)
     if name == "premul_sum":
         return _ReducePlan(dist.ReduceOp.SUM, pre_scale=float(scale))  # type: ignore[arg-type]
     raise ValueError(
@@ -282,7 +282,7 @@ def all_gather_into_tensor(
     check_tensor(fn, "input_tensor", input_tensor)
     check_same_dtype(fn, "input_tensor", input_tensor, "output_tensor", output_tensor)
     pg = resolve_group(fn, group)
-    world_size = dist.get_world_size(pg)
+    world_size = group_facts(pg).size
     caps = capabilities_for(pg, input_tensor.device.type)
 
     if input_sizes is None:
@@ -303,7 +303,7 @@ def all_gather_into_tensor(
         raise ValueError(
             f"{fn}(): input_sizes= needs at least a 1-D input_tensor, got a 0-D tensor; use .view(1)."
         )
-    group_rank = dist.get_rank(pg)
+    group_rank = group_facts(pg).rank
     if input_tensor.shape[0] != sizes[group_rank]:
         raise ValueError(
             f"{fn}(): input_sizes[{group_rank}]={sizes[group_rank]} (this rank's entry) but input_tensor has "
@@ -396,7 +396,7 @@ def reduce_scatter_tensor(
     check_tensor(fn, "input", input)
     check_same_dtype(fn, "input", input, "output", output)
     pg = resolve_group(fn, group)
-    world_size = dist.get_world_size(pg)
+    world_size = group_facts(pg).size
     if input.numel() != world_size * output.numel():
         raise ValueError(
             f"{fn}(): input has {input.numel()} elements (shape {tuple(input.shape)}) but must hold "
@@ -415,7 +415,7 @@ def reduce_scatter_tensor(
 
     buffer = source if source is not input else input.clone()
     handle = dist.all_reduce(buffer, op=plan.op, group=pg, async_op=True)
-    group_rank = dist.get_rank(pg)
+    group_rank = group_facts(pg).rank
 
     def keep_chunk() -> None:
         output.copy_(buffer.view(world_size, -1)[group_rank].view_as(output))
@@ -511,7 +511,7 @@ def all_to_all_single(
             "beyond dim 0 (only dim-0 chunks move between ranks)."
         )
     pg = resolve_group(fn, group)
-    world_size = dist.get_world_size(pg)
+    world_size = group_facts(pg).size
     in_splits = _splits(fn, "input_split_sizes", input, input_split_sizes, world_size)
     out_splits = _splits(fn, "output_split_sizes", output, output_split_sizes, world_size)
     caps = capabilities_for(pg, input.device.type)
@@ -528,7 +528,7 @@ def all_to_all_single(
         return _finish(Work([handle], None, output), async_op)
 
     # Emulation: one batch of point-to-point transfers; the own chunk is a local copy.
-    group_rank = dist.get_rank(pg)
+    group_rank = group_facts(pg).rank
     ranks = dist.get_process_group_ranks(pg)
     in_chunks = input.split(in_splits)
     out_chunks = output.split(out_splits)
@@ -557,7 +557,7 @@ def _broadcast_source(fn: str, src: int | None, group_src: int | None, pg: dist.
         )
     if src is not None:
         return check_group_rank(fn, "src", src, pg)
-    world_size = dist.get_world_size(pg)
+    world_size = group_facts(pg).size
     if not isinstance(group_src, int) or isinstance(group_src, bool) or not 0 <= group_src < world_size:
         raise ValueError(
             f"{fn}(): group_src={group_src!r} must be an int in [0, {world_size}) for this group."
@@ -640,7 +640,7 @@ def barrier(group: Any = None, async_op: bool = False) -> Work[None] | None:
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's picklable ``obj``, in group-rank order (e.g. to agree on uneven sizes)."""
     pg = resolve_group("all_gather_object", group)
-    gathered: list[Any] = [None] * dist.get_world_size(pg)
+    gathered: list[Any] = [None] * group_facts(pg).size
     dist.all_gather_object(gathered, obj, group=pg)
     return gathered
 

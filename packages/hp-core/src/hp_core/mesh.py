@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
 
 from hp_core._checks import require_initialized
 from hp_core.platform import get_platform
@@ -304,6 +305,11 @@ class DeviceMesh:
     # -- helpers ------------------------------------------------------------------
 
     def _check_fresh(self, what: str) -> None:
+        # Fast path: built in this generation and the default group is still the one the cache
+        # saw, so _sync_with_default_group would change nothing (see [Note: group epoch] in
+        # hp_core.distributed); two reads instead of a property call.
+        if self._generation == _generation and _c10d._world.default_pg is _cache_world:
+            return
         _sync_with_default_group()
         if self._generation != _generation:
             raise StaleMeshError(

@@ -22,10 +22,11 @@ local tensors, run the op and wrap the results in the remembered layouts:
 no rule, no meta run, no new Layout objects. The signature holds the op's
 id, each DTensor's layout token (:meth:`Layout.token`: equal for equal
 layouts on the same mesh object) and local dtype, each plain tensor's
-metadata and each other argument's type and value, so a hit is exactly a
-call the slow path would have treated the same way; a layout on another
-(equal) mesh object has another token, so a mesh rebuilt after its groups
-were released is never swapped for a stale one.
+metadata and each other argument's type and value (only the type of a
+float or complex scalar given to a scalar-blind op, see [Note: scalar-blind
+ops]), so a hit is exactly a call the slow path would have treated the same
+way; a layout on another (equal) mesh object has another token, so a mesh
+rebuilt after its groups were released is never swapped for a stale one.
 
 The signature of a call with positional DTensors and scalars only (nearly
 every call) is built inline in :func:`_torch_dispatch`, which *is*
@@ -34,6 +35,21 @@ entry is a closure specialised to the call's shape: which arguments to
 unwrap (generated once per pattern, see :func:`_unwrapped_call`) and the one
 output layout to wrap in. Everything else (kwargs, kernels, view sizes,
 in-place and multi-output ops) hits through the general :func:`_run_entry`.
+
+[Note: scalar-blind ops]
+For a pointwise op (found by tag, ruled by ``pointwise_rule``) the value of
+a float or complex scalar operand changes neither the sharding decision
+(the rule looks at layouts and at which arguments are tensors) nor the
+output's shape, stride or dtype (type promotion looks at a scalar's type,
+never its value), and remembered entries pass the call's own scalars to the
+local op. Such ops are in :data:`SCALAR_BLIND`, and their float and complex
+scalars enter the fast-path signature and the decision/meta cache key by
+type alone: AdamW's ``div`` by a bias correction that changes every step
+hits instead of re-running the rule and the meta op. Ints, bools and every
+argument of other ops keep their value in the key (a size, a dim, a
+reduction's ``keepdim`` change the answer). Registering a rule by name
+(:func:`register`) takes the op out of the set; a rule put into
+:data:`RULES` by hand must do the same if it reads scalar values.
 
 [Note: fallback]
 An op without a rule (or a rule that declines) runs replicated: every input
@@ -70,7 +86,17 @@ from hp_dtensor.layout import Layout, mesh_key
 from hp_dtensor.placements import Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local
 
-__all__ = ["RULES", "UNCACHED", "Decision", "LocalCall", "OpCall", "clear_caches", "dispatch", "register"]
+__all__ = [
+    "RULES",
+    "SCALAR_BLIND",
+    "UNCACHED",
+    "Decision",
+    "LocalCall",
+    "OpCall",
+    "clear_caches",
+    "dispatch",
+    "register",
+]
 
 aten = torch.ops.aten
 
@@ -147,6 +173,7 @@ Rule = Callable[[OpCall], Decision | None]
 RULES: dict[Any, Rule] = {}
 LAYOUT_PRESERVING: set[Any] = set()  # ops that may carry ragged layouts (see [Note: ragged inputs])
 UNCACHED: set[Any] = set()  # ops whose rule looks past the layouts: never cached, never fast
+SCALAR_BLIND: set[Any] = set()  # float/complex scalars keyed by type only (see [Note: scalar-blind ops])
 _warned: set[str] = set()
 _resolved: set[Any] = set()
 _meta_cache: dict[Any, Any] = {}
@@ -172,6 +199,7 @@ def register(*ops: Any, keeps_layout: bool = False, cached: bool = True) -> Call
                     LAYOUT_PRESERVING.add(overload)
                 if not cached:
                     UNCACHED.add(overload)
+                SCALAR_BLIND.discard(overload)  # a named rule may look at scalar values
         _FAST.clear()
         return rule
 
@@ -236,8 +264,14 @@ _PLAIN_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
-def _signature_leaf(value: Any) -> Any:
-    """Two items per argument, so the flat signature is unambiguous (see [Note: dispatch fast path])."""
+def _signature_leaf(value: Any, blind: bool = False) -> Any:
+    """Two items per argument, so the flat signature is unambiguous (see [Note: dispatch fast path]).
+
+    With ``blind`` (the op is in :data:`SCALAR_BLIND`) a float or complex
+    scalar gives its type and None (see [Note: scalar-blind ops]).
+    """
+    if blind and (value.__class__ is float or value.__class__ is complex):
+        return (value.__class__, None)
     if isinstance(value, DTensor):
         return (value._layout.token(), value._local.dtype)
     if isinstance(value, torch.Tensor):
@@ -257,13 +291,14 @@ def _signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
     :func:`_torch_dispatch` builds inline (the two must stay in step).
     """
     key: list[Any] = [id(func)]
+    blind = func in SCALAR_BLIND
     for value in args:
-        leaf = _signature_leaf(value)
+        leaf = _signature_leaf(value, blind)
         if leaf is _UNCACHEABLE:
             return None
         key.extend(leaf)
     for name, value in kwargs.items():
-        leaf = _signature_leaf(value)
+        leaf = _signature_leaf(value, blind)
         if leaf is _UNCACHEABLE:
             return None
         key.append(name)
@@ -329,7 +364,8 @@ def _torch_dispatch(
                 if hit is not None and hit[0] is func and hit[2] is not None:
                     local = hit[3](a._local, b._local)
             elif b.__class__ in _PLAIN_TYPES:
-                hit = _FAST.get((id(func), a._layout._token, a._local.dtype, b.__class__, b))
+                value = None if b.__class__ is float and func in SCALAR_BLIND else b
+                hit = _FAST.get((id(func), a._layout._token, a._local.dtype, b.__class__, value))
                 if hit is not None and hit[0] is func and hit[2] is not None:
                     local = hit[3](a._local, b)
     elif n == 1:
@@ -353,7 +389,7 @@ def _torch_dispatch(
             if kind is DTensor:
                 key += (value._layout._token, value._local.dtype)
             elif kind in _PLAIN_TYPES:
-                key += (kind, value)
+                key += (kind, None if kind is float and func in SCALAR_BLIND else value)
             else:
                 break  # not keyed inline: dispatch() builds the full signature
         else:
@@ -473,7 +509,9 @@ def _remember(
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _leaf_key(value: Any) -> Any:
+def _leaf_key(value: Any, blind: bool = False) -> Any:
+    if blind and (value.__class__ is float or value.__class__ is complex):
+        return (value.__class__, None)  # see [Note: scalar-blind ops]
     if isinstance(value, DTensor):
         layout = value._layout
         return ("D", layout.shape, layout.stride, value.dtype, layout.placements, layout.ragged is not None)
@@ -618,6 +656,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         resolve_by_tag(func)
         special = SPECIAL.get(func)
         rule = RULES.get(func)
+        if func in SCALAR_BLIND and signature is not None:
+            signature = _signature(func, args, kwargs)  # now keyed by scalar type (the inline key's)
     if special is not None:
         return special(args, kwargs)
     flat, spec = pytree.tree_flatten((args, kwargs))
@@ -639,7 +679,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if uncached:
         signature = None
     key: Any = None
-    leaf_keys = [_leaf_key(v) for v in flat]
+    blind = func in SCALAR_BLIND
+    leaf_keys = [_leaf_key(v, blind) for v in flat]
     if all(k is not None for k in leaf_keys):
         key = (func, tuple(leaf_keys), mesh_key(mesh))
     decision: Decision | None = None

@@ -29,7 +29,15 @@ from torch.utils import _pytree as pytree
 
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout
-from hp_dtensor.ops.dispatch import LAYOUT_PRESERVING, RULES, SPECIAL, Decision, OpCall, register
+from hp_dtensor.ops.dispatch import (
+    LAYOUT_PRESERVING,
+    RULES,
+    SCALAR_BLIND,
+    SPECIAL,
+    Decision,
+    OpCall,
+    register,
+)
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.redistribute import slice_for_layout
 
@@ -53,7 +61,9 @@ _LINEAR_ADD = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Ten
 _LINEAR_MUL = {aten.mul.Tensor, aten.div.Tensor, aten.mul_.Tensor, aten.div_.Tensor}
 
 
-def _keeps_partial(func: Any, placements: list[Placement], first_partial: int, n_plain: int) -> bool:
+def _keeps_partial(
+    func: Any, placements: list[Placement], first_partial: int, n_plain: int, n_scalar: int = 0
+) -> bool:
     """Whether ``func`` is linear in its partial inputs on this mesh dim ([Note: linear partials])."""
     partials = [p for p in placements if isinstance(p, Partial)]
     op = partials[0]
@@ -62,7 +72,9 @@ def _keeps_partial(func: Any, placements: list[Placement], first_partial: int, n
     if func in _LINEAR_UNARY:
         return len(placements) == 1 or (func is aten.copy_.default and placements[0] == op)
     if func in _LINEAR_ADD:
-        return len(partials) == len(placements) and n_plain == 0
+        # A scalar or plain-tensor operand is a whole value, not a partial term: adding it to
+        # every rank's term would count it once per rank.
+        return len(partials) == len(placements) and n_plain == 0 and n_scalar == 0
     if func in _LINEAR_MUL:
         return len(partials) == 1 and (func not in (aten.div.Tensor, aten.div_.Tensor) or first_partial == 0)
     return False
@@ -81,6 +93,8 @@ def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bo
     else:
         out_shape = tuple(torch.broadcast_shapes(*(layout.shape for layout in layouts)))
     n_plain = sum(1 for v in call.flat if isinstance(v, torch.Tensor) and not isinstance(v, DTensor))
+    # Positional numbers are operands (add(x, 1.0)); keyword numbers (alpha=) only scale one.
+    n_scalar = sum(1 for v in call.args if isinstance(v, (int, float, complex)) and not isinstance(v, bool))
     out_ndim = len(out_shape)
     targets: list[list[Placement]] = [list(layout.placements) for layout in layouts]
     out: list[Placement] = []
@@ -112,7 +126,7 @@ def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bo
             continue
         if any(isinstance(p, Partial) for p in current):
             first = next(i for i, p in enumerate(current) if isinstance(p, Partial))
-            keep = _keeps_partial(func, current, first, n_plain)
+            keep = _keeps_partial(func, current, first, n_plain, n_scalar)
             if inplace and not isinstance(current[0], Partial):
                 keep = False
             if keep:
@@ -174,6 +188,8 @@ def resolve_by_tag(func: Any) -> Any:
     if torch.Tag.pointwise in func.tags or _out_of_place_is_pointwise(func):
         RULES[func] = pointwise_rule
         LAYOUT_PRESERVING.add(func)
+        # pointwise_rule never reads a scalar's value; see [Note: scalar-blind ops] in ops.dispatch
+        SCALAR_BLIND.add(func)
         return pointwise_rule
     if torch.Tag.nondeterministic_seeded in func.tags and torch.Tag.inplace in func.tags:
         SPECIAL[func] = lambda args, kwargs: _random_fill(func, args, kwargs)
