@@ -236,6 +236,10 @@ def check_call(profile: Profile, call: Any) -> None:
                 profile.contiguity_source,
             )
     dtype = call.dtype
+    if dtype is not None and dtype.is_complex:
+        # torch hands complex tensors to every backend as real views (view_as_real, in the
+        # Python wrappers and in ProcessGroupNCCL), so the backend's own dtype is the real one.
+        dtype = dtype.to_real()
     if call.reduce_op is not None:
         op = call.reduce_op
         if op not in profile.reduce_ops:
