@@ -153,10 +153,10 @@ def _backward_kernel(call: LocalCall) -> torch.Tensor:
     return aten.nll_loss_backward.default(grad, x, local_target, weight, reduction, _LOCAL_IGNORE, total)
 
 
-@register(aten.nll_loss_forward.default)
-def nll_loss_forward_rule(call: OpCall) -> Decision | None:
-    """Batch and class (vocab-parallel) shards stay put; see the module docstring for the outputs."""
-    x, target, weight, reduction = call.args[0], call.args[1], call.args[2], call.args[3]
+def _nll_inputs(
+    call: OpCall, x: Any, target: Any, weight: Any
+) -> tuple[Layout, Any, dict[str, Any], dict[int, tuple[Placement, ...]]] | None:
+    """Input layout, roles, target placements and input placements shared by the nll rules."""
     layout = _layout_of(call, x)
     if layout is None or layout.ndim not in (1, 2):
         return None
@@ -166,6 +166,17 @@ def nll_loss_forward_rule(call: OpCall) -> Decision | None:
     _set(inputs, call, x, targets["x"])
     _set(inputs, call, target, targets["target"])
     _set(inputs, call, weight, targets["weight"])
+    return layout, roles, targets, inputs
+
+
+@register(aten.nll_loss_forward.default)
+def nll_loss_forward_rule(call: OpCall) -> Decision | None:
+    """Batch and class (vocab-parallel) shards stay put; see the module docstring for the outputs."""
+    x, target, weight, reduction = call.args[0], call.args[1], call.args[2], call.args[3]
+    setup = _nll_inputs(call, x, target, weight)
+    if setup is None:
+        return None
+    _, roles, _, inputs = setup
     if reduction == _NONE:
         out = tuple(Shard(0) if r == "batch" else SUM if r == "class" else R for r in roles)
     else:
@@ -178,15 +189,10 @@ def nll_loss_forward_rule(call: OpCall) -> Decision | None:
 def nll_loss_backward_rule(call: OpCall) -> Decision | None:
     """The gradient takes the input's shards; the local kernel writes only this rank's classes."""
     grad, x, target, weight, reduction, _, total = call.args[:7]
-    layout = _layout_of(call, x)
-    if layout is None or layout.ndim not in (1, 2):
+    setup = _nll_inputs(call, x, target, weight)
+    if setup is None:
         return None
-    roles = nll_roles(layout, _layout_of(call, target))
-    targets = _targets(roles, layout.ndim)
-    inputs: dict[int, tuple[Placement, ...]] = {}
-    _set(inputs, call, x, targets["x"])
-    _set(inputs, call, target, targets["target"])
-    _set(inputs, call, weight, targets["weight"])
+    layout, roles, targets, inputs = setup
     per_sample = reduction == _NONE and layout.ndim == 2
     _set(inputs, call, grad, tuple(Shard(0) if r == "batch" and per_sample else R for r in roles))
     _set(inputs, call, total, (R,) * len(roles))
