@@ -205,27 +205,48 @@ class PipelineSchedule:
         to ``losses`` on the last stage's rank. If any rank fails, every rank
         raises the same :class:`~hp_pipeline.PipelineStepError`.
         """
-        m = self._n_microbatches
         pre_failure: StageFailure | None = None
         arg_mbs = kwarg_mbs = targets = None
         try:
             for stage in self._stages.values():
                 stage._check_materialized()
-            if 0 in self._stages:
-                if not args and not kwargs:
-                    raise ValueError(
-                        f"rank {dist.get_rank()} hosts stage 0 but step() got no inputs; pass the batch "
-                        "here, e.g. schedule.step(x)"
-                    )
-                arg_mbs, kwarg_mbs = split_args_kwargs(
-                    args, kwargs, m, self._args_chunk_spec, self._kwargs_chunk_spec
-                )
-            if (self.num_stages - 1) in self._stages and target is not None:
-                targets = split_args_kwargs((target,), {}, m, [self._target_spec(target)])[0]
-                targets = [t[0] for t in targets]
+            arg_mbs, kwarg_mbs, targets = self._split_inputs(args, kwargs, target, "schedule.step(x)")
         except Exception as exc:
             pre_failure = _failure_outside_steps(exc)
-        scale = 1.0 / m if self.scale_grads else 1.0
+        scale = 1.0 / self._n_microbatches if self.scale_grads else 1.0
+        self._run_step(arg_mbs, kwarg_mbs, targets, scale, pre_failure)
+        if self._tied and self._loss_fn is not None:
+            sync_tied(self._tied, self._modules(), self._rank_of_stage(), self.group, values=False)
+        return self._finish(losses)
+
+    def _split_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, example: str
+    ) -> tuple[Any, Any, list[Any] | None]:
+        """Stage 0's inputs and the last stage's targets, split into micro-batches (None elsewhere)."""
+        m = self._n_microbatches
+        arg_mbs = kwarg_mbs = targets = None
+        if 0 in self._stages:
+            if not args and not kwargs:
+                raise ValueError(
+                    f"rank {dist.get_rank()} hosts stage 0 but step() got no inputs; pass the batch "
+                    f"here, e.g. {example}"
+                )
+            arg_mbs, kwarg_mbs = split_args_kwargs(
+                args, kwargs, m, self._args_chunk_spec, self._kwargs_chunk_spec
+            )
+        if (self.num_stages - 1) in self._stages and target is not None:
+            targets = [t[0] for t in split_args_kwargs((target,), {}, m, [self._target_spec(target)])[0]]
+        return arg_mbs, kwarg_mbs, targets
+
+    def _run_step(
+        self,
+        arg_mbs: Any,
+        kwarg_mbs: Any,
+        targets: list[Any] | None,
+        scale: float,
+        pre_failure: StageFailure | None,
+    ) -> None:
+        """Run this rank's order, then agree with every rank on failures ([Note: failure vote])."""
         own = self._runner.run(
             arg_mbs,
             kwarg_mbs,
@@ -239,9 +260,6 @@ class PipelineSchedule:
         if failures:
             raise_step_error(failures, own)
         self._learned = True
-        if self._tied and self._loss_fn is not None:
-            sync_tied(self._tied, self._modules(), self._rank_of_stage(), self.group, values=False)
-        return self._finish(losses)
 
     @staticmethod
     def _target_spec(target: Any) -> ChunkSpec | None:

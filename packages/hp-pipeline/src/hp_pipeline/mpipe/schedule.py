@@ -44,7 +44,7 @@ from torch import nn
 
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.errors import StageFailure
-from hp_pipeline.executor import StepRunner, raise_step_error
+from hp_pipeline.executor import StepRunner
 from hp_pipeline.grads import clip_grad_norm_, sync_tied
 from hp_pipeline.ir import Order
 from hp_pipeline.microbatch import split_args_kwargs
@@ -340,15 +340,9 @@ class ScheduleMPipe(PipelineSchedule):
                     )
                 runner.data_iter = iter(data)
             else:
-                if 0 in self._stages:
-                    if not args and not kwargs:
-                        raise ValueError(
-                            f"rank {dist.get_rank()} hosts stage 0 but step() got no inputs; pass the "
-                            "text batch here, e.g. schedule.step(input_ids, preprocess_inputs=pixels)"
-                        )
-                    arg_mbs, kwarg_mbs = split_args_kwargs(
-                        args, kwargs, m, self._args_chunk_spec, self._kwargs_chunk_spec
-                    )
+                arg_mbs, kwarg_mbs, targets = self._split_inputs(
+                    args, kwargs, target, "schedule.step(input_ids, preprocess_inputs=pixels)"
+                )
                 if self.owned_micros:
                     if preprocess_inputs is None:
                         raise ValueError(
@@ -359,27 +353,11 @@ class ScheduleMPipe(PipelineSchedule):
                         preprocess_inputs if isinstance(preprocess_inputs, tuple) else (preprocess_inputs,)
                     )
                     runner.tower_chunks = split_args_kwargs(tower_args, {}, m)[0]
-                if (self.num_stages - 1) in self._stages and target is not None:
-                    targets = [
-                        t[0] for t in split_args_kwargs((target,), {}, m, [self._target_spec(target)])[0]
-                    ]
         except Exception as exc:
             pre_failure = _failure_outside_steps(exc)
         # [Note: token-normalised loss]: seed 1 and divide by the token count after the step.
         scale = 1.0 if self.normalize_by_tokens or not self.scale_grads else 1.0 / m
-        own = runner.run(
-            arg_mbs,
-            kwarg_mbs,
-            targets,
-            self._loss_fn,
-            scale,
-            first_step=not self._learned,
-            pre_failure=pre_failure,
-        )
-        failures = runner.vote.close(own)
-        if failures:
-            raise_step_error(failures, own)
-        self._learned = True
+        self._run_step(arg_mbs, kwarg_mbs, targets, scale, pre_failure)
         if self.normalize_by_tokens and self._loss_fn is not None:
             self._normalise(runner, targets, stage_params, stage_start, tower_params, runner.tower_grad_start)
         if self._tied and self._loss_fn is not None:
