@@ -2,40 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
+import sys
 import warnings
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-import hp_core.collectives as hc
 import pytest
 import torch
 import torch.nn.functional as F
 from hp_dtensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-NAMES = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "all_to_all_single", "broadcast")
-
-
-@contextlib.contextmanager
-def count_collectives() -> Iterator[Counter[str]]:
-    """Count calls to hp_core's collectives (hp_dtensor looks them up on the module at call time)."""
-    counts: Counter[str] = Counter()
-    saved = {name: getattr(hc, name) for name in NAMES}
-
-    def wrap(name: str):  # type: ignore[no-untyped-def]
-        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-            counts[name] += 1
-            return saved[name](*args, **kwargs)
-
-        return counted
-
-    for name in NAMES:
-        setattr(hc, name, wrap(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(hc, name, fn)
+sys.path.insert(0, str(Path(__file__).parent))
+from dtensor_testlib import count_collectives
 
 
 def check(
