@@ -78,13 +78,9 @@ def test_meta_device_init_then_train(rank: int, world_size: int) -> None:
     loss_fn(model, tokens[:2], targets[:2])
 
 
-@pytest.mark.distributed(world_size=4)
-def test_dcp_save_4way_load_hsdp_2x2(
-    rank: int, world_size: int, device_mesh_factory: Any, tmp_path: Any
-) -> None:
-    """Model and optimizer state through torch.distributed.checkpoint, loaded under another sharding."""
+def _one_step_4way(rank: int, world_size: int, tmp_path: Any) -> tuple[str, Any, Any, Any, Any]:
+    """A checkpoint path shared by all ranks, and a 4-way sharded model after one AdamW step."""
     import hp_core
-    import torch.distributed.checkpoint as dcp
 
     # one directory for all ranks, also under plain torchrun where each process has its own tmp_path
     path = hp_core.broadcast_object(str(tmp_path / "ckpt"), src=0)
@@ -93,6 +89,17 @@ def test_dcp_save_4way_load_hsdp_2x2(
     tokens, targets = global_batch(0, world_size)
     loss_fn(source, tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]).backward()
     opt.step()
+    return path, source, opt, tokens, targets
+
+
+@pytest.mark.distributed(world_size=4)
+def test_dcp_save_4way_load_hsdp_2x2(
+    rank: int, world_size: int, device_mesh_factory: Any, tmp_path: Any
+) -> None:
+    """Model and optimizer state through torch.distributed.checkpoint, loaded under another sharding."""
+    import torch.distributed.checkpoint as dcp
+
+    path, source, opt, tokens, targets = _one_step_4way(rank, world_size, tmp_path)
     expected_model = {k: full(v) for k, v in source.state_dict().items()}
     expected_avg = {k: full(v["exp_avg"]) for k, v in opt.state_dict()["state"].items()}
     dcp.save({"model": source.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
@@ -117,16 +124,10 @@ def test_dcp_state_dict_helpers_4way_to_hsdp_2x2(
     rank: int, world_size: int, device_mesh_factory: Any, tmp_path: Any
 ) -> None:
     """``get_state_dict`` / ``set_state_dict`` with hp-fsdp modules, saved 4-way, loaded 2x2."""
-    import hp_core
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    path = hp_core.broadcast_object(str(tmp_path / "ckpt"), src=0)
-    source = shard_blocks(build(seed=1))
-    opt = torch.optim.AdamW(source.parameters(), lr=1e-2)
-    tokens, targets = global_batch(0, world_size)
-    loss_fn(source, tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]).backward()
-    opt.step()
+    path, source, opt, tokens, targets = _one_step_4way(rank, world_size, tmp_path)
     model_sd, optim_sd = get_state_dict(source, opt)
     assert all(isinstance(v, DTensor) for v in model_sd.values())
     assert set(optim_sd["state"]) == set(model_sd)  # keyed by parameter name, not index
