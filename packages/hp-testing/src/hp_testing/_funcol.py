@@ -127,7 +127,7 @@ def _signature(fn: Callable[..., Any]) -> Any:
     return inspect.signature(fn)
 
 
-def _wrap(name: str, orig: Callable[..., Any], check: Callable[[Call], None]) -> Callable[..., Any]:
+def _wrap(name: str, orig: Callable[..., Any], check: Callable[[Call], object]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from hp_testing.emulation import _depth, _Nested
@@ -142,7 +142,7 @@ def _wrap(name: str, orig: Callable[..., Any], check: Callable[[Call], None]) ->
     return wrapper
 
 
-def install_functional(check: Callable[[Call], None]) -> None:
+def install_functional(check: Callable[[Call], object]) -> None:
     """Wrap the functional entry points; ``check`` runs the layer's rules and cross-rank checks."""
     funcol = _module()
     for name in FUNCTIONAL:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,8 +241,14 @@ class SideChannel:
 
     # -- collectives -------------------------------------------------------------
 
-    def collective(self, call: Call) -> None:
-        """Compare ``call`` with every other member's call at the same position (blocks)."""
+    def collective(self, call: Call, *, defer: bool = False) -> Callable[[], None] | None:
+        """Compare ``call`` with every other member's call at the same position.
+
+        Blocks, unless ``defer``: then the call is posted at once (its
+        position fixed) and the returned function makes the comparison, for
+        ``wait()`` of an async operation ([Note: deferred async checks] in
+        :mod:`hp_testing.emulation`).
+        """
         group = call.group_name
         seq = self.seqs.get(group, 0)
         self.seqs[group] = seq + 1
@@ -251,7 +258,17 @@ class SideChannel:
         _put(self.store, f"c/{group}/{seq}/{self.rank}", (payload))
         others = [r for r in call.group_ranks if r != self.rank]
         if not others:
-            return
+            return None
+        if defer:
+            # Whichever of two disagreeing ranks posts second sees the other now, before gloo does.
+            posted = [r for r in others if self._exists(f"c/{group}/{seq}/{r}")]
+            if posted:
+                self._compare(call, group, seq, payload, posted)
+            return lambda: self._compare(call, group, seq, payload, others)
+        self._compare(call, group, seq, payload, others)
+        return None
+
+    def _compare(self, call: Call, group: str, seq: int, payload: Any, others: list[int]) -> None:
         keys = [f"c/{group}/{seq}/{r}" for r in others]
         what = f"{call.shown} (collective #{seq} on group {list(call.group_ranks)})"
         values = self._await(keys, others, what, call.site, group)
@@ -267,7 +284,7 @@ class SideChannel:
                 + "\nOn NCCL or HCCL this hangs or corrupts memory. Issue the same collectives (same op, "
                 "element counts, dtypes, reduce op and root) in the same order on every rank of the group."
             )
-        if call.splits is not None:
+        if call.splits is not None and len(by_rank) == len(call.group_ranks):
             self._check_splits(call, by_rank, seq)
 
     def _check_splits(self, call: Call, by_rank: dict[int, Any], seq: int) -> None:

@@ -10,15 +10,7 @@ and raw ``torch.distributed`` calls in user tests all pass through the
 wrappers unchanged; only the harness ranks (and ``hp-run --emulate``) ever
 call :func:`install`, so production code never pays for it.
 
-Each wrapped call, in order (see [Note: checking both ends at issue]
-gloo aborts the whole process when a message of the wrong size arrives, so a
-mismatched send/receive pair must never reach gloo on both sides. Each side
-posts its fingerprint first and then looks for the other's: whichever side
-posts second sees both, compares them, and raises before handing its op to
-gloo. Nothing waits here (waiting would add orderings gloo does not have);
-the rest of the checking happens at ``wait()``.
-
-[Note: one call through the layer]):
+Each wrapped call, in order (see [Note: one call through the layer]):
 
 1. describe it (:mod:`hp_testing._calls`) and find the user's call site;
 2. apply the profile's rules (:mod:`hp_testing.profiles`);
@@ -28,6 +20,28 @@ the rest of the checking happens at ``wait()``.
 5. in strict mode, swap outputs for shadows and poison them (:mod:`hp_testing._hazards`);
 6. run it on gloo, emulating what gloo lacks (``PREMUL_SUM``, fp8 moves,
    uneven all-gathers) with the real backend's result.
+
+[Note: checking both ends at issue]
+gloo aborts the whole process when a message of the wrong size arrives, so a
+mismatched send/receive pair must never reach gloo on both sides. Each side
+posts its fingerprint first and then looks for the other's: whichever side
+posts second sees both, compares them, and raises before handing its op to
+gloo. Nothing waits here (waiting would add orderings gloo does not have);
+the rest of the checking happens at ``wait()``.
+
+[Note: deferred async checks]
+A collective is compared with the other ranks' calls at the same position
+of its group, and a blocking one waits there for all of them. An async one
+(``async_op=True``) does that only where the backend runs a rank's
+operations in one queue (``nccl-emu``, ``hccl-emu``: the op holds the queue
+until every rank has issued it, so waiting at issue finds the same
+deadlocks NCCL would). On gloo every operation progresses on its own, and
+a program may issue an async collective, go on with point-to-point work its
+peers need, and wait later; waiting at issue would report a deadlock that
+gloo never has. There the call is posted at issue (its position is fixed
+then), compared at once with the ranks that already posted (so of two ranks
+that disagree, the second sees it before gloo does, as with p2p above), and
+compared with all of them at ``wait()``, before the real wait.
 
 [Note: one call through the layer]
 Nested calls (torch's ``all_gather_object`` calling ``all_gather``, our own
@@ -286,7 +300,8 @@ class Layer:
 
     def run_collective(self, name: str, orig: Callable[..., Any], args: dict[str, Any]) -> Any:
         call = describe(name, args)
-        self.check_collective(call)
+        # [Note: deferred async checks]
+        finish = self.check_collective(call, defer=call.async_op and not self.profile.stream_ordered_p2p)
         shadows: Shadows | None = None
         if self.strict and call.async_op and call.kind == "collective":
             shadows = self._shadow(name, call, args)
@@ -294,20 +309,31 @@ class Layer:
             result = self._execute(name, orig, args, call)
         if not call.async_op:
             return result
-        if shadows is None:
+        if shadows is None and finish is None:
             return result
-        shadows.poison()
-        return CheckedWork(result, [], [shadows.settle], self._track(call))
+        if shadows is not None:
+            shadows.poison()
+        return CheckedWork(
+            result,
+            [finish] if finish is not None else [],
+            [shadows.settle] if shadows is not None else [],
+            self._track(call) if shadows is not None else None,
+        )
 
-    def check_collective(self, call: Call) -> None:
-        """Rules, faults and cross-rank checks of one collective, classic or functional (:mod:`._funcol`)."""
+    def check_collective(self, call: Call, *, defer: bool = False) -> Callable[[], None] | None:
+        """Rules, faults and cross-rank checks of one collective, classic or functional (:mod:`._funcol`).
+
+        With ``defer`` the cross-rank comparison is returned for ``wait()``
+        instead of made now ([Note: deferred async checks]).
+        """
         call.site = call_site(2)
         self.calls += 1
         check_call(self.profile, call)
         self._fault("collective")
         channel = self._channel()
         if channel is not None:
-            channel.collective(call)
+            return channel.collective(call, defer=defer)
+        return None
 
     def _shadow(self, name: str, call: Call, args: dict[str, Any]) -> Shadows:
         shadows = Shadows(call.shown, call.site)
