@@ -15,11 +15,14 @@ and ships the features to stage 0. For each micro-batch ``i`` owned by rank
 * ``oSEND_Pi->0`` / ``0RECV_Pi<-o``: the features, before stage 0's ``0Fi``;
 * ``oPBi``: the tower's backward. With the owner backward, stage 0 sends
   dL/dfeatures back (``0SEND_PGi->o`` / ``oRECV_PGi<-0``) and the owner
-  backpropagates through the graph it kept; the owner's ``PB`` steps go at
-  the end of its list (rank 0's right after its ``0Bi``, or ``0Ii`` on a
-  zero-bubble base, see [Note: MPipe bases]). Without it, stage 0
-  recomputes the tower from the inputs that travelled with the features:
-  every ``PB`` is ``0PBi``, right after ``0Bi`` / ``0Ii``;
+  backpropagates through the graph it kept. Without it, stage 0 recomputes
+  the tower from the inputs that travelled with the features: every ``PB``
+  is ``0PBi``. Each ``PB`` first goes where it is surely ready (rank 0's
+  right after its ``0Bi``, or ``0Ii`` on a zero-bubble base, see [Note:
+  MPipe bases]; another owner's at the end of its list), then moves to the
+  slot where it shortens the step most ([Note: tower backward placement]
+  in :mod:`hp_pipeline.mpipe.placement`): an owner's idle slot in the
+  steady state instead of a tail after its last pipeline step;
 * ``oREDUCE_P``: one per rank, last: the tower's gradients of this step are
   summed over the pipeline group (a collective).
 
@@ -80,6 +83,7 @@ from hp_pipeline.builders.placement import Style
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.ir import MetaStep, MetaStepType, Order
 from hp_pipeline.mpipe.ownership import OverflowMode, mpipe_owned_micros, mpipe_owner
+from hp_pipeline.mpipe.placement import place_tower_backward
 from hp_pipeline.validate import validate_order
 
 __all__ = [
@@ -158,6 +162,7 @@ def build_mpipe_order(
     tower_backward: bool = True,
     load_data: bool = False,
     base: str | None = None,
+    place_backward: bool = True,
 ) -> Order:
     """The compute-only MPipe order ([Note: MPipe steps]) over one of :data:`MPIPE_BASES`.
 
@@ -173,6 +178,10 @@ def build_mpipe_order(
         load_data: each owner loads its micro-batches (``LOAD`` before ``PF``).
         base: ``"1f1b"``, ``"interleaved"``, ``"zb-h1"`` or ``"zbv"``; ``None``
             picks 1F1B or interleaved by ``stages_per_rank`` ([Note: MPipe bases]).
+        place_backward: move each ``PB`` to the slot that shortens the simulated
+            step most ([Note: tower backward placement]); ``False`` keeps them
+            where they are first put (after ``0Bi`` / ``0Ii`` on rank 0, at the
+            end of the list on the other owners).
     """
     kind, v, style = mpipe_base_layout(base, stages_per_rank)
     p, m = num_ranks, n_microbatches
@@ -200,6 +209,8 @@ def build_mpipe_order(
                 out += [MetaStep(i, T.PREPROCESS_BWD, home) for i in owned]
             out.append(MetaStep(None, T.PREPROCESS_REDUCE, home))
         order[rank] = out
+    if tower_backward and place_backward:
+        order = place_tower_backward(order)
     return order
 
 
@@ -213,6 +224,7 @@ def mpipe_order(
     tower_backward: bool = True,
     load_data: bool = False,
     base: str | None = None,
+    place_backward: bool = True,
 ) -> Order:
     """:func:`build_mpipe_order` with communication inserted and validated: what the schedule runs.
 
@@ -228,6 +240,7 @@ def mpipe_order(
         tower_backward=tower_backward,
         load_data=load_data,
         base=base,
+        place_backward=place_backward,
     )
     num_stages = num_ranks * mpipe_base_layout(base, stages_per_rank)[1]
     runnable = insert_comms(order, data_stages=[0, num_stages - 1] if load_data else None)
