@@ -16,7 +16,10 @@ and [Note: failures] in :mod:`hp_pipeline.executor`) with:
   ``SEND_PG``/``RECV_PG`` brought back) or recomputed on stage 0
   ([Note: feature gradients]);
 * ``REDUCE_P``: sum this step's tower-gradient contribution over the pipeline
-  group ([Note: feature gradients]
+  group ([Note: tower gradient reduction], posted early where the backend
+  allows: [Note: early tower reduction]).
+
+[Note: feature gradients]
 Stage 0's features are leaves; their gradient is dL/dfeatures, which the
 tower's backward needs. A full backward (``B``) accumulates it into
 ``leaf.grad``, but a split one (``I`` of a zero-bubble base) computes input
@@ -26,8 +29,6 @@ requires grad gets a tensor hook that records the gradient as autograd
 computes it: the hook fires for ``B`` and ``I`` alike, once per backward (a
 leaf used twice gets the sum), and not for ``W``, which asks for parameter
 gradients only. ``SEND_PG`` and the recompute ``PB`` read the recorded value.
-
-[Note: tower gradient reduction]).
 
 On the first step every MPipe transfer carries one header object (the list of
 :class:`~hp_pipeline.stage.TensorMeta` of all its tensors: one metadata
@@ -40,6 +41,19 @@ A loaded micro-batch is a mapping; the owner keeps it whole (its tower reads
 ``preprocess_keys``) and sends each other stage only what it reads: stage 0
 gets ``input_keys`` (its positional text inputs), the last stage
 ``target_key``. A stage on the owner's rank reads the owner's copy.
+
+[Note: early tower reduction]
+Once a rank has run its last ``PB``, its contribution to the tower's
+gradients is final, so on gloo the sum is posted there, asynchronously, and
+``REDUCE_P`` only waits for it: the transfer overlaps the rank's remaining
+pipeline steps (rank 0's last ``PB`` usually comes well before its last
+``B``), and a rank that reaches ``REDUCE_P`` late finds the other ranks'
+parts already there. Every rank still posts exactly one sum per dtype, in
+the same order; a rank that fails before its last ``PB`` posts zeros at
+``REDUCE_P`` like before. Backends that run a rank's operations in one queue
+(NCCL, HCCL) are excluded: there a collective posted before a send that a
+peer must receive first, while that peer posts the same collective after
+the receive, would wait for each other forever; they reduce at ``REDUCE_P``.
 
 [Note: tower gradient reduction]
 Each rank backpropagates only its own micro-batches through its replica of the
@@ -149,6 +163,10 @@ class MPipeRunner(StepRunner):
             and mpipe_receives_lead(self.steps, stage_rank)
         )
         self._lean_blocks = _blocks([s for s in self.steps if s not in set(self._early)])
+        # [Note: early tower reduction]: the reduction of this rank's tower gradients is posted
+        # right after its last PB, where no backend runs its operations in one queue.
+        backwards = [s for s in self.steps if s.type is T.PREPROCESS_BWD]
+        self._last_tower_backward = backwards[-1] if backwards and not self._coalesce else None
         self._full_blocks = self.blocks
         self._recv_keys = {(s.type, s.stage_index, s.micro_index) for s in self.steps if s.type.is_recv}
         # Learned on the first step and kept: the metadata of each MPipe transfer.
@@ -167,6 +185,7 @@ class MPipeRunner(StepRunner):
 
     def _reset(self) -> None:
         super()._reset()
+        self._pending_reduce: Any = None
         self.local_tokens = 0
         self._data: dict[int, dict[str, torch.Tensor]] = {}
         self._tower_in: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -213,6 +232,16 @@ class MPipeRunner(StepRunner):
     # -- compute --------------------------------------------------------------------
 
     def _act(self, step: MetaStep) -> None:
+        if step.type is T.PREPROCESS_BWD and step == self._last_tower_backward:
+            super()._act(step)
+            if not self.draining:  # [Note: early tower reduction]
+                try:
+                    self._pending_reduce = self._start_reduce()
+                except _CommError:
+                    raise
+                except Exception as exc:
+                    self._fail(step, exc)
+            return
         if step.type is T.PREPROCESS_REDUCE:
             # A collective: run it even while draining, so no peer waits in it.
             try:
@@ -398,12 +427,34 @@ class MPipeRunner(StepRunner):
         return [next(bufs) if m.requires_grad else None for m in self._feature_meta[i]]
 
     def _reduce_tower(self) -> None:
+        """``REDUCE_P``: finish the sum posted early, or run it whole ([Note: early tower reduction])."""
+        pending, self._pending_reduce = self._pending_reduce, None
+        if pending is None:
+            pending = self._start_reduce()
+        packs, works = pending
+        try:
+            for work in works:
+                work.wait()
+            if self.dp_group is not None:
+                from hp_core import all_reduce
+
+                for _, _, flat in packs:
+                    all_reduce(flat, "sum", self.dp_group)
+        except Exception as exc:
+            raise _CommError(str(exc)) from exc
+        self._unpack_reduced(packs)
+
+    def _start_reduce(
+        self,
+    ) -> tuple[list[tuple[list[int], list[torch.nn.Parameter], torch.Tensor]], list[Any]]:
+        """Pack this step's tower-gradient contribution (one flat buffer per dtype) and post its sum."""
         from hp_core import all_reduce
 
         params = [p for p in self.preprocess.parameters() if p.requires_grad]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for index, p in enumerate(params):
             by_dtype.setdefault(p.dtype, []).append(index)
+        packs, works = [], []
         for dtype, indices in by_dtype.items():
             parts, flags = [], []
             for index in indices:
@@ -416,21 +467,25 @@ class MPipeRunner(StepRunner):
                     parts.append(delta.detach().reshape(-1))
                     flags.append(1.0)
             flat = torch.cat([*parts, torch.tensor(flags, dtype=dtype, device=parts[0].device)])
+            packs.append((indices, params, flat))
             try:
-                all_reduce(flat, "sum", self.group)
-                if self.dp_group is not None:
-                    all_reduce(flat, "sum", self.dp_group)
+                works.append(all_reduce(flat, "sum", self.group, async_op=True))
             except Exception as exc:
                 raise _CommError(str(exc)) from exc
+        return packs, works
+
+    def _unpack_reduced(self, packs: list[tuple[list[int], list[torch.nn.Parameter], torch.Tensor]]) -> None:
+        for indices, params, flat in packs:
             flag_at = flat.numel() - len(indices)
             if self.dp_size > 1:  # the dp average; the flags only need to be non-zero
                 flat[:flag_at].div_(self.dp_size)
+            flags = flat[flag_at:].tolist()
             offset = 0
             for k, index in enumerate(indices):
                 p, start = params[index], self.tower_grad_start[index]
                 total = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
-                if flat[flag_at + k].item() == 0:
+                if flags[k] == 0:
                     continue
                 new = total if start is None else start + total
                 if p.grad is None:
