@@ -1,31 +1,33 @@
 """MPipe against plain 1F1B with the vision tower on stage 0, side by side in one run.
 
-Run on CPU ranks over gloo:
+Run on CPU ranks over gloo (``hp-run`` or plain ``torchrun``):
 
-    hp-run -n 4 benchmarks/mpipe_step.py [--width 512] [--batch 1024] [--layers 3] \\
-        [--microbatches 8] [--steps 8]
+    hp-run -n 4 benchmarks/mpipe_step.py [--width 512] [--batch 4096] [--layers 3] \\
+        [--microbatches 32] [--steps 8]
 
 Two configurations, each printed with its own table:
 
-* ``p = world size`` (4 with ``-n 4``): the issue's configuration. On a
-  machine with fewer free cores than ranks the ranks take turns on the cores,
-  so wall time follows the *total* work, which MPipe does not reduce (it moves
-  the tower's work off stage 0); balancing cannot show there;
-* ``p = 2`` on ranks 0 and 1 only (the other ranks wait in a barrier), one
-  compute thread per rank (``torch.set_num_threads(1)``): with two free cores
-  every rank has its own, so the step time is the pipeline's critical path,
-  which is what MPipe shortens. Run with ``-n 2`` to get only this one.
+* ``p = world size`` (4 with ``-n 4``): the issue's configuration;
+* ``p = 2`` on ranks 0 and 1 only (the other ranks wait in a barrier).
+
+Every rank runs one compute thread (``torch.set_num_threads(1)``) and, where
+the machine has a physical core per rank, is pinned to cores of its own
+(:func:`pin_rank`), so the step time is the pipeline's critical path, which
+is what MPipe shortens. On a machine with fewer free cores than ranks the
+ranks take turns on the cores and wall time follows the *total* work, which
+MPipe does not reduce (it moves the tower's work off stage 0): balancing
+cannot show there, and the table says so.
 
 Each table puts the measured speedup (1F1B step time over MPipe step time)
 next to the simulator's (``simulate()`` of the same orders with the tower
-costing one text stage: ``F = PF = 1``, ``B = PB = 2``); the two agree only
-where every rank has a core of its own. The defaults make each micro-batch's
-compute (128 rows x 512 wide) large against the fixed cost of a gloo message
-on a loaded CPU (milliseconds), as a real tower and text stage are; with
-``--batch 256 --width 384`` the extra MPipe messages (features, their
-gradients, ids and labels) cost as much as the work they move. The machine's
-load average is printed with each table: other processes on the cores make
-wall times noisy.
+costing one text stage: ``F = PF = 1``, ``B = PB = 2``), and the CPU time of
+each rank per step. The defaults (128 rows per micro-batch, ``m = 8p``
+micro-batches at ``p = 4``) keep each micro-batch's compute large against
+the fixed cost of a gloo message and keep the pipeline's fill and drain
+(``(p-1)/m`` of the step, the same for both schedules) from hiding the
+balance; with ``--batch 2048 --microbatches 16`` the 1F1B bubble is twice
+as large a share of the step. The machine's load average is printed with
+each table: other processes on the cores make wall times noisy.
 
 The model is a toy vision-language model: a tower of ``--layers`` Linear+GELU
 layers (about the cost of one text stage) turns each sample's pixels into one
@@ -40,12 +42,9 @@ last stage projects to a vocabulary and takes a token cross-entropy.
   0 and the last stage get only the ids / labels they need.
 
 Step time is the median over ``--steps`` steps after warm-up, the maximum over
-ranks, best of two alternating rounds. With fewer free cores than ranks (a
-shared laptop) the ranks take turns on the cores and wall time measures the
-total work, not the pipeline's critical path; the CPU time per step of each
-rank, and of the busiest rank (the bottleneck once every rank has its own
-core or device), is printed next to it, with the simulator's makespan ratio
-for the same shapes (tower cost = one text stage). Bytes are counted in the dataset's
+ranks, best of two alternating rounds. The CPU time per step of each rank,
+and of the busiest rank (the bottleneck once every rank has its own core or
+device), is printed next to it. Bytes are counted in the dataset's
 ``__getitem__`` of each rank. Rank 0 prints a table, then as the last line one
 JSON object whose ``ratios`` are ours over the anchor (below 1.0: MPipe wins).
 """
@@ -263,6 +262,41 @@ def free_cores() -> int:
         return os.cpu_count() or 1
 
 
+def physical_cores() -> list[list[int]]:
+    """This process's CPUs grouped by physical core (a core's hyper-threads together), from sysfs."""
+    groups: dict[str, list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                key = f.read().strip()
+        except OSError:
+            key = str(cpu)
+        groups.setdefault(key, []).append(cpu)
+    return list(groups.values())
+
+
+def pin_rank(rank: int, world: int) -> str:
+    """Give each rank physical cores of its own (with their hyper-threads); say what was done.
+
+    Two ranks on the two hyper-threads of one core run each other's compute
+    at a fraction of the speed, which no schedule can fix and which varies
+    from run to run; gloo's transfer threads, started later, stay on the
+    rank's own cores too.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return "not pinned (no CPU affinity on this OS)"
+    cores = physical_cores()
+    if len(cores) < world:
+        return f"not pinned ({len(cores)} physical core(s) for {world} ranks)"
+    mine = [cpu for k, core in enumerate(cores) if k % world == rank for cpu in core]
+    os.sched_setaffinity(0, mine)
+    return f"pinned: {len(cores) // world} physical core(s) of its own per rank"
+
+
+FREE_CORES = free_cores()
+PINNING = "not pinned"
+
+
 def measure(args: Any, ranks: list[int], label: str) -> dict[str, Any] | None:
     """Run both schedules on the pipeline ``ranks`` (a new group; the other ranks skip) and report.
 
@@ -306,10 +340,11 @@ def report(
     sim = simulated_ratio(p, args.microbatches)
     ratio = seconds["mpipe"] / seconds["plain"]
     read_ratio = sum(bytes_read["mpipe"]) / sum(bytes_read["plain"])
-    cores = free_cores()
+    cores = FREE_CORES
     print()
     print(f"== {label}: {p} ranks on {cores} free core(s), 1 thread per rank ", end="")
     print("(oversubscribed: wall time ~ total work)" if p > cores else "(a core per rank)")
+    print(f"CPU placement: {PINNING}")
     print(
         f"width {args.width}, {args.layers} layers per text stage and in the tower, batch {args.batch}, ",
         end="",
@@ -336,6 +371,7 @@ def report(
     return {
         "ranks": p,
         "free_cores": cores,
+        "cpu_placement": PINNING,
         "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "step_time_ratio": round(ratio, 4),
         "bytes_read_ratio": round(read_ratio, 4),
@@ -353,10 +389,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--microbatches", type=int, default=32)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
+    global PINNING
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    PINNING = pin_rank(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))), world_env)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)  # one compute thread per rank: ranks = cores needed
     world = dist.get_world_size()
