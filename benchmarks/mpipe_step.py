@@ -41,8 +41,12 @@ last stage projects to a vocabulary and takes a token cross-entropy.
   runs on rank ``k % p``, which alone reads it (``PPRankOwnedSampler``); stage
   0 and the last stage get only the ids / labels they need.
 
-Step time is the median over ``--steps`` steps after warm-up, the maximum over
-ranks, best of two alternating rounds. The CPU time per step of each rank,
+Both schedules are built side by side and, after warm-up, take turns for
+``--steps`` rounds of one step each (the order flips every round), every step
+started from a barrier and timed on its slowest rank. The headline ratio is
+the median over rounds of MPipe's step time over the anchor's in the same
+round (drift of the machine cancels); the medians of each are printed too.
+The CPU time per step of each rank,
 and of the busiest rank (the bottleneck once every rank has its own core or
 device), is printed next to it. Bytes are counted in the dataset's
 ``__getitem__`` of each rank. Rank 0 prints a table, then as the last line one
@@ -149,9 +153,8 @@ def build_modules(p: int, width: int, layers: int) -> tuple[Tower, list[nn.Modul
     return tower, stages
 
 
-def run_plain(
-    args: Any, data: Samples, tower: Tower, modules: list[nn.Module], steps: int, group: Any
-) -> float:
+def build_plain(args: Any, data: Samples, tower: Tower, modules: list[nn.Module], group: Any) -> Any:
+    """The anchor's one training step on this rank (1F1B, the tower inside stage 0)."""
     import hp_pipeline as hp
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
@@ -176,12 +179,11 @@ def run_plain(
             schedule.step()
         opt.step()
 
-    return timed(one, steps, group)
+    return one
 
 
-def run_mpipe(
-    args: Any, data: Samples, tower: Tower, modules: list[nn.Module], steps: int, group: Any
-) -> float:
+def build_mpipe(args: Any, data: Samples, tower: Tower, modules: list[nn.Module], group: Any) -> Any:
+    """MPipe's one training step on this rank (in-schedule loading, tower on the owners)."""
     import hp_pipeline as hp
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
@@ -205,27 +207,41 @@ def run_mpipe(
         schedule.step(data=loader)
         opt.step()
 
-    return timed(one, steps, group)
+    return one
 
 
-def timed(one: Any, steps: int, group: Any) -> float:
-    """Median wall time of a step (max over ranks); records this rank's median CPU time too."""
-    for _ in range(3):
-        one()
-    times, cpu = [], []
-    for _ in range(steps):
-        dist.barrier(group)
-        start, start_cpu = time.perf_counter(), time.process_time()
-        one()
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    CPU_MS.append(statistics.median(cpu) * 1e3)
-    local = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-    return float(local.item())
+WARMUP = 3
 
 
-CPU_MS: list[float] = []
+def timed_rounds(
+    steps: dict[str, Any], rounds: int, group: Any
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Alternate the schedules step by step for ``rounds`` rounds (the order flips each round).
+
+    Returns each schedule's wall time per round (the slowest rank's, each
+    step started from a barrier) and this rank's CPU time per round. Both
+    schedules live side by side, so drift of the machine hits both alike,
+    and the per-round ratio pairs steps taken moments apart.
+    """
+    names = list(steps)
+    for _ in range(WARMUP):
+        for name in names:
+            steps[name]()
+    wall = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    for k in range(rounds):
+        for name in names if k % 2 == 0 else names[::-1]:
+            dist.barrier(group)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            steps[name]()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    slowest = {}
+    for name in names:
+        local = torch.tensor(wall[name], dtype=torch.float64)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        slowest[name] = local.tolist()
+    return slowest, [statistics.median(cpu[name]) * 1e3 for name in names]
 
 
 def gather(value: float, group: Any, dtype: torch.dtype = torch.int64) -> list[float]:
@@ -309,21 +325,18 @@ def measure(args: Any, ranks: list[int], label: str) -> dict[str, Any] | None:
     if dist.get_rank() in ranks:
         rank, p = dist.get_rank(group), len(ranks)
         tower, modules = build_modules(p, args.width, args.layers)
-        total_steps = 2 * (args.steps + 3)
-        seconds: dict[str, float] = {}
-        bytes_read: dict[str, list[int]] = {}
-        cpu_ms: dict[str, list[float]] = {}
-        for name in ("plain", "mpipe", "plain", "mpipe"):  # alternate to even out drift
-            data = Samples(total_steps * args.batch, args.width)
-            runner = run_plain if name == "plain" else run_mpipe
-            t = runner(args, data, tower, modules, args.steps, group)
-            seconds[name] = min(seconds.get(name, t), t)
-            bytes_read[name] = [int(b) for b in gather(data.bytes_read, group)]
-            row = gather(CPU_MS[-1], group, torch.float64)
-            best = cpu_ms.get(name, row)
-            cpu_ms[name] = [min(a, b) for a, b in zip(best, row, strict=True)]
+        data = {name: Samples((args.steps + WARMUP) * args.batch, args.width) for name in ("plain", "mpipe")}
+        steps = {
+            "plain": build_plain(args, data["plain"], tower, modules, group),
+            "mpipe": build_mpipe(args, data["mpipe"], tower, modules, group),
+        }
+        wall, my_cpu = timed_rounds(steps, args.steps, group)
+        seconds = {name: statistics.median(times) for name, times in wall.items()}
+        paired = statistics.median(m / a for m, a in zip(wall["mpipe"], wall["plain"], strict=True))
+        bytes_read = {name: [int(b) for b in gather(d.bytes_read, group)] for name, d in data.items()}
+        cpu_ms = {name: gather(my_cpu[k], group, torch.float64) for k, name in enumerate(steps)}
         if rank == 0:
-            summary = report(args, p, label, seconds, bytes_read, cpu_ms)
+            summary = report(args, p, label, seconds, paired, bytes_read, cpu_ms)
     dist.barrier()
     return summary
 
@@ -333,12 +346,18 @@ def report(
     p: int,
     label: str,
     seconds: dict[str, float],
+    paired: float,
     bytes_read: dict[str, list[int]],
     cpu_ms: dict[str, list[float]],
 ) -> dict[str, Any]:
-    """Print one configuration's table; return its figures for the JSON line."""
+    """Print one configuration's table; return its figures for the JSON line.
+
+    The headline ratio is ``paired``, the median over rounds of MPipe's step
+    time over the anchor's in the same round; the ratio of the two medians
+    is printed beside it.
+    """
     sim = simulated_ratio(p, args.microbatches)
-    ratio = seconds["mpipe"] / seconds["plain"]
+    ratio = paired
     read_ratio = sum(bytes_read["mpipe"]) / sum(bytes_read["plain"])
     cores = FREE_CORES
     print()
@@ -349,10 +368,11 @@ def report(
         f"width {args.width}, {args.layers} layers per text stage and in the tower, batch {args.batch}, ",
         end="",
     )
-    print(f"{args.microbatches} micro-batches, median of {args.steps} steps, best of 2 rounds")
+    print(f"{args.microbatches} micro-batches, {args.steps} rounds of one step each, alternating")
     print(f"{'':<34}{'1F1B, tower on stage 0':>24}{'MPipe':>12}{'MPipe/1F1B':>12}")
     plain_ms, mpipe_ms = seconds["plain"] * 1e3, seconds["mpipe"] * 1e3
-    print(f"{'step time (ms)':<34}{plain_ms:>24.2f}{mpipe_ms:>12.2f}{ratio:>12.3f}")
+    print(f"{'step time, median (ms)':<34}{plain_ms:>24.2f}{mpipe_ms:>12.2f}{mpipe_ms / plain_ms:>12.3f}")
+    print(f"{'step time, paired ratio (median)':<34}{'':>24}{'':>12}{ratio:>12.3f}")
     for r in range(p):
         a_ms, b_ms = cpu_ms["plain"][r], cpu_ms["mpipe"][r]
         print(f"{f'CPU time per step, rank {r} (ms)':<34}{a_ms:>24.2f}{b_ms:>12.2f}{b_ms / a_ms:>12.3f}")
@@ -374,6 +394,7 @@ def report(
         "cpu_placement": PINNING,
         "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "step_time_ratio": round(ratio, 4),
+        "step_time_ratio_of_medians": round(seconds["mpipe"] / seconds["plain"], 4),
         "bytes_read_ratio": round(read_ratio, 4),
         "busiest_rank_cpu_time_ratio": round(busiest, 4),
         "simulated_makespan_ratio": round(sim, 4),
@@ -391,7 +412,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--microbatches", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
     global PINNING
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
