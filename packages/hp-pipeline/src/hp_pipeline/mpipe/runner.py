@@ -169,6 +169,11 @@ class MPipeRunner(StepRunner):
         self._last_tower_backward = backwards[-1] if backwards and not self._coalesce else None
         self._full_blocks = self.blocks
         self._recv_keys = {(s.type, s.stage_index, s.micro_index) for s in self.steps if s.type.is_recv}
+        self._feature_source = {
+            s.micro_index: s.peer_stage
+            for s in self.steps
+            if s.type is T.PREPROCESS_RECV and s.micro_index is not None and s.peer_stage is not None
+        }
         # Learned on the first step and kept: the metadata of each MPipe transfer.
         self._xfer_meta: dict[MetaStep, tuple[TensorMeta, ...]] = {}
         self._shapes: dict[tuple[str, int], tuple[Any, ...]] = {}
@@ -344,11 +349,8 @@ class MPipeRunner(StepRunner):
         return [got.get(k) if leaf.requires_grad else None for k, leaf in enumerate(leaves)]
 
     def _owner_stage(self, i: int) -> int:
-        for s in self.steps:
-            if s.type is T.PREPROCESS_RECV and s.micro_index == i:
-                assert s.peer_stage is not None
-                return s.peer_stage
-        return 0
+        """The stage whose rank ran micro-batch ``i``'s tower (0 when it was this rank)."""
+        return self._feature_source.get(i, 0)
 
     def _data_for(self, stage: int, i: int) -> dict[str, torch.Tensor]:
         key = (T.DATA_RECV, stage, i)
