@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from hp_pipeline import (
+    MetaStepType,
     PipelineStage,
     PipelineStepError,
     PPRankOwnedSampler,
@@ -31,6 +32,7 @@ from hp_pipeline import (
     mpipe_owned_micros,
     stages_on_rank,
 )
+from hp_pipeline.mpipe.runner import MPipeRunner
 from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler
 
@@ -165,8 +167,17 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in CASES])
-def test_mpipe_matches_single_process(rank, world_size, name):
+def test_mpipe_matches_single_process(rank, world_size, name, monkeypatch):
     case = CASES[name]
+    # [Note: early tower reduction]: record whether each REDUCE_P found its sum already posted.
+    found_posted: list[bool] = []
+    reduce_tower = MPipeRunner._reduce_tower
+
+    def recording(self: MPipeRunner) -> None:
+        found_posted.append(self._pending_reduce is not None)
+        reduce_tower(self)
+
+    monkeypatch.setattr(MPipeRunner, "_reduce_tower", recording)
     p, m, v = case.p, case.m, case.v
     num_stages = p * v
     tower, modules = build_model(num_stages, case.frozen)
@@ -266,6 +277,10 @@ def test_mpipe_matches_single_process(rank, world_size, name):
         for got, want in zip(my_tower.parameters(), ref_tower.parameters(), strict=True):
             close(got.detach(), want.detach(), f"step {step} tower param")
     schedule.check_tower_sync()
+    # One REDUCE_P per step with a trained tower; posted after the last PB wherever this rank has
+    # one and the backend does not run its operations in one queue.
+    has_pb = any(s.type is MetaStepType.PREPROCESS_BWD for s in schedule.order[rank])
+    assert found_posted == ([] if case.frozen else [has_pb and not coalescing] * STEPS * case.accumulate)
 
 
 @pytest.mark.distributed(world_size=2, timeout=60)
