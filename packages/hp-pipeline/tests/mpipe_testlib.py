@@ -1,4 +1,4 @@
-"""Shared pieces of the MPipe tests: a multimodal sample set and the two token losses.
+"""Shared pieces of the MPipe tests: a multimodal sample set, the two token losses, the schedule.
 
 Test files put this folder on ``sys.path`` and import it (plain Python, so each
 rank process imports it the same way). The models differ per test file on
@@ -8,7 +8,10 @@ data and the losses do not.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from hp_pipeline import PipelineStage, ScheduleMPipe
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -55,3 +58,27 @@ class Samples(Dataset):
 
     def __getitem__(self, j: int) -> dict[str, torch.Tensor]:
         return {"pixel_values": self.pixels[j], "input_ids": self.ids[j], "labels": self.labels[j]}
+
+
+def schedule_for(
+    case: Any, stages: list[PipelineStage], tower: nn.Module, m: int, **extra: Any
+) -> ScheduleMPipe:
+    """The ``ScheduleMPipe`` a test case describes (its loss, bases, modes), tower sync checked each step.
+
+    ``case`` has ``tokens``, ``owner_backward``, ``mode``, ``loading`` and
+    ``base``; ``extra`` adds what only one test file sets (``batched_recv``,
+    ``dp_group``).
+    """
+    return ScheduleMPipe(
+        stages if len(stages) > 1 else stages[0],
+        m,
+        preprocess=tower,
+        loss_fn=token_sum if case.tokens else token_mean,
+        owner_backward=case.owner_backward,
+        overflow_mode=case.mode,
+        in_schedule_loading=case.loading,
+        normalize_by_tokens=case.tokens,
+        check_tower_sync=True,
+        base=case.base,
+        **extra,
+    )

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mpipe_testlib import Samples, token_mean, token_sum
+from mpipe_testlib import Samples, schedule_for, token_mean, token_sum
 
 RTOL, ATOL = 1e-7, 1e-9
 D, PIX, NIMG, SEQ, VOCAB, MBS, STEPS = 8, 6, 2, 5, 13, 2, 5
@@ -189,19 +189,7 @@ def test_mpipe_matches_single_process(rank, world_size, name, monkeypatch):
             for param in my_tower.parameters():
                 param.add_(0.5)
     stages = [PipelineStage(copy.deepcopy(modules[s]), s, num_stages) for s in mine]
-    schedule = ScheduleMPipe(
-        stages if v > 1 else stages[0],
-        m,
-        preprocess=my_tower,
-        loss_fn=token_sum if case.tokens else token_mean,
-        owner_backward=case.owner_backward,
-        overflow_mode=case.mode,  # type: ignore[arg-type]
-        batched_recv=case.batched,
-        in_schedule_loading=case.loading,
-        normalize_by_tokens=case.tokens,
-        check_tower_sync=True,
-        base=case.base,
-    )
+    schedule = schedule_for(case, stages, my_tower, m, batched_recv=case.batched)
     coalescing = hp_core.capabilities_for(schedule.group or dist.group.WORLD).backend != "gloo"
     if p > 1 and 0 in mine and case.batched:
         # [Note: MPipe receive posting]: batched on gloo, list order where batches coalesce.

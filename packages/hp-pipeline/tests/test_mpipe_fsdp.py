@@ -25,12 +25,12 @@ import pytest
 import torch
 from hp_dtensor import DTensor
 from hp_fsdp import FSDPModule, fully_shard
-from hp_pipeline import PipelineStage, PPRankOwnedSampler, ScheduleMPipe, mpipe_owned_micros, stages_on_rank
+from hp_pipeline import PipelineStage, PPRankOwnedSampler, mpipe_owned_micros, stages_on_rank
 from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, Subset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mpipe_testlib import Samples, token_mean, token_sum
+from mpipe_testlib import Samples, schedule_for, token_mean, token_sum
 
 PP, DP = 2, 2
 D, PIX, NIMG, SEQ, VOCAB, MBS, STEPS = 6, 5, 2, 4, 11, 2, 5
@@ -144,19 +144,7 @@ def test_mpipe_fsdp_2x2_matches_single_process(
         fully_shard(modules[s], mesh=mesh["dp"])
         assert isinstance(modules[s], FSDPModule)
         stages.append(PipelineStage(modules[s], s, num_stages, group=pp_group))
-    schedule = ScheduleMPipe(
-        stages if v > 1 else stages[0],
-        m,
-        preprocess=my_tower,
-        loss_fn=token_sum if case.tokens else token_mean,
-        owner_backward=case.owner_backward,
-        overflow_mode=case.mode,  # type: ignore[arg-type]
-        in_schedule_loading=case.loading,
-        normalize_by_tokens=case.tokens,
-        check_tower_sync=True,
-        base=case.base,
-        dp_group=dp_group,
-    )
+    schedule = schedule_for(case, stages, my_tower, m, dp_group=dp_group)
     assert any(step.type.is_fsdp for step in schedule.order[pp_rank]), "no FSDP steps were inserted"
     stage_params = [p for s in local for p in modules[s].parameters()]
     assert all(isinstance(p, DTensor) for p in stage_params)
