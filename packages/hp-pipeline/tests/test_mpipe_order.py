@@ -358,9 +358,8 @@ def test_placement_fills_the_owners_idle_slots(base, p, m, before, after) -> Non
     placed = simulate(mpipe_order(p, m, base=base), PLACEMENT_COSTS).makespan
     assert (first, placed) == (before, after)
     row = [s for s in mpipe_order(p, m, base=base)[1] if not s.type.is_comm]
-    tail = row[
-        row.index(max((s for s in row if s.type in (T.BWD, T.BWD_INPUT, T.BWD_WEIGHT)), key=row.index)) :
-    ]
+    last_pipeline_backward = max(k for k, s in enumerate(row) if s.type in (T.BWD, T.BWD_INPUT, T.BWD_WEIGHT))
+    tail = row[last_pipeline_backward:]
     owned = [s for s in row if s.type is T.PREPROCESS_BWD]
     assert len([s for s in tail if s.type is T.PREPROCESS_BWD]) < len(
         owned
