@@ -191,7 +191,7 @@ class MPipeRunner(StepRunner):
     def _reset(self) -> None:
         super()._reset()
         self._pending_reduce: Any = None
-        self.local_tokens = 0
+        self.local_tokens: int | torch.Tensor = 0
         self._data: dict[int, dict[str, torch.Tensor]] = {}
         self._tower_in: dict[int, tuple[torch.Tensor, ...]] = {}
         self._tower_out: dict[int, tuple[torch.Tensor, ...]] = {}  # detached outputs
@@ -297,7 +297,9 @@ class MPipeRunner(StepRunner):
         data = {k: batch[k].to(self.device) for k in sorted(needed)}
         self._check_same("the loaded data", i, list(data.values()))
         self._data[i] = data
-        self.local_tokens += int((data[self.target_key] != self.ignore_index).sum().item())
+        # Kept as a tensor where the loader's labels live: reading the count here would stall a
+        # GPU rank once per micro-batch; the token normalisation reads the step's sum once.
+        self.local_tokens = self.local_tokens + (batch[self.target_key] != self.ignore_index).sum()
 
     def _tower_args(self, i: int) -> tuple[Any, ...]:
         if i in self._data:

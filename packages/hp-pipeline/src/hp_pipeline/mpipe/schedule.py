@@ -376,18 +376,20 @@ class ScheduleMPipe(PipelineSchedule):
         """[Note: token-normalised loss]."""
         from hp_core import all_reduce
 
+        # Summed without reading a device value per micro-batch; the one read is below.
+        local: int | torch.Tensor
         if self.in_schedule_loading:
             local = runner.local_tokens
         else:
-            local = sum(int((t != self.ignore_index).sum().item()) for t in targets or ())
+            local = sum(((t != self.ignore_index).sum() for t in targets or ()), start=0)
         device = next(iter(self._stages.values())).device
-        count = torch.tensor([local], dtype=torch.int64, device=device)
+        count = torch.zeros(1, dtype=torch.int64, device=device).add_(local)
         all_reduce(count, "sum", self.group)
         if self.dp_group is not None:
             all_reduce(count, "sum", self.dp_group)
         self.last_token_count = int(count.item())
         # [Note: MPipe with data parallelism]: the dp average then divides by dp once more.
-        total = max(int(count.item()), 1) / self.dp_size
+        total = max(self.last_token_count, 1) / self.dp_size
         with torch.no_grad():
             for params, starts in ((stage_params, stage_start), (tower_params, tower_start)):
                 for p, start in zip(params, starts, strict=True):
