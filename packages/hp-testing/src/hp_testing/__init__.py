@@ -20,6 +20,7 @@ from hp_testing._sidechannel import (  # noqa: E402
     PeerFailedError,
     UnmatchedError,
 )
+from hp_testing.collectives import CollectiveLog, CollectiveRecord, record_collectives  # noqa: E402
 from hp_testing.fixtures import DeviceMeshFactory  # noqa: E402
 from hp_testing.pool import Outcome, PoolError, WorkerPool  # noqa: E402
 from hp_testing.profiles import BackendRuleError  # noqa: E402
@@ -27,7 +28,9 @@ from hp_testing.profiles import BackendRuleError  # noqa: E402
 __all__ = [
     "AsyncHazardError",
     "BackendRuleError",
+    "CollectiveLog",
     "CollectiveMismatchError",
+    "CollectiveRecord",
     "DeadlockError",
     "DeviceMeshFactory",
     "DroppedMessageError",
@@ -39,4 +42,5 @@ __all__ = [
     "WorkerPool",
     "__version__",
     "faults",
+    "record_collectives",
 ]
