@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import hp_core.collectives as hc
 import pytest
 import torch
 from hp_dtensor import DTensor, Replicate, Shard, distribute_tensor
 from hp_dtensor.ops import dispatch as D
+from hp_testing import record_collectives
 
 aten = torch.ops.aten
 
@@ -92,20 +92,11 @@ def test_redistribute_cache_and_autograd(rank, device_mesh_factory) -> None:  # 
     torch.manual_seed(1)
     t = torch.randn(6, 5)
     dt = distribute_tensor(t, mesh, [Shard(0), Shard(1)])
-    counts: dict[str, int] = {}
-    saved = hc.all_gather_into_tensor
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        counts["all_gather"] = counts.get("all_gather", 0) + 1
-        return saved(*args, **kwargs)
-
-    hc.all_gather_into_tensor = counted  # type: ignore[assignment]
-    try:
+    with record_collectives() as log:
         first = dt.redistribute(placements=[Replicate(), Replicate()])
         second = dt.redistribute(placements=[Replicate(), Replicate()])
-    finally:
-        hc.all_gather_into_tensor = saved  # type: ignore[assignment]
-    assert counts == {"all_gather": 4}, counts  # two gathers per call, both calls communicate
+    # two gathers per call, both calls communicate
+    assert log.counts() == {"all_gather_into_tensor": 4}, log.counts()
     assert first._layout is second._layout  # the cached program hands out the same layout
     assert first.grad_fn is None and not first.requires_grad  # no autograd Function without grads
     torch.testing.assert_close(second.to_local(), t)

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hp_dtensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-
-sys.path.insert(0, str(Path(__file__).parent))
-from dtensor_testlib import count_collectives
+from hp_testing import record_collectives
 
 
 def check(
@@ -40,8 +36,9 @@ def check(
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a dedicated rule, never the replicated fallback
-        with count_collectives() as counts:
+        with record_collectives() as log:
             out = fn(*dts)
+        counts = log.counts()
         assert isinstance(out, DTensor), type(out)
         if forward_collectives is not None:
             assert dict(counts) == forward_collectives, f"forward issued {dict(counts)}"
@@ -249,8 +246,9 @@ def test_rowwise_embedding_backward_is_local(rank, device_mesh_factory) -> None:
         (F.embedding(ids, full, **options) * weights).sum().backward()
         dt = distribute_tensor(table.clone().requires_grad_(True), mesh, list(placements))
         out = F.embedding(ids, dt, **options)
-        with count_collectives() as counts:
+        with record_collectives() as log:
             (out.full_tensor() * weights).sum().backward()
+        counts = log.counts()
         grad = dt.grad
         assert isinstance(grad, DTensor)
         assert grad.placements == grad_placements, (options, grad.placements)
@@ -293,9 +291,10 @@ def test_max_min_and_rms_norm(rank, device_mesh_factory) -> None:  # type: ignor
                 ([Shard(0), Shard(1)], grid),
             ):
                 dt = distribute_tensor(x, mesh, placements)
-                with warnings.catch_warnings(), count_collectives() as counts:
+                with warnings.catch_warnings(), record_collectives() as log:
                     warnings.simplefilter("error")
                     values, indices = reduce(dt, dim)
+                counts = log.counts()
                 if placements == [Shard(dim)]:  # one all-reduce for the values, one for the indices
                     assert dict(counts) == {"all_reduce": 2}, dict(counts)
                     assert values.placements == indices.placements == (Replicate(),)

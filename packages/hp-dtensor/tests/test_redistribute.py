@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hp_dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, explain_redistribute
-
-sys.path.insert(0, str(Path(__file__).parent))
-from dtensor_testlib import count_collectives
+from hp_testing import record_collectives
 
 PLACEMENTS = [Shard(0), Shard(1), Replicate(), Partial("sum"), Partial("avg"), Partial("max")]
 
@@ -72,8 +68,9 @@ def test_every_pair_on_a_1d_mesh(rank, device_mesh_factory) -> None:  # type: ig
         for src, dst in itertools.product(PLACEMENTS, PLACEMENTS):
             dt = _make(full, mesh, [src], rank)
             torch.testing.assert_close(dt.full_tensor(), full, msg=f"{src} source wrong")
-            with count_collectives() as counts:
+            with record_collectives() as log:
                 out = dt.redistribute(placements=[dst])
+            counts = log.counts()
             assert out.placements == (dst,)
             assert dict(counts) == _expected_1d(src, dst), f"{src}->{dst} {shape}: {dict(counts)}"
             torch.testing.assert_close(out.full_tensor(), full, msg=f"{src}->{dst} {shape}")
@@ -94,8 +91,9 @@ def test_every_pair_on_a_2x2_mesh(rank, device_mesh_factory) -> None:  # type: i
         for src in pairs:
             dt = _make(full, mesh, list(src), rank)
             for dst in pairs:
-                with count_collectives() as counts:
+                with record_collectives() as log:
                     out = dt.redistribute(placements=list(dst))
+                counts = log.counts()
                 torch.testing.assert_close(out.full_tensor(), full, msg=f"{src}->{dst} {shape}")
                 plan = explain_redistribute(dt, list(dst))
                 assert sum(counts.values()) == plan.num_collectives, f"{src}->{dst}: {dict(counts)} {plan}"
@@ -140,7 +138,7 @@ def test_ragged_from_local(rank, device_mesh_factory) -> None:  # type: ignore[n
 def test_bad_input_raises_before_communicating(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     t = torch.ones(4, 2)
-    with count_collectives() as counts:
+    with record_collectives() as log:
         with pytest.raises(ValueError, match=r"2 placement.*1-D mesh"):
             distribute_tensor(t, mesh, [Shard(0), Replicate()])
         with pytest.raises(ValueError, match=r"Shard\(2\) is out of range for a 2-D"):
@@ -150,7 +148,7 @@ def test_bad_input_raises_before_communicating(rank, device_mesh_factory) -> Non
         dt = DTensor.from_local(t, mesh, [Shard(0)])
         with pytest.raises(ValueError, match=r"2 placement.*1-D mesh"):
             dt.redistribute(placements=[Replicate(), Replicate()])
-    assert sum(counts.values()) == 0
+    assert len(log) == 0, list(log)
     with pytest.raises(ValueError, match="local shapes"):
         DTensor.from_local(torch.ones(2 + rank, 2), mesh, [Shard(0)], shape=(4, 2))
     with pytest.raises(ValueError, match=r"not sharded"):
