@@ -10,13 +10,14 @@ import contextlib
 import copy
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import hp_core.collectives as hc
 import torch
 import torch.nn.functional as F
 from hp_dtensor import DTensor
+from hp_testing import CollectiveLog, record_collectives
 from torch import nn
 
 VOCAB = 13  # uneven over 2 and 4 ranks on purpose
@@ -234,51 +235,36 @@ def ref_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
-@dataclass
-class Counter:
-    """Collectives issued through hp_core, per kind, and bytes per all-gather call."""
+# FSDP's collectives under the short names the tests compare.
+KINDS = {
+    "all_gather": "all_gather_into_tensor",
+    "reduce_scatter": "reduce_scatter_tensor",
+    "all_reduce": "all_reduce",
+}
 
-    calls: dict[str, int] = field(
-        default_factory=lambda: {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    )
-    gather_bytes: list[int] = field(default_factory=list)
+
+class FSDPCalls:
+    """A view of a :func:`hp_testing.record_collectives` log: calls per kind, bytes per all-gather."""
+
+    def __init__(self, log: CollectiveLog) -> None:
+        self.log = log
+
+    @property
+    def calls(self) -> dict[str, int]:
+        return {kind: self.log.count(name) for kind, name in KINDS.items()}
+
+    @property
+    def gather_bytes(self) -> list[int]:
+        """The output (all ranks' pieces) of each all-gather, in bytes."""
+        return [r.nbytes for r in self.log.of("all_gather_into_tensor")]
 
     def reset(self) -> None:
         """Start counting from zero."""
-        for key in self.calls:
-            self.calls[key] = 0
-        self.gather_bytes.clear()
+        self.log.clear()
 
 
 @contextlib.contextmanager
-def count_collectives() -> Iterator[Counter]:
-    """Patch hp_core's collectives with counting wrappers (hp_fsdp calls them through the module)."""
-    counter = Counter()
-    originals = {
-        "all_gather_into_tensor": hc.all_gather_into_tensor,
-        "reduce_scatter_tensor": hc.reduce_scatter_tensor,
-        "all_reduce": hc.all_reduce,
-    }
-
-    def gather(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        counter.calls["all_gather"] += 1
-        counter.gather_bytes.append(output.numel() * output.element_size())
-        return originals["all_gather_into_tensor"](output, input, *args, **kwargs)
-
-    def scatter(*args: Any, **kwargs: Any) -> Any:
-        counter.calls["reduce_scatter"] += 1
-        return originals["reduce_scatter_tensor"](*args, **kwargs)
-
-    def reduce(*args: Any, **kwargs: Any) -> Any:
-        counter.calls["all_reduce"] += 1
-        return originals["all_reduce"](*args, **kwargs)
-
-    hc.all_gather_into_tensor = gather  # type: ignore[assignment]
-    hc.reduce_scatter_tensor = scatter  # type: ignore[assignment]
-    hc.all_reduce = reduce  # type: ignore[assignment]
-    try:
-        yield counter
-    finally:
-        hc.all_gather_into_tensor = originals["all_gather_into_tensor"]  # type: ignore[assignment]
-        hc.reduce_scatter_tensor = originals["reduce_scatter_tensor"]  # type: ignore[assignment]
-        hc.all_reduce = originals["all_reduce"]  # type: ignore[assignment]
+def count_collectives() -> Iterator[FSDPCalls]:
+    """Record the collectives hp_fsdp issues through hp_core inside the block."""
+    with record_collectives() as log:
+        yield FSDPCalls(log)
