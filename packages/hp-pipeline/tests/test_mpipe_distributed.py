@@ -33,6 +33,7 @@ from hp_pipeline import (
     stages_on_rank,
 )
 from hp_pipeline.mpipe.runner import MPipeRunner
+from hp_testing import record_collectives
 from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler
 
@@ -209,6 +210,17 @@ def test_mpipe_matches_single_process(rank, world_size, name, monkeypatch):
         )
         it = iter(DataLoader(data, batch_size=MBS, sampler=sampler))
     has_last = num_stages - 1 in mine
+    # Per step() on every rank, all on the pipeline group: the sync check's max and min of the
+    # tower, the tower-gradient sum ([Note: tower gradient reduction]: one float64 buffer with a
+    # flag per parameter), the token count, and on NCCL/HCCL the failure vote.
+    numel, n_params = sum(q.numel() for q in my_tower.parameters()), len(list(my_tower.parameters()))
+    group_ranks = tuple(range(p))
+    expected_collectives = sorted(
+        [("all_reduce", group_ranks, numel * 8)] * 2
+        + [("all_reduce", group_ranks, (numel + n_params) * 8)] * int(not case.frozen)
+        + [("all_reduce", group_ranks, 8)] * int(case.tokens)
+        + [("all_reduce", group_ranks, 4)] * int(coalescing)
+    )
     calls = 0
     for step in range(STEPS):
         opt.zero_grad()
@@ -234,10 +246,12 @@ def test_mpipe_matches_single_process(rank, world_size, name, monkeypatch):
                 ]
                 (torch.stack(micro).sum() / m).backward()
                 ref_losses += [x.detach() for x in micro]
-            if case.loading:
-                schedule.step(data=it, losses=losses)
-            else:
-                schedule.step(ids, target=labels, losses=losses, preprocess_inputs=pixels)
+            with record_collectives() as log:
+                if case.loading:
+                    schedule.step(data=it, losses=losses)
+                else:
+                    schedule.step(ids, target=labels, losses=losses, preprocess_inputs=pixels)
+            assert sorted((r.name, r.group_ranks, r.nbytes) for r in log) == expected_collectives, list(log)
         if has_last:
             assert len(losses) == m * case.accumulate
             for i, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):

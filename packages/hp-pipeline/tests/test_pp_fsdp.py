@@ -17,12 +17,9 @@ parameters survive every micro-batch's backward because the executor turns off
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from typing import Any
 
-import hp_core.collectives as hc
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,6 +34,7 @@ from hp_pipeline import (
     ScheduleZeroBubble,
     stages_on_rank,
 )
+from hp_testing import record_collectives
 from torch import nn
 
 PP, DP = 2, 2
@@ -90,32 +88,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-@contextlib.contextmanager
-def count_collectives() -> Iterator[dict[str, list[Any]]]:
-    """Record the group of every reduce-scatter and all-gather hp-fsdp issues (it calls hp_core's)."""
-    group_position = {"reduce_scatter_tensor": 3, "all_gather_into_tensor": 2}  # hp_core's signatures
-    seen: dict[str, list[Any]] = {name: [] for name in group_position}
-    originals = {name: getattr(hc, name) for name in seen}
-
-    def counting(name: str) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            pos = group_position[name]
-            seen[name].append(
-                kwargs["group"] if "group" in kwargs else args[pos] if len(args) > pos else None
-            )
-            return originals[name](*args, **kwargs)
-
-        return wrapper
-
-    for name in seen:
-        setattr(hc, name, counting(name))
-    try:
-        yield seen
-    finally:
-        for name, original in originals.items():
-            setattr(hc, name, original)
-
-
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
@@ -158,20 +130,21 @@ def test_pp_fsdp_2x2_matches_single_process(
         ref_loss.backward()
 
         losses: list[torch.Tensor] = []
-        with count_collectives() as issued:
+        with record_collectives() as log:
             out = schedule.step(
                 *((x[mine],) if has_first else ()), target=y[mine] if has_last else None, losses=losses
             )
         # [Note: FSDP protocol]: one reduce-scatter (REDUCE_GRAD) and one all-gather (UNSHARD) per
         # stage and step, on the stage's dp group, however many micro-batches ran.
-        dp_ranks = dist.get_process_group_ranks(dp_group)
-        for name, groups in issued.items():
-            assert len(groups) == len(local), (
-                f"step {step}: rank {rank} issued {len(groups)} {name} for stages {local} over {m} "
+        dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
+        for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+            issued = log.of(name)
+            assert len(issued) == len(local), (
+                f"step {step}: rank {rank} issued {len(issued)} {name} for stages {local} over {m} "
                 f"micro-batches; expected {len(local)} (one per stage per step)"
             )
-            assert all(dist.get_process_group_ranks(g) == dp_ranks for g in groups), (
-                f"step {step}: a {name} ran outside this rank's dp group {dp_ranks}"
+            assert all(r.group_ranks == dp_ranks for r in issued), (
+                f"step {step}: a {name} ran outside this rank's dp group {dp_ranks}: {issued}"
             )
 
         if has_last:
