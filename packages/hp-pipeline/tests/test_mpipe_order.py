@@ -26,7 +26,7 @@ from hp_pipeline import (
     strip_mpipe,
     validate_order,
 )
-from hp_pipeline.mpipe import mpipe_receives_lead
+from hp_pipeline.mpipe import PLACEMENT_COSTS, mpipe_receives_lead
 from torch.utils.data import RandomSampler, SequentialSampler
 
 T = MetaStepType
@@ -298,7 +298,8 @@ def test_simulate_spreads_the_tower_over_the_ranks() -> None:
 
 # -- tower backward placement ---------------------------------------------------------------
 
-PLACEMENT_COSTS = StepCosts(forward=1, backward=2, preprocess_forward=1, preprocess_backward=2)
+# The simulator's unit costs (the tower costs one text stage, free transfers), for readable figures.
+UNIT = StepCosts(forward=1, backward=2, preprocess_forward=1, preprocess_backward=2)
 
 
 @pytest.mark.parametrize(
@@ -312,58 +313,88 @@ PLACEMENT_COSTS = StepCosts(forward=1, backward=2, preprocess_forward=1, preproc
 )
 @pytest.mark.parametrize("owner", [True, False])
 @pytest.mark.parametrize("mode", ["full", "min"])
-def test_placement_never_lengthens_the_step(base, p, m, owner, mode) -> None:
-    """[Note: tower backward placement]: each PB's slot is the best found, so the step never grows."""
-    options = dict(overflow_mode=mode, owner_backward=owner, base=base)
+@pytest.mark.parametrize("load", [False, True])
+def test_placement_never_lengthens_the_step(base, p, m, owner, mode, load) -> None:
+    """[Note: tower backward placement], [Note: tower forward placement]: each PB and PF goes to
+    the best slot found, so the step simulated with the placement's costs never grows, and the
+    forward pass, which runs second, never undoes what the backward pass gained."""
+    options = dict(overflow_mode=mode, owner_backward=owner, base=base, load_data=load)
     placed = mpipe_order(p, m, **options)  # type: ignore[arg-type]
-    first = mpipe_order(p, m, place_backward=False, **options)  # type: ignore[arg-type]
-    assert simulate(placed, PLACEMENT_COSTS).makespan <= simulate(first, PLACEMENT_COSTS).makespan
-    # Only PB moved: the same steps per rank, and each PB after its home stage's input gradient.
+    backward_only = mpipe_order(p, m, place_forward=False, **options)  # type: ignore[arg-type]
+    first = mpipe_order(p, m, place_forward=False, place_backward=False, **options)  # type: ignore[arg-type]
+    spans = [simulate(o, PLACEMENT_COSTS).makespan for o in (placed, backward_only, first)]
+    assert spans[0] <= spans[1] <= spans[2], spans
+    # Only PF and PB moved: the same steps per rank, everything else in the base's order.
+    tower = (T.PREPROCESS_BWD, T.PREPROCESS_FWD)
     for r in placed:
         assert Counter(placed[r]) == Counter(first[r])
         compute = [s for s in placed[r] if not s.type.is_comm]
-        assert [s for s in compute if s.type is not T.PREPROCESS_BWD] == [
-            s for s in first[r] if not s.type.is_comm and s.type is not T.PREPROCESS_BWD
+        assert [s for s in compute if s.type not in tower] == [
+            s for s in first[r] if not s.type.is_comm and s.type not in tower
         ]
-        for k, s in enumerate(compute):
-            if s.type is T.PREPROCESS_BWD:
-                grads = [
-                    j
-                    for j, x in enumerate(compute)
-                    if x.type in (T.BWD, T.BWD_INPUT)
-                    and x.micro_index == s.micro_index
-                    and x.stage_index == s.stage_index
+        where = {s: k for k, s in enumerate(compute)}
+        for s in compute:
+            i = s.micro_index
+            if s.type is T.PREPROCESS_BWD:  # after its home stage's input gradient
+                grad = [
+                    x
+                    for x in compute
+                    if x.type in (T.BWD, T.BWD_INPUT) and (x.micro_index, x.stage_index) == (i, s.stage_index)
                 ]
-                assert grads and grads[0] < k
+                assert grad and where[grad[0]] < where[s]
+            if s.type is T.PREPROCESS_FWD:  # after its load, before what reads it on this rank
+                if load:
+                    assert where[MetaStep(i, T.DATA_LOAD, s.stage_index)] < where[s]
+                readers = [
+                    x
+                    for x in compute
+                    if x.micro_index == i
+                    and (x.type is T.PREPROCESS_BWD or (x.type is T.FWD and x.stage_index == 0))
+                ]
+                assert all(where[s] < where[x] for x in readers)
+    # Stage 0's rank still receives the features before anything else from each peer.
+    peer_of = {
+        st: stage_to_rank(st, p, style="v" if base == "zbv" else "loop")
+        for st in range(p * (2 if base in ("zbv", "interleaved") else 1))
+    }
+    assert mpipe_receives_lead(placed[0], peer_of)
 
 
 @pytest.mark.parametrize(
-    "base, p, m, before, after",
+    "base, p, m, unplaced, backward, both",
     [
-        ("1f1b", 2, 8, 43, 38),
-        ("1f1b", 4, 16, 73, 68),
-        ("zb-h1", 4, 16, 69, 64),
-        ("zbv", 2, 8, 69, 61),
-        ("zb-h1", 8, 64, 237, 224),
+        ("1f1b", 2, 8, 43, 38, 37),
+        ("1f1b", 4, 16, 73, 67, 64),
+        ("1f1b", 4, 32, 141, 127, 124),
+        ("interleaved", 4, 16, 116, 113, 111),
+        ("zb-h1", 4, 16, 69, 64, 61),
+        ("zb-h1", 8, 64, 237, 224, 217),
+        ("zbv", 2, 8, 69, 61, 61),
     ],
 )
-def test_placement_fills_the_owners_idle_slots(base, p, m, before, after) -> None:
-    """Owners' PBs in the steady state instead of a tail: the simulated step shrinks by these figures.
+def test_placement_fills_the_owners_idle_slots(base, p, m, unplaced, backward, both) -> None:
+    """PBs in the owners' steady state instead of a tail, PFs out of the step's start: these figures.
 
-    The figures are the simulator's makespans (F = PF = 1, B = PB = 2) of the
-    same order with the PBs at the end of the owners' lists and after the
-    placement; they are checked exactly, so a weaker placement fails here.
+    The figures are the simulator's makespans with unit costs (F = PF = 1,
+    B = PB = 2, free transfers) of the same order with the tower's steps
+    where they first go (every PF at the start of its owner's list, every PB
+    at the end), with the PBs placed, and with the PFs placed too; they are
+    checked exactly, so a weaker placement fails here.
     """
-    first = simulate(mpipe_order(p, m, base=base, place_backward=False), PLACEMENT_COSTS).makespan
-    placed = simulate(mpipe_order(p, m, base=base), PLACEMENT_COSTS).makespan
-    assert (first, placed) == (before, after)
-    row = [s for s in mpipe_order(p, m, base=base)[1] if not s.type.is_comm]
+    orders = [
+        mpipe_order(p, m, base=base, place_forward=False, place_backward=False),
+        mpipe_order(p, m, base=base, place_forward=False),
+        mpipe_order(p, m, base=base),
+    ]
+    assert [simulate(o, UNIT).makespan for o in orders] == [unplaced, backward, both]
+    row = [s for s in orders[2][1] if not s.type.is_comm]
     last_pipeline_backward = max(k for k, s in enumerate(row) if s.type in (T.BWD, T.BWD_INPUT, T.BWD_WEIGHT))
     tail = row[last_pipeline_backward:]
     owned = [s for s in row if s.type is T.PREPROCESS_BWD]
-    assert len([s for s in tail if s.type is T.PREPROCESS_BWD]) < len(
-        owned
-    )  # some moved into the steady state
+    assert len([s for s in tail if s.type is T.PREPROCESS_BWD]) < len(owned)  # some in the steady state
+    row0 = [s for s in orders[2][0] if not s.type.is_comm]
+    first_forward = row0.index(MetaStep(0, T.FWD, 0))
+    assert any(s.type is T.PREPROCESS_FWD for s in row0[first_forward:])  # some after the first forward
 
 
 # -- the sampler -----------------------------------------------------------------------------

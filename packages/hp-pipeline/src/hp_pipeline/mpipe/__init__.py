@@ -2,7 +2,7 @@
 
 * :mod:`~hp_pipeline.mpipe.ownership`: which rank owns which micro-batch;
 * :mod:`~hp_pipeline.mpipe.order`: the MPipe order over 1F1B, interleaved 1F1B, ZB-H1 or ZB-V;
-* :mod:`~hp_pipeline.mpipe.placement`: where each owner runs the tower's backward;
+* :mod:`~hp_pipeline.mpipe.placement`: where each owner runs the tower's forward and backward;
 * :mod:`~hp_pipeline.mpipe.runner`: how the MPipe steps run;
 * :mod:`~hp_pipeline.mpipe.schedule`: :class:`ScheduleMPipe`;
 * :mod:`~hp_pipeline.mpipe.sampler`: :class:`PPRankOwnedSampler`.
@@ -18,12 +18,13 @@ from hp_pipeline.mpipe.order import (
     strip_mpipe,
 )
 from hp_pipeline.mpipe.ownership import OverflowMode, mpipe_owned_micros, mpipe_owner
-from hp_pipeline.mpipe.placement import place_tower_backward
+from hp_pipeline.mpipe.placement import PLACEMENT_COSTS, place_tower_backward, place_tower_forward
 from hp_pipeline.mpipe.sampler import PPRankOwnedSampler
 from hp_pipeline.mpipe.schedule import ScheduleMPipe
 
 __all__ = [
     "MPIPE_BASES",
+    "PLACEMENT_COSTS",
     "MPipeBase",
     "OverflowMode",
     "PPRankOwnedSampler",
@@ -35,5 +36,6 @@ __all__ = [
     "mpipe_owner",
     "mpipe_receives_lead",
     "place_tower_backward",
+    "place_tower_forward",
     "strip_mpipe",
 ]

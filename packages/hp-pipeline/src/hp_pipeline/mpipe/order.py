@@ -10,8 +10,12 @@ and ships the features to stage 0. For each micro-batch ``i`` owned by rank
 
 * ``oLOADi`` (in-schedule loading only): rank ``r`` reads micro-batch ``i``;
   the tensors stage 0 and the last stage need go to them (``SEND_D``/``RECV_D``);
-* ``oPFi``: the tower's forward, at the start of rank ``r``'s list, so the
-  tower's work fills the warm-up bubble of the ranks below stage 0;
+* ``oPFi``: the tower's forward, first at the start of rank ``r``'s list,
+  where the tower's work fills the warm-up bubble of the ranks below stage 0;
+  then each ``PF`` moves to the slot where it shortens the step most
+  ([Note: tower forward placement] in :mod:`hp_pipeline.mpipe.placement`):
+  stage 0's rank, for one, runs most of its own ``PF`` in its warm-up wait
+  for the first gradient instead of before its first forward;
 * ``oSEND_Pi->0`` / ``0RECV_Pi<-o``: the features, before stage 0's ``0Fi``;
 * ``oPBi``: the tower's backward. With the owner backward, stage 0 sends
   dL/dfeatures back (``0SEND_PGi->o`` / ``oRECV_PGi<-0``) and the owner
@@ -47,15 +51,18 @@ has 1F1B's bubble with ``m`` live micro-batches instead of ``p``, and MPipe
 would keep every owner's tower graphs alive just as long.
 
 [Note: MPipe receive posting]
-Every MPipe transfer into stage 0 (features and data) is sent from the start
-of its owner's list, before the owner's first step that depends on another
-rank. So on stage 0's rank these receives are the first receives from each
-peer in the step, and they can all be posted at once, in list order, at the
-start of the step, and each waited right before the forward that needs it:
-the owners send them without waiting for anything.
-:func:`mpipe_receives_lead` checks this property of an order.
+Every MPipe transfer into stage 0 (features and data) is sent before its
+owner's first pipeline step whose output goes to stage 0's rank: the data
+from the start of the owner's list, the features after a ``PF`` that the
+placement keeps ahead of that step ([Note: tower forward placement] in
+:mod:`hp_pipeline.mpipe.placement`). So on stage 0's rank these receives
+come before any other receive from each peer in the step, and they can all
+be posted at once, in list order, at the start of the step, and each waited
+right before the forward that needs it (never earlier than the list order
+would wait it). :func:`mpipe_receives_lead` checks this property of an
+order, and the executor batches only when it holds.
 
-This holds on gloo, where every operation progresses on its own. Backends
+This is safe on gloo, where every operation progresses on its own. Backends
 that coalesce (NCCL, HCCL) run a rank's ``batch_isend_irecv`` groups one after
 another, each until all its operations are matched ([Note: coalesced batches]
 in :mod:`hp_pipeline.executor`), so a group of receives posted first holds
@@ -83,7 +90,7 @@ from hp_pipeline.builders.placement import Style
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.ir import MetaStep, MetaStepType, Order
 from hp_pipeline.mpipe.ownership import OverflowMode, mpipe_owned_micros, mpipe_owner
-from hp_pipeline.mpipe.placement import place_tower_backward
+from hp_pipeline.mpipe.placement import place_tower_backward, place_tower_forward
 from hp_pipeline.validate import validate_order
 
 __all__ = [
@@ -162,6 +169,7 @@ def build_mpipe_order(
     tower_backward: bool = True,
     load_data: bool = False,
     base: str | None = None,
+    place_forward: bool = True,
     place_backward: bool = True,
 ) -> Order:
     """The compute-only MPipe order ([Note: MPipe steps]) over one of :data:`MPIPE_BASES`.
@@ -178,6 +186,9 @@ def build_mpipe_order(
         load_data: each owner loads its micro-batches (``LOAD`` before ``PF``).
         base: ``"1f1b"``, ``"interleaved"``, ``"zb-h1"`` or ``"zbv"``; ``None``
             picks 1F1B or interleaved by ``stages_per_rank`` ([Note: MPipe bases]).
+        place_forward: move each ``PF`` to the slot that shortens the simulated
+            step most ([Note: tower forward placement]); ``False`` keeps every
+            ``PF`` at the start of its owner's list.
         place_backward: move each ``PB`` to the slot that shortens the simulated
             step most ([Note: tower backward placement]); ``False`` keeps them
             where they are first put (after ``0Bi`` / ``0Ii`` on rank 0, at the
@@ -209,8 +220,12 @@ def build_mpipe_order(
                 out += [MetaStep(i, T.PREPROCESS_BWD, home) for i in owned]
             out.append(MetaStep(None, T.PREPROCESS_REDUCE, home))
         order[rank] = out
+    # Backward first: a forward pass never lengthens what it starts from, so the result is
+    # never worse than placing the backward alone ([Note: tower forward placement]).
     if tower_backward and place_backward:
         order = place_tower_backward(order)
+    if place_forward:
+        order = place_tower_forward(order)
     return order
 
 
@@ -224,6 +239,7 @@ def mpipe_order(
     tower_backward: bool = True,
     load_data: bool = False,
     base: str | None = None,
+    place_forward: bool = True,
     place_backward: bool = True,
 ) -> Order:
     """:func:`build_mpipe_order` with communication inserted and validated: what the schedule runs.
@@ -240,6 +256,7 @@ def mpipe_order(
         tower_backward=tower_backward,
         load_data=load_data,
         base=base,
+        place_forward=place_forward,
         place_backward=place_backward,
     )
     num_stages = num_ranks * mpipe_base_layout(base, stages_per_rank)[1]

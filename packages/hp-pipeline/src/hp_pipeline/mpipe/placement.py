@@ -1,4 +1,4 @@
-"""Where each owner runs the tower's backward: the slot that shortens the step most.
+"""Where each owner runs the tower's steps: the slot that shortens the step most.
 
 [Note: tower backward placement]
 With the owner backward, rank ``r`` can run ``PB`` of its micro-batch ``i``
@@ -15,21 +15,49 @@ in the order of the micro-batches, each to the slot of its rank's list where
 the simulated makespan is least, ties going to the earlier slot (the kept
 tower graph is freed sooner). The candidate slots come after the owner's own
 input gradient of that micro-batch (dL/dfeatures needs it first) and are
-those where the rank would otherwise wait (the simulated timeline without
-this ``PB`` says where), the end of the list, and the current slot, so no
-move makes the simulated step longer. Slots that would make the order stall
-are skipped. Trying only the idle slots is 10-20 times faster than trying
-every slot, and on the shapes we measured it was never worse, sometimes
-better (1F1B ``p=2, m=8``: 38 instead of 39; ZB-H1 ``p=8, m=64``: 224
-instead of 230): a greedy move into an idle slot leaves the busy stretches
-for the moves after it. The placement only moves ``PB``; stripping the
+those where the rank would otherwise wait at least as long as the step takes
+(the simulated timeline without this ``PB`` says where), the end of the
+list, and the current slot, so no move makes the simulated step longer.
+Slots that would make the order stall are skipped. Trying only the idle
+slots is 10-20 times faster than trying every slot, and on the shapes we
+measured it was never worse, sometimes better: a greedy move into an idle
+slot leaves the busy stretches for the moves after it. Waits shorter than
+the step are not tried: with transfer latency in the model nearly every
+receive is a short wait, and trying them all made the search about 4 times
+slower for no better result.
+
+[Note: tower forward placement]
+Each owner's ``PF`` first goes to the start of its list (with its ``LOAD``
+before it), which is always valid: the owners compute the features while
+stage 0's forwards have not started. But stage 0's rank owns micro-batches
+too, and doing all its ``PF`` before its first ``F`` delays the whole
+pipeline by ``m/p`` tower forwards, while later in the warm-up it waits
+idle for the first gradient to come back. :func:`place_tower_forward` moves
+each ``PF`` (after the backward pass, so it cannot undo what that gained) the
+same greedy way as the ``PB``: to the slot with the least simulated makespan
+among the waits it fits in and the latest slot it may take, ties to the
+earlier slot. A ``PF`` stays after its ``LOAD``, which does not move (the
+loader yields the micro-batches in the owner's order), and before what
+reads the tower's output on its rank: stage 0's forward of the micro-batch
+and the owner's ``PB``. On a rank other than stage 0's it also stays before
+the first pipeline step whose output goes to stage 0's rank, so stage 0's
+rank still receives every feature before anything else from that peer and
+can post those receives together ([Note: MPipe receive posting] in
+:mod:`hp_pipeline.mpipe.order`). Only ``PF`` and ``PB`` move: stripping the
 MPipe steps still gives the base order.
 
+[Note: placement costs]
 The simulation is the timing model of :func:`hp_pipeline.simulate` on the
 compute-only order (``[Note: timing model]``), with the dependencies computed
 once and integer costs, so one evaluation is a single pass over the steps.
-The tower is assumed to cost what one text stage costs (``PF = F``,
-``PB = B``), the case MPipe is for; other costs can be passed.
+:data:`PLACEMENT_COSTS` assumes the tower costs what one text stage costs
+(``PF = F``, ``PB = B``), the case MPipe is for, and a transfer a tenth of a
+forward. With free transfers most ``PF`` slots tie and the search keeps the
+start of the list; a small latency tells it that a feature made just in time
+arrives late, and on device-measured costs (one CPU core per rank, tower
+about one stage, a load about 0.7 ``F``, a transfer about 0.1 ``F``) the
+step it then finds is 2-4% shorter for 1F1B at ``p=4`` (``m=32`` and
+``m=16``). Other costs can be passed.
 """
 
 from __future__ import annotations
@@ -43,7 +71,7 @@ from hp_pipeline._deps import OrderView
 from hp_pipeline.ir import MetaStep, MetaStepType, Order
 from hp_pipeline.simulate import StepCosts
 
-__all__ = ["place_tower_backward"]
+__all__ = ["PLACEMENT_COSTS", "place_tower_backward", "place_tower_forward"]
 
 T = MetaStepType
 _INPUT_GRAD = (T.BWD, T.BWD_INPUT)
@@ -82,14 +110,14 @@ class _Timer:
         """
         return self._run(rows, beat, None)
 
-    def idle_before(self, rows: list[list[int]]) -> list[bool]:
-        """Per step number: whether its rank waits (is idle) right before the step starts."""
+    def idle_before(self, rows: list[list[int]], at_least: int) -> list[bool]:
+        """Per step number: whether its rank waits ``at_least`` or longer right before the step."""
         starts = [-1] * len(self.cost)
         self._run(rows, None, starts)
         idle = [False] * len(self.cost)
         for row in rows:
             for a, b in pairwise(row):
-                idle[b] = starts[b] > starts[a] + self.cost[a]
+                idle[b] = starts[b] - starts[a] - self.cost[a] >= max(at_least, 1)
         return idle
 
     def _run(self, rows: list[list[int]], beat: int | None, starts: list[int] | None) -> int | None:
@@ -130,52 +158,104 @@ class _Timer:
         return max(clock) if left == 0 else None
 
 
+#: The costs the placement simulates: the tower costs one text stage (``PF = F``, ``PB = B``) and a
+#: transfer a tenth of a forward ([Note: placement costs]).
+PLACEMENT_COSTS = StepCosts(
+    forward=1, backward=2, preprocess_forward=1, preprocess_backward=2, comm=Fraction(1, 10)
+)
+
+
+def place_tower_forward(order: Order, costs: StepCosts | None = None) -> Order:
+    """``order`` with each owner's ``PF`` moved to its best slot ([Note: tower forward placement]).
+
+    ``order`` is a compute-only MPipe order (no SEND/RECV) whose ``PF`` steps
+    may sit anywhere before their consumers; ``LOAD`` steps stay where they are.
+    ``costs`` defaults to :data:`PLACEMENT_COSTS`.
+    """
+    return _placed(order, costs, T.PREPROCESS_FWD)
+
+
 def place_tower_backward(order: Order, costs: StepCosts | None = None) -> Order:
     """``order`` with each owner's ``PB`` moved to its best slot ([Note: tower backward placement]).
 
     ``order`` is a compute-only MPipe order (no SEND/RECV); ``REDUCE_P`` stays
-    each rank's last step. ``costs`` defaults to a tower that costs one text
-    stage. Rank 0's ``PB`` steps move too: they may wait for an idle slot
-    rather than delay stage 0's next forward.
+    each rank's last step. ``costs`` defaults to :data:`PLACEMENT_COSTS`.
+    Rank 0's ``PB`` steps move too: they may wait for an idle slot rather than
+    delay stage 0's next forward.
     """
+    return _placed(order, costs, T.PREPROCESS_BWD)
+
+
+def _placed(order: Order, costs: StepCosts | None, kind: MetaStepType) -> Order:
     key = tuple((r, tuple(order[r])) for r in sorted(order))
-    return {r: list(row) for r, row in _place(key, costs or StepCosts())}
+    return {r: list(row) for r, row in _place(key, costs or PLACEMENT_COSTS, kind)}
+
+
+def _bounds(row: list[MetaStep], step: MetaStep, feeds_rank0: set[MetaStep]) -> tuple[int, int]:
+    """The slots of ``row`` (``step`` taken out) where ``step`` may go: ``[first, last]``.
+
+    A ``PB`` needs its home stage's input gradient of the micro-batch first
+    (dL/dfeatures comes from it) and may go as late as the end. A ``PF`` needs
+    its ``LOAD`` first and must precede what reads the tower's output on its
+    rank (stage 0's forward of the micro-batch, its ``PB``) and, on another
+    rank, the first pipeline step whose output goes to rank 0 (``feeds_rank0``),
+    so that stage 0's rank still receives the features before anything else
+    from that peer ([Note: MPipe receive posting]).
+    """
+    i = step.micro_index
+    if step.type is T.PREPROCESS_BWD:
+        own = next(
+            k
+            for k, s in enumerate(row)
+            if s.type in _INPUT_GRAD and s.micro_index == i and s.stage_index == step.stage_index
+        )
+        return own + 1, len(row)
+    load = [k for k, s in enumerate(row) if s.type is T.DATA_LOAD and s.micro_index == i]
+    readers = [
+        k
+        for k, s in enumerate(row)
+        if s in feeds_rank0
+        or (s.micro_index == i and ((s.type is T.FWD and s.stage_index == 0) or s.type is T.PREPROCESS_BWD))
+    ]
+    return (load[0] + 1 if load else 0), (readers[0] if readers else len(row))
 
 
 @lru_cache(maxsize=256)
 def _place(
-    key: tuple[tuple[int, tuple[MetaStep, ...]], ...], costs: StepCosts
+    key: tuple[tuple[int, tuple[MetaStep, ...]], ...], costs: StepCosts, kind: MetaStepType
 ) -> tuple[tuple[int, tuple[MetaStep, ...]], ...]:
-    """The placement of one order (memoised: every rank builds the same order, tests build many)."""
+    """One placement pass over the steps of ``kind`` (memoised: every rank builds the same order)."""
     order = dict(key)
     ranks = sorted(order)
     tails = {r: [s for s in order[r] if s.type is T.PREPROCESS_REDUCE] for r in ranks}
     steps = [[s for s in order[r] if s.type is not T.PREPROCESS_REDUCE] for r in ranks]
     timer = _Timer(steps, costs)
     number = timer.number
+    by_number = [s for row in steps for s in row]
     rows = [[number[s] for s in row] for row in steps]
     best = timer.makespan(rows)
     if best is None:  # not ours to fix: validate_order names the problem
         return key
+    # The pipeline steps of other ranks whose output rank 0 receives.
+    feeds_rank0 = {
+        by_number[x]
+        for n in rows[0]
+        for x in timer.inputs[n]
+        if by_number[x].type not in (T.PREPROCESS_FWD, T.DATA_LOAD)
+    }
     moves = sorted(
-        ((k, s) for k, row in enumerate(steps) for s in row if s.type is T.PREPROCESS_BWD),
+        ((k, s) for k, row in enumerate(steps) for s in row if s.type is kind),
         key=lambda ks: (ks[1].micro_index, ks[0]),
     )
-    for k, pb in moves:
-        row, n = rows[k], number[pb]
+    for k, moving in moves:
+        row, n = rows[k], number[moving]
         here = row.index(n)
         del row[here]
-        # dL/dfeatures needs the owner's own input gradient of the micro-batch (on its home
-        # stage, the one that names the PB) first: before it the owner would wait forever.
-        own = next(
-            s
-            for s in steps[k]
-            if s.type in _INPUT_GRAD and s.micro_index == pb.micro_index and s.stage_index == pb.stage_index
-        )
-        first = row.index(number[own]) + 1
-        # The candidates: slots where the rank would otherwise wait, and the end of its list.
-        idle = timer.idle_before(rows)
-        slots = [j for j in range(first, len(row)) if idle[row[j]]] + [len(row)]
+        first, last = _bounds([by_number[x] for x in row], moving, feeds_rank0)
+        # The candidates: slots where the rank would otherwise wait as long as the step takes (it
+        # fits there), the far bound, and the current slot.
+        idle = timer.idle_before(rows, timer.cost[n])
+        slots = [j for j in range(first, last) if idle[row[j]]] + [last]
         choice = here
         for j in slots:
             if j == here:
@@ -186,5 +266,4 @@ def _place(
             if t is not None and (t < best or (t == best and j < choice)):
                 choice, best = j, t
         row.insert(choice, n)
-    by_number = [s for row in steps for s in row]
     return tuple((r, (*(by_number[n] for n in rows[k]), *tails[r])) for k, r in enumerate(ranks))
