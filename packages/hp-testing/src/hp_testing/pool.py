@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
 import signal
 import tempfile
@@ -95,6 +96,9 @@ class Outcome:
         return sorted(r for r, res in self.results.items() if not res.ok)
 
 
+_POOL_NUMBERS = itertools.count()
+
+
 class PoolError(RuntimeError):
     """The pool could not start or recover its ranks."""
 
@@ -126,7 +130,10 @@ class WorkerPool:
         self.restarts = 0
         self.reinits = 0
         self.runs = 0
-        self._key = f"ws{world_size}-{os.getpid()}-{id(self):x}"
+        # Unique for the life of the process: the store outlives pools, and a key made of the
+        # object's address was reused by a later pool, whose ranks then read the dead pool's
+        # addresses from the store ("Connection refused" at start).
+        self._key = f"ws{world_size}-{os.getpid()}-{next(_POOL_NUMBERS)}"
 
     # -- lifecycle -------------------------------------------------------
 
@@ -180,9 +187,11 @@ class WorkerPool:
         return os.path.join(self._stack_dir, f"rank{rank}.stack")
 
     def wait_ready(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-        """Block until every rank has joined the process group."""
+        """Block until every rank has joined the process group (forking them if none are alive)."""
         if self._ready:
             return
+        if not self._procs:  # a start that failed killed them: try again for this task
+            self.start()
         deadline = time.monotonic() + timeout_s
         waiting = set(range(self.world_size))
         errors: dict[int, str] = {}
