@@ -6,7 +6,8 @@ stages are wrapped with ``hp_fsdp.fully_shard`` on ``mesh["dp"]`` (they take
 part through [Note: FSDP protocol], hp-pipeline never imports hp-fsdp), and
 the vision tower is a plain replica on all four ranks: summed over the
 pipeline group by ``REDUCE_P`` and averaged over ``dp_group`` ([Note: MPipe
-with data parallelism] in ``hp_pipeline.mpipe.schedule``). Five AdamW steps in
+with data parallelism] in ``hp_pipeline.mpipe.schedule``); every collective of
+each step is recorded and checked by name, group and bytes. Five AdamW steps in
 float64 must match a single-process copy trained on the whole global batch:
 the losses, every gradient (``full_tensor`` of the sharded ones, the tower's
 on every rank), every parameter after the step. The replicas' towers start
@@ -21,11 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import hp_core
 import pytest
 import torch
+import torch.distributed as dist
 from hp_dtensor import DTensor
 from hp_fsdp import FSDPModule, fully_shard
 from hp_pipeline import PipelineStage, PPRankOwnedSampler, mpipe_owned_micros, stages_on_rank
+from hp_testing import record_collectives
 from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, Subset
 
@@ -170,6 +174,29 @@ def test_mpipe_fsdp_2x2_matches_single_process(
         sampler = PPRankOwnedSampler(SequentialSampler(subset), owned, MBS, m, num_steps=STEPS)
         it = iter(DataLoader(subset, batch_size=MBS, sampler=sampler))
     has_last = num_stages - 1 in local
+    # Every collective of a step ([Note: MPipe with data parallelism]): the tower sync check's max
+    # and min over the pipeline and the dp group, the tower-gradient sum over the pipeline then its
+    # average over dp (one float64 buffer with a flag per parameter), the token count over both,
+    # the failure vote on NCCL/HCCL, and per local stage FSDP's one all-gather and one
+    # reduce-scatter of the stage's padded parameters on dp.
+    pp_ranks, dp_ranks = (tuple(dist.get_process_group_ranks(g)) for g in (pp_group, dp_group))
+    numel, n_params = sum(q.numel() for q in my_tower.parameters()), len(list(my_tower.parameters()))
+    coalescing = hp_core.capabilities_for(pp_group).backend != "gloo"
+    padded = [
+        sum(DP * -(-q.shape[0] // DP) * (q.numel() // q.shape[0]) * 8 for q in ref_stages[s].parameters())
+        for s in local
+    ]
+    want_collectives = sorted(
+        [("all_reduce", g, numel * 8) for g in (pp_ranks, dp_ranks) for _ in range(2)]
+        + [("all_reduce", g, (numel + n_params) * 8) for g in (pp_ranks, dp_ranks)]
+        + [("all_reduce", g, 8) for g in (pp_ranks, dp_ranks)] * int(case.tokens)
+        + [("all_reduce", pp_ranks, 4)] * int(coalescing)
+        + [
+            (name, dp_ranks, size)
+            for size in padded
+            for name in ("all_gather_into_tensor", "reduce_scatter_tensor")
+        ]
+    )
 
     for step in range(STEPS):
         lo = step * DP * half
@@ -192,10 +219,13 @@ def test_mpipe_fsdp_2x2_matches_single_process(
             ref_losses = [x.detach() for x in means]
         mine = slice(dp_rank * half, (dp_rank + 1) * half)
         losses: list[torch.Tensor] = []
-        if case.loading:
-            schedule.step(data=it, losses=losses)
-        else:
-            schedule.step(ids[mine], target=labels[mine], losses=losses, preprocess_inputs=pixels[mine])
+        with record_collectives() as log:
+            if case.loading:
+                schedule.step(data=it, losses=losses)
+            else:
+                schedule.step(ids[mine], target=labels[mine], losses=losses, preprocess_inputs=pixels[mine])
+        issued = sorted((r.name, r.group_ranks, r.nbytes) for r in log)
+        assert issued == want_collectives, f"step {step} rank {rank}: {issued}"
         if has_last:
             want = ref_losses[dp_rank * m : (dp_rank + 1) * m]
             assert len(losses) == m
