@@ -3,7 +3,20 @@
 Run on CPU ranks over gloo (``hp-run`` or plain ``torchrun``):
 
     hp-run -n 4 benchmarks/mpipe_step.py [--width 512] [--batch 4096] [--layers 3] \\
-        [--microbatches 32] [--steps 8]
+        [--microbatches 32] [--steps 16] [--compute cpu|timed] [--forward-ms 2]
+
+Two kinds of compute:
+
+* ``cpu`` (default): real Linear+GELU layers, one compute thread per rank.
+  Step time then follows the busiest rank's CPU only where every rank has a
+  core of its own, and CPU effects that an accelerator does not have (gloo
+  copying on the compute core, caches shared between ranks) take part;
+* ``timed``: every text stage and the tower is one small real layer plus a
+  timed wait (``--forward-ms``, twice that in backward) that occupies no core,
+  as when an accelerator runs the kernels and the host waits. The tower then
+  costs exactly one text stage, four ranks fit on a 2-core machine, and the
+  measured ratio is the schedule's and the executor's, with real transfers,
+  loading, autograd and Python overhead.
 
 Two configurations, each printed with its own table:
 
@@ -13,8 +26,8 @@ Two configurations, each printed with its own table:
 Every rank runs one compute thread (``torch.set_num_threads(1)``) and, where
 the machine has a physical core per rank, is pinned to cores of its own
 (:func:`pin_rank`), so the step time is the pipeline's critical path, which
-is what MPipe shortens. On a machine with fewer free cores than ranks the
-ranks take turns on the cores and wall time follows the *total* work, which
+is what MPipe shortens. With ``cpu`` compute on a machine with fewer free
+cores than ranks the ranks take turns on the cores and wall time follows the *total* work, which
 MPipe does not reduce (it moves the tower's work off stage 0): balancing
 cannot show there, and the table says so.
 
@@ -74,7 +87,40 @@ from torch.utils.data import DataLoader, Dataset, SequentialSampler
 VOCAB = 64
 
 
+#: ``--compute timed``: (forward ms, backward ms) each text stage and the tower wait instead of
+#: computing; ``None``: real CPU compute.
+TIMED_MS: tuple[float, float] | None = None
+
+
+class _Wait(torch.autograd.Function):
+    """Identity whose forward and backward take a fixed time without using a core (a timed wait)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class Timed(nn.Module):
+    """A stage's worth of work as an accelerator would run it: the host only waits for it."""
+
+    def __init__(self, forward_ms: float, backward_ms: float) -> None:
+        super().__init__()
+        self.forward_s, self.backward_s = forward_ms / 1e3, backward_ms / 1e3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Wait.apply(x, self.forward_s, self.backward_s)
+
+
 def mlp(width: int, layers: int) -> nn.Sequential:
+    if TIMED_MS is not None:  # one small real layer (real gradients) plus the stage's time
+        return nn.Sequential(nn.Linear(width, width), Timed(*TIMED_MS))
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)])
 
 
@@ -230,7 +276,7 @@ def timed_rounds(
     for _ in range(WARMUP):
         for name in names:
             steps[name]()
-    wall = {name: [] for name in names}
+    wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     for k in range(rounds):
         for name in names if k % 2 == 0 else names[::-1]:
@@ -406,7 +452,11 @@ def report(
     cores = FREE_CORES
     print()
     print(f"== {label}: {p} ranks on {cores} free core(s), 1 thread per rank ", end="")
-    print("(oversubscribed: wall time ~ total work)" if p > cores else "(a core per rank)")
+    if TIMED_MS is not None:
+        f_ms, b_ms = TIMED_MS
+        print(f"(timed compute: F {f_ms} ms, B {b_ms} ms per stage and the tower; ranks wait, not compute)")
+    else:
+        print("(oversubscribed: wall time ~ total work)" if p > cores else "(a core per rank)")
     print(f"CPU placement: {PINNING}")
     print(
         f"width {args.width}, {args.layers} layers per text stage and in the tower, batch {args.batch}, ",
@@ -466,8 +516,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--microbatches", type=int, default=32)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument(
+        "--compute",
+        choices=("cpu", "timed"),
+        default="cpu",
+        help="cpu: real compute, one core per rank; timed: each stage and the tower wait "
+        "--forward-ms / twice that in backward instead (as on an accelerator; cores are not the limit)",
+    )
+    parser.add_argument("--forward-ms", type=float, default=2.0)
     args = parser.parse_args()
-    global PINNING
+    global PINNING, TIMED_MS
+    if args.compute == "timed":
+        TIMED_MS = (args.forward_ms, 2 * args.forward_ms)
+        args.width, args.layers = min(args.width, 64), 1
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     PINNING = pin_rank(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))), world_env)
     dist.init_process_group("gloo")
@@ -483,9 +544,9 @@ def main() -> None:
     for label, ranks in configs:
         summary = measure(args, ranks, label)
         if summary is not None:
-            results[f"p{len(ranks)}"] = summary
+            results[f"p{len(ranks)}{'_timed' if TIMED_MS else ''}"] = summary
     if dist.get_rank() == 0:
-        main_key = f"p{world}" if world > 2 else "p2"
+        main_key = f"p{world if world > 2 else 2}{'_timed' if TIMED_MS else ''}"
         out = {
             "benchmark": "mpipe_step",
             "ratios": {
@@ -506,6 +567,8 @@ def main() -> None:
                 "batch": args.batch,
                 "microbatches": args.microbatches,
                 "steps": args.steps,
+                "compute": args.compute,
+                "timed_ms": list(TIMED_MS) if TIMED_MS else None,
             },
         }
         print(json.dumps(out))
