@@ -236,13 +236,17 @@ def _place(
     best = timer.makespan(rows)
     if best is None:  # not ours to fix: validate_order names the problem
         return key
-    # The pipeline steps of other ranks whose output rank 0 receives.
-    feeds_rank0 = {
-        by_number[x]
-        for n in rows[0]
-        for x in timer.inputs[n]
-        if by_number[x].type not in (T.PREPROCESS_FWD, T.DATA_LOAD)
-    }
+    # The pipeline steps of other ranks whose output rank 0 receives (they bound a PF only).
+    feeds_rank0 = (
+        {
+            by_number[x]
+            for n in rows[0]
+            for x in timer.inputs[n]
+            if by_number[x].type not in (T.PREPROCESS_FWD, T.DATA_LOAD)
+        }
+        if kind is T.PREPROCESS_FWD
+        else set()
+    )
     moves = sorted(
         ((k, s) for k, row in enumerate(steps) for s in row if s.type is kind),
         key=lambda ks: (ks[1].micro_index, ks[0]),
