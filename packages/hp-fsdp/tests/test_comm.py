@@ -1,9 +1,10 @@
 """Collectives per step against FSDP2's figures, counted by patching hp_core's collectives.
 
 For N wrapped blocks plus the root: forward N+1 all-gathers; backward N+1
-reduce-scatters and N (default: the root keeps its parameters), N+1 (root
-told to reshard too) or 0 (no resharding) all-gathers; HSDP adds one
-all-reduce per unit when syncing.
+reduce-scatters and N (default ``reshard_after_forward=None``: the root keeps
+its parameters), N+1 (an explicit True, which applies to the root too as in
+FSDP2, or the root told to reshard by the setter) or 0 (no resharding)
+all-gathers; HSDP adds one all-reduce per unit when syncing.
 """
 
 from __future__ import annotations
@@ -35,13 +36,19 @@ def _step(model: Any, rank: int, world: int, step: int) -> tuple[dict[str, int],
 
 
 @pytest.mark.distributed(world_size=2)
-@pytest.mark.parametrize("mode", ["default", "root_reshards", "no_reshard"])
+@pytest.mark.parametrize("mode", ["default", "explicit_true", "root_reshards", "no_reshard"])
 def test_fsdp_counts(rank: int, world_size: int, mode: str) -> None:
     model = build(n_blocks=N)
-    shard_blocks(model, reshard_after_forward=mode != "no_reshard")
+    kwargs = {"default": {}, "explicit_true": {"reshard_after_forward": True}, "root_reshards": {}}
+    shard_blocks(model, **kwargs.get(mode, {"reshard_after_forward": False}))
     if mode == "root_reshards":
         model.set_reshard_after_forward(True, recurse=False)
-    expected_backward_gathers = {"default": N, "root_reshards": N + 1, "no_reshard": 0}[mode]
+    expected_backward_gathers = {
+        "default": N,
+        "explicit_true": N + 1,
+        "root_reshards": N + 1,
+        "no_reshard": 0,
+    }[mode]
     for step in range(2):
         forward, backward, _ = _step(model, rank, world_size, step)
         assert forward == {"all_gather": N + 1, "reduce_scatter": 0, "all_reduce": 0}, (step, forward)

@@ -369,36 +369,53 @@ def test_tied_embedding_and_global_clip(rank, world_size, name):
 class FakeSharded(nn.Module):
     """Implements the FSDP protocol by counting calls and checking when they happen."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, name: str = "", log: list[str] | None = None) -> None:
         super().__init__()
         self.inner = inner
-        self.log: list[str] = []
+        self.name = name
+        self.log: list[str] = [] if log is None else log
         self.gathered = False
         self.sync = True
 
-    def unshard(self) -> None:
-        self.log.append("unshard")
+    def _note(self, what: str) -> None:
+        self.log.append(f"{self.name}{what}")
+
+    def unshard(self, async_op: bool = False) -> None:
+        self._note("unshard")
         self.gathered = True
 
     def reshard(self) -> None:
-        self.log.append("reshard")
+        self._note("reshard")
         self.gathered = False
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
-        self.log.append(f"sync={requires}")
+        self._note(f"sync={requires}")
         self.sync = requires
 
     def set_reshard_after_backward(self, reshard: bool) -> None:
-        self.log.append(f"reshard_after_backward={reshard}")
+        self._note(f"reshard_after_backward={reshard}")
 
     def reduce_grad(self) -> None:
         assert self.sync, "reduce_grad must run with gradient sync on"
-        self.log.append("reduce_grad")
+        self._note("reduce_grad")
 
     def forward(self, *args: Any) -> Any:
-        assert self.gathered, "forward ran on resharded parameters"
-        self.log.append("F")
+        assert self.gathered, f"forward of unit {self.name!r} ran on resharded parameters"
+        self._note("F")
         return self.inner(*args)
+
+
+class FakeShardedWithFlag(FakeSharded):
+    """A unit that also exposes ``reshard_after_forward``, which the executor turns off for the step."""
+
+    def __init__(self, inner: nn.Module, name: str, log: list[str]) -> None:
+        super().__init__(inner, name, log)
+        self.reshard_after_forward: bool | None = None  # the fully_shard default: True but on the root
+
+    def set_reshard_after_forward(self, value: bool | None, *, recurse: bool = True) -> None:
+        assert recurse is False, "the executor sets this flag unit by unit"
+        self._note(f"reshard_after_forward={value}")
+        self.reshard_after_forward = value
 
 
 @pytest.mark.distributed(world_size=2, timeout=60)
@@ -417,6 +434,39 @@ def test_fsdp_protocol_calls(rank, world_size):
         assert log.count("F") == 4
         assert log[:3] == ["sync=False", "reshard_after_backward=False", "unshard"]
         assert log[-4:] == ["sync=True", "reduce_grad", "reshard_after_backward=True", "reshard"]
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_fsdp_protocol_reaches_nested_units(rank, world_size):
+    """Blocks wrapped inside a wrapped stage: every unit is gathered and resharded, the outer one reduces."""
+    blocks = make_blocks(2)
+    log: list[str] = []
+    inner = FakeShardedWithFlag(copy.deepcopy(blocks[rank]), "inner:", log)
+    module = FakeSharded(inner, "outer:", log)
+    stage = PipelineStage(module, rank, 2)
+    schedule = Schedule1F1B(stage, 4, nn.functional.mse_loss)
+    x, mask, y = batch(0)
+    for _ in range(2):
+        log.clear()
+        schedule.step(x, mask) if rank == 0 else schedule.step(target=y)
+        assert log[:4] == [
+            "outer:sync=False",
+            "outer:reshard_after_backward=False",  # the outer unit's setters cover the units below
+            "inner:reshard_after_forward=False",  # per unit: no micro-batch frees what UNSHARD gathered
+            "outer:unshard",
+        ]
+        assert log[4] == "inner:unshard"
+        assert log.count("outer:F") == log.count("inner:F") == 4
+        assert log[-6:] == [
+            "outer:sync=True",
+            "outer:reduce_grad",  # covers the nested unit: one reduction per unit
+            "outer:reshard_after_backward=True",
+            "inner:reshard_after_forward=None",  # put back as it was read
+            "outer:reshard",
+            "inner:reshard",  # every unit holds its shards after the step
+        ]
+        assert log.count("inner:reshard") == 1 and log.count("inner:reduce_grad") == 0
+        assert not inner.gathered and not module.gathered
 
 
 @pytest.mark.distributed(world_size=2, timeout=60)

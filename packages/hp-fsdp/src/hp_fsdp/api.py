@@ -27,7 +27,7 @@ from hp_fsdp.param import FSDPParam
 from hp_fsdp.param_group import FSDPParamGroup
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_fsdp.state import FSDPState, get_state, register_load_hooks
-from hp_fsdp.validation import collect_params, validate_call
+from hp_fsdp.validation import check_reshard_after_forward, collect_params, validate_call
 
 __all__ = ["FSDPModule", "HSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -38,7 +38,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared on purpose
     offload_policy: OffloadPolicy | None = None,
@@ -53,8 +53,9 @@ def fully_shard(
       to a 1-D mesh over the world.
     * ``reshard_after_forward``: free gathered parameters after forward and
       gather again for backward (ZeRO-3); False keeps them (ZeRO-2 style,
-      more memory, one all-gather less per unit). The root ignores True
-      unless it is set again with :meth:`HSDPModule.set_reshard_after_forward`.
+      more memory, one all-gather less per unit). None (the default, as in
+      FSDP2) means True for every unit but the root, whose backward starts
+      right after its forward; an explicit True or False applies to the root too.
     * ``shard_placement_fn(param)``: ``Shard(d)`` to shard ``param`` along
       dim ``d`` instead of 0 (None keeps 0).
     * ``mp_policy``: see :class:`MixedPrecisionPolicy`.
@@ -72,7 +73,7 @@ def fully_shard(
     ignored = set(map(id, ignored_params or ()))
     replicated = set(map(id, replicate_params or ()))
     offload = isinstance(offload_policy, CPUOffloadPolicy)
-    validate_call(modules, mesh, offload_policy)
+    validate_call(modules, mesh, offload_policy, reshard_after_forward)
     install_checkpoint_hooks()
     plan = collect_params(modules, ignored, replicated, shard_placement_fn, offload=offload, mesh=mesh)
 
@@ -101,11 +102,12 @@ def fully_shard(
             params,
             mesh,
             mp_policy,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
             comm_fusion=comm_fusion,
             full_group=full_group,
         )
-    FSDPState(modules, group, mp_policy)
+    state = FSDPState(modules, group, mp_policy)
+    state.set_reshard_after_forward(reshard_after_forward)
     register_load_hooks(params)
     for m in modules:
         cls = type(m)
@@ -203,12 +205,21 @@ class HSDPModule:
             if state.group is not None:
                 state.group.requires_all_reduce = requires_all_reduce
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Whether units free their gathered parameters after forward (also applies to the root)."""
+    def set_reshard_after_forward(self, reshard_after_forward: bool | None, *, recurse: bool = True) -> None:
+        """Whether units free their gathered parameters after forward (True / False apply to the root too).
+
+        None restores ``fully_shard``'s default (True except on the root), so a
+        caller that changed the flag for a while can put back what it read from
+        :attr:`reshard_after_forward`.
+        """
+        check_reshard_after_forward("set_reshard_after_forward", reshard_after_forward)
         for state in self._hp_states(recurse):
-            state.reshard_after_forward_set = True
-            if state.group is not None:
-                state.group.reshard_after_forward = reshard_after_forward
+            state.set_reshard_after_forward(reshard_after_forward)
+
+    @property
+    def reshard_after_forward(self) -> bool | None:
+        """This unit's requested ``reshard_after_forward`` (None: the default), to save and restore."""
+        return self._hp_state().reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether units free their gathered parameters after backward (False: keep for the next step)."""

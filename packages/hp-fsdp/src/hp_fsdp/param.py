@@ -335,6 +335,11 @@ class FSDPParam:
 
     # -- gradients ----------------------------------------------------------------------
 
+    def has_unsharded_grad(self) -> bool:
+        """Whether a full gradient waits to be reduced (on the gathered param or accumulated)."""
+        full = self.unsharded_param
+        return (full is not None and full.grad is not None) or self.unsharded_accumulated_grad is not None
+
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """The full gradient accumulated since the last reduction (and clear it from the param)."""
         grad: torch.Tensor | None = None

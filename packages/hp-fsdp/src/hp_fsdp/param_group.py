@@ -62,6 +62,7 @@ class FSDPParamGroup:
         self._partial_outputs: list[torch.Tensor] | None = None  # HSDP: reduce-scattered, not all-reduced
         # per-iteration flags, reset by the root's final callback
         self.needs_post_backward = False
+        self.ran_backward = False  # since the last reduction: see [Note: no silent gradient loss]
         self.forward_calls = 0  # post-backward markers placed this iteration (a module may run twice)
         self.post_backward_runs = 0
 
@@ -154,6 +155,7 @@ class FSDPParamGroup:
             for p in self.params:
                 p.stash_unsharded_grad(self.reduce_dtype(p))
             return None
+        self._check_gradients_arrived()
         plan = self.reduce_plan()
         handle = None
         if self.sharded:
@@ -182,6 +184,38 @@ class FSDPParamGroup:
                 main_grad=main_grad,
             )
         return handle
+
+    def _check_gradients_arrived(self) -> None:
+        """Refuse to reduce a unit whose backward ran but reached none of its parameters.
+
+        [Note: no silent gradient loss]
+        A unit whose backward ran (its outputs received a gradient) but whose
+        trainable parameters all lack one has lost its gradients: its forward
+        used tensors other than the parameters this unit reduces (for example
+        a nested unit kept gathered copies across steps, or a schedule's
+        weight step asked autograd for the sharded parameters instead of the
+        gathered ones). Stepping would silently train nothing, so it is an
+        error, found with the flag set by the unit's pre-backward and a look
+        at the gradients the reduction reads anyway: no communication. A
+        unit where only *some* parameters lack a gradient is left alone, as
+        in FSDP2: unused parameters (an idle expert, a branch not taken) are
+        legitimate.
+        """
+        ran, self.ran_backward = self.ran_backward, False
+        if not ran:
+            return
+        trainable = [p for p in self.params if p.sharded_param.requires_grad]
+        if not trainable or any(p.has_unsharded_grad() for p in trainable):
+            return
+        names = ", ".join(p.fqn for p in trainable)
+        raise RuntimeError(
+            f"hp_fsdp: the unit holding [{names}] ran backward since its last reduction, but none of "
+            "these parameters received a gradient, so the optimizer would train nothing. The forward "
+            "used tensors other than the unit's gathered parameters: do not keep references to "
+            "parameters across unshard/reshard, and let the unit's own hooks (or the pipeline's "
+            "UNSHARD / RESHARD steps) gather them. Parameters that are unused on purpose need "
+            "requires_grad=False or ignored_params."
+        )
 
     def has_pending_grads(self) -> bool:
         """Whether gathered params hold gradients not reduced yet."""

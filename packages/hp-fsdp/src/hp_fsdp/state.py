@@ -217,7 +217,8 @@ class FSDPState:
         self.context: RootContext | None = None
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit on CPU
         self.backward_prefetch: list[FSDPState] | None = None
-        self.reshard_after_forward_set = False
+        # what the user asked for: None follows FSDP2 (True for every unit but the root)
+        self.reshard_after_forward: bool | None = None
         self._ran: set[int] = set()
         self._handles: list[Any] = []
         for module in self.modules:
@@ -244,8 +245,20 @@ class FSDPState:
         for state in states:
             state.is_root = state is self
             state.context = context
-        if self.group is not None and not self.reshard_after_forward_set:
-            self.group.reshard_after_forward = False
+        for state in states:
+            state.apply_reshard_after_forward()
+
+    def set_reshard_after_forward(self, value: bool | None) -> None:
+        """Record the requested behaviour (None: FSDP2's default) and apply it to the group."""
+        self.reshard_after_forward = value
+        self.apply_reshard_after_forward()
+
+    def apply_reshard_after_forward(self) -> None:
+        """The effective flag: as requested, else True except on the root (its backward follows at once)."""
+        if self.group is None:
+            return
+        value = self.reshard_after_forward
+        self.group.reshard_after_forward = (not self.is_root) if value is None else value
 
     def _root_context(self) -> RootContext:
         if self.is_root is None:
@@ -354,6 +367,7 @@ class FSDPState:
         if self.group is None:
             return
         self.group.needs_post_backward = True
+        self.group.ran_backward = True
         self.group.wait_for_unshard()
         for target in self._backward_targets(context):
             if target.group is not None and not target.group.post_backward_done:

@@ -20,7 +20,7 @@ from hp_fsdp.policies import OffloadPolicy
 from hp_fsdp.state import get_state
 from hp_fsdp.tp_layout import check_tp_param
 
-__all__ = ["ParamPlan", "collect_params", "validate_call"]
+__all__ = ["ParamPlan", "check_reshard_after_forward", "collect_params", "validate_call"]
 
 
 @dataclass
@@ -33,8 +33,25 @@ class ParamPlan:
     replicate: bool
 
 
-def validate_call(modules: list[Any], mesh: Any, offload_policy: Any) -> None:
+def check_reshard_after_forward(what: str, value: Any) -> None:
+    """``reshard_after_forward`` is True, False or None; refuse anything else before it is used."""
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        raise NotImplementedError(
+            f"{what}: reshard_after_forward={value!r} (an int: reshard to groups of {value} ranks) is not "
+            "supported yet; pass True, False or None (True for every unit but the root)."
+        )
+    raise TypeError(
+        f"{what}: reshard_after_forward must be True, False or None, got {type(value).__name__} {value!r}."
+    )
+
+
+def validate_call(
+    modules: list[Any], mesh: Any, offload_policy: Any, reshard_after_forward: Any = None
+) -> None:
     """Types, mesh shape and repeated application."""
+    check_reshard_after_forward("fully_shard", reshard_after_forward)
     if not modules:
         raise ValueError("fully_shard: got an empty list of modules; pass a module or a non-empty list.")
     seen: set[int] = set()

@@ -20,7 +20,7 @@ from hp_pipeline.builders import (
 )
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.errors import PipelineStepError, ScheduleError, StageFailure
-from hp_pipeline.fsdp import ShardedModule, add_fsdp_steps, is_sharded_module
+from hp_pipeline.fsdp import ShardedModule, ShardedUnits, add_fsdp_steps, is_sharded_module, sharded_units
 from hp_pipeline.grads import TiedGroup, clip_grad_norm_, global_grad_norm
 from hp_pipeline.ir import (
     MetaStep,
@@ -70,6 +70,7 @@ __all__ = [
     "ScheduleZBV",
     "ScheduleZeroBubble",
     "ShardedModule",
+    "ShardedUnits",
     "SimulationResult",
     "StageFailure",
     "StepCosts",
@@ -97,6 +98,7 @@ __all__ = [
     "mpipe_owner",
     "read_order_csv",
     "render_order",
+    "sharded_units",
     "simulate",
     "split_args_kwargs",
     "stage_to_rank",

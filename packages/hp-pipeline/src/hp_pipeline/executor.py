@@ -143,7 +143,7 @@ import torch.distributed as dist
 from hp_core import capabilities_for
 
 from hp_pipeline.errors import PipelineStepError, StageFailure
-from hp_pipeline.fsdp import is_sharded_module
+from hp_pipeline.fsdp import ShardedUnits, sharded_units
 from hp_pipeline.ir import MetaStep, MetaStepType
 from hp_pipeline.stage import PipelineStage, TensorMeta
 from hp_pipeline.vote import FailureVote
@@ -249,6 +249,7 @@ class StepRunner:
         abort_timeout: float = 10.0,
     ) -> None:
         self.stages = stages
+        self._units_of: dict[int, ShardedUnits] = {}  # per stage, found once ([Note: FSDP protocol])
         self.training = training
         self.steps = [s for s in steps if training or s.type not in _BACKWARD_TYPES]
         self.blocks = _blocks(self.steps)
@@ -275,7 +276,7 @@ class StepRunner:
         self._recv_work: dict[tuple[T, int, int], Any] = {}
         self._recv_bufs: dict[tuple[T, int, int], list[torch.Tensor]] = {}
         self._send_work: list[Any] = []
-        self._unsharded: dict[int, Any] = {}
+        self._unsharded: dict[int, list[Any]] = {}  # stage -> gather handles to wait before computing
 
     # -- entry point ------------------------------------------------------------
 
@@ -327,12 +328,17 @@ class StepRunner:
             )
         self.draining = True
 
+    def _units(self, stage_index: int) -> ShardedUnits:
+        units = self._units_of.get(stage_index)
+        if units is None:
+            units = self._units_of[stage_index] = sharded_units(self.stages[stage_index].submod)
+        return units
+
     def _prepare_sharded(self, stage: PipelineStage) -> None:
         """Step start of a sharded stage: no per-micro-batch reduce or reshard ([Note: FSDP protocol])."""
-        module = stage.submod
-        if self.training and is_sharded_module(module):
-            _call_if_present(module, "set_requires_gradient_sync", False)
-            _call_if_present(module, "set_reshard_after_backward", False)
+        units = self._units(stage.stage_index)
+        if units:
+            units.begin_step(self.training)
 
     def _act(self, step: MetaStep) -> None:
         if step.type.is_fsdp:
@@ -352,25 +358,21 @@ class StepRunner:
             self._fail(step, exc)
 
     def _fsdp(self, step: MetaStep) -> None:
-        module: Any = self.stages[step.stage_index].submod
-        if not is_sharded_module(module):
+        units = self._units(step.stage_index)
+        if not units:
             return
         if step.type is T.UNSHARD:
-            self._unsharded[step.stage_index] = module.unshard()
+            self._unsharded[step.stage_index] = units.unshard()
         elif step.type is T.RESHARD:
-            if self.training:
-                _call_if_present(module, "set_reshard_after_backward", True)  # FSDP's default again
-            module.reshard()
+            units.reshard(self.training)
         else:
-            _call_if_present(module, "set_requires_gradient_sync", True)
-            module.reduce_grad()
+            units.reduce_grad()
 
     def _compute(self, step: MetaStep) -> None:
         stage = self.stages[step.stage_index]
         s, i = step.stage_index, step.micro_index
         assert i is not None
-        handle = self._unsharded.pop(s, None)
-        if handle is not None and callable(getattr(handle, "wait", None)):
+        for handle in self._unsharded.pop(s, ()):
             handle.wait()
         if step.type is T.FWD:
             self._forward(stage, i)
@@ -646,13 +648,6 @@ class StepRunner:
             "communication breaks or times out.",
             [],
         ) from cause
-
-
-def _call_if_present(module: Any, name: str, value: bool) -> None:
-    """Call an optional setter of a sharded module ([Note: FSDP protocol] requires three methods only)."""
-    setter = getattr(module, name, None)
-    if callable(setter):
-        setter(value)
 
 
 def _header_of(failure: StageFailure | None) -> StageFailure:

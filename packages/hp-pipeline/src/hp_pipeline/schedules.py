@@ -40,7 +40,7 @@ from hp_pipeline.builders.placement import Style
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.errors import StageFailure
 from hp_pipeline.executor import StepRunner, raise_step_error
-from hp_pipeline.fsdp import add_fsdp_steps, is_sharded_module
+from hp_pipeline.fsdp import add_fsdp_steps, sharded_units
 from hp_pipeline.grads import TiedGroup, clip_grad_norm_, sync_tied
 from hp_pipeline.ir import Order
 from hp_pipeline.microbatch import ChunkSpec, TensorChunkSpec, merge_chunks, split_args_kwargs
@@ -133,7 +133,7 @@ class PipelineSchedule:
         self._stages = {s.stage_index: s for s in sorted(stages, key=lambda s: s.stage_index)}
         self._check_placement(stages)
         order = self._build(self.num_ranks, n_microbatches)
-        sharded = [s for s in self._stages.values() if is_sharded_module(s.submod)]
+        sharded = [s for s in self._stages.values() if sharded_units(s.submod)]
         if sharded:
             # [Note: FSDP protocol]: every rank is assumed to compose the same way.
             order = add_fsdp_steps(order, range(self.num_stages))
