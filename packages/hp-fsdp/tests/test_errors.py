@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -136,3 +137,54 @@ def test_policies_are_frozen() -> None:
     with pytest.raises(AttributeError):
         policy.param_dtype = torch.float16  # type: ignore[misc]
     assert CPUOffloadPolicy().pin_memory is True
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("value", [2, "yes", 1.0])
+def test_reshard_after_forward_values(rank: int, world_size: int, value: Any) -> None:
+    model = build()
+    before = dict(model.named_parameters())
+    kind = NotImplementedError if isinstance(value, int) else TypeError
+    with pytest.raises(kind, match=rf"reshard_after_forward={re.escape(repr(value))}.*True, False or None"):
+        fully_shard(model, reshard_after_forward=value)
+    _untouched(model, before)
+    fully_shard(model)
+    with pytest.raises(kind, match=r"set_reshard_after_forward: reshard_after_forward"):
+        model.set_reshard_after_forward(value)  # type: ignore[attr-defined]
+    assert model.reshard_after_forward is None  # type: ignore[attr-defined]
+
+
+class _StaleReference(nn.Module):
+    """Keeps references to its layer's parameters from before ``fully_shard`` and computes with them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+        self.kept = [self.fc.weight, self.fc.bias]  # a plain list: fully_shard cannot see it
+
+    def forward(self, x: torch.Tensor, stale: bool) -> torch.Tensor:
+        if stale:
+            return nn.functional.linear(x, self.kept[0], self.kept[1])
+        return self.fc(x)  # self.unused stays unused: a legitimate partial use
+
+
+@pytest.mark.distributed(world_size=2)
+def test_backward_that_reaches_no_parameter_is_an_error(rank: int, world_size: int) -> None:
+    """[Note: no silent gradient loss]: every rank raises, names the parameters, reduces nothing."""
+    from hp_testing import record_collectives
+
+    torch.manual_seed(0)
+    model = _StaleReference()
+    fully_shard(model)
+    x = torch.randn(3, 4)
+    with record_collectives() as log:
+        with pytest.raises(
+            RuntimeError, match=r"fc\.weight, fc\.bias, unused\.weight, unused\.bias.*ran backward"
+        ):
+            model(x, stale=True).sum().backward()
+    assert log.count("reduce_scatter_tensor") == 0, "the reduction must not start"
+    # The usual forward is fine, with a parameter left unused as FSDP2 allows: no error, and the
+    # unused parameters simply get no gradient.
+    model(x, stale=False).sum().backward()
+    assert model.fc.weight.grad is not None and model.unused.weight.grad is None

@@ -104,13 +104,25 @@ class Case:
     loading: bool = False
     tokens: bool = True
     mode: str = "full"
+    nested: bool = False  # fully_shard each stage's ``fc`` first, then the stage (two units a stage)
 
 
 CASES = {
     "1f1b-load-tokens": Case(4, loading=True),
     "zbh1-recompute-mean-loss": Case(3, base="zb-h1", owner_backward=False, tokens=False),
     "zbv-load-tokens-min": Case(3, base="zbv", loading=True, mode="min"),
+    "1f1b-nested": Case(4, nested=True),
+    "zbv-load-nested": Case(3, base="zbv", loading=True, nested=True),
 }
+
+
+def units(stage: nn.Module, nested: bool) -> list[list[nn.Parameter]]:
+    """The parameters of each ``fully_shard`` unit: its ``fc`` and the rest (if any) when nested."""
+    if not nested:
+        return [list(stage.parameters())]
+    fc = list(stage.fc.parameters())
+    rest = [p for p in stage.parameters() if all(p is not q for q in fc)]
+    return [fc, rest] if rest else [fc]  # a stage of only ``fc`` has a root unit without parameters
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -145,6 +157,8 @@ def test_mpipe_fsdp_2x2_matches_single_process(
     local = stages_on_rank(pp_rank, PP, v, style=style)  # type: ignore[arg-type]
     stages = []
     for s in local:
+        if case.nested:
+            fully_shard(modules[s].fc, mesh=mesh["dp"])
         fully_shard(modules[s], mesh=mesh["dp"])
         assert isinstance(modules[s], FSDPModule)
         stages.append(PipelineStage(modules[s], s, num_stages, group=pp_group))
@@ -177,14 +191,15 @@ def test_mpipe_fsdp_2x2_matches_single_process(
     # Every collective of a step ([Note: MPipe with data parallelism]): the tower sync check's max
     # and min over the pipeline and the dp group, the tower-gradient sum over the pipeline then its
     # average over dp (one float64 buffer with a flag per parameter), the token count over both,
-    # the failure vote on NCCL/HCCL, and per local stage FSDP's one all-gather and one
-    # reduce-scatter of the stage's padded parameters on dp.
+    # the failure vote on NCCL/HCCL, and per fully_shard unit of a local stage FSDP's one all-gather
+    # and one reduce-scatter of the unit's padded parameters on dp.
     pp_ranks, dp_ranks = (tuple(dist.get_process_group_ranks(g)) for g in (pp_group, dp_group))
     numel, n_params = sum(q.numel() for q in my_tower.parameters()), len(list(my_tower.parameters()))
     coalescing = hp_core.capabilities_for(pp_group).backend != "gloo"
     padded = [
-        sum(DP * -(-q.shape[0] // DP) * (q.numel() // q.shape[0]) * 8 for q in ref_stages[s].parameters())
+        sum(DP * -(-q.shape[0] // DP) * (q.numel() // q.shape[0]) * 8 for q in unit)
         for s in local
+        for unit in units(ref_stages[s], case.nested)
     ]
     want_collectives = sorted(
         [("all_reduce", g, numel * 8) for g in (pp_ranks, dp_ranks) for _ in range(2)]

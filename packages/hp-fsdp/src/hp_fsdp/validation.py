@@ -43,7 +43,8 @@ def check_reshard_after_forward(what: str, value: Any) -> None:
             "supported yet; pass True, False or None (True for every unit but the root)."
         )
     raise TypeError(
-        f"{what}: reshard_after_forward must be True, False or None, got {type(value).__name__} {value!r}."
+        f"{what}: reshard_after_forward={value!r} is a {type(value).__name__}; pass True, False or None "
+        "(None: True for every unit but the root)."
     )
 
 
