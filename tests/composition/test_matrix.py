@@ -220,3 +220,24 @@ def test_composition_matches_single_process(
         for s in local:
             for name, got, want_p in named_pairs(stages[s], reference.stage(s)):
                 _close(_full(got.detach()), want_p.detach(), case, f"step {step} stage {s} {name} after SGD")
+
+
+@pytest.mark.distributed(world_size=4)
+def test_parameters_outside_every_unit_are_refused(
+    rank: int, world_size: int, device_mesh_factory: Any
+) -> None:
+    """Blocks wrapped but the stage's own layer not: a clear error at construction, not drifting replicas."""
+    mesh = device_mesh_factory((2, 2), ("pp", "dp"))
+    pp_rank = mesh.get_local_rank("pp")
+    stages = build_stages(Case(wrap="nested"), 2)  # the stages have a ``head`` of their own
+    for block in stages[pp_rank].blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    stage = PipelineStage(stages[pp_rank], pp_rank, 2, group=mesh["pp"].get_group())
+    with record_collectives() as log:
+        with pytest.raises(
+            ValueError, match=r"stage \d: parameters \['head.weight', 'head.bias'\] are outside"
+        ):
+            hp_pipeline.Schedule1F1B(stage, MICRO, loss_fn)
+    assert len(log.of()) == 0, "nothing may communicate before the error"
+    fully_shard(stages[pp_rank], mesh=mesh["dp"])  # the fix the message names
+    hp_pipeline.Schedule1F1B(stage, MICRO, loss_fn)

@@ -91,6 +91,25 @@ class ShardedUnits:
                 self.outer.append(unit)
                 covered.update(id(sub) for sub in unit.modules())
         self._saved_reshard_after_forward: list[tuple[Any, Any]] = []
+        managed = {id(p) for unit in self.outer for p in unit.parameters()}
+        #: trainable parameters of the stage outside every unit: not reduced over data parallelism
+        self.unmanaged = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in managed]
+
+    def check_covers_all(self, where: str) -> None:
+        """Refuse a stage whose units leave trainable parameters out ([Note: FSDP protocol]).
+
+        Units mean the stage is data-parallel; a parameter outside all of them
+        would get its replica's gradient only, and the replicas would drift
+        apart with no error. Raised at schedule construction, before any
+        communication.
+        """
+        if self and self.unmanaged:
+            raise ValueError(
+                f"{where}: parameters {self.unmanaged} are outside every fully_shard unit of the stage "
+                "module, so their gradients would not be averaged over data parallelism and the replicas "
+                "would drift apart. Wrap the stage module too (fully_shard(stage_module, mesh=...) after "
+                "its blocks), or move them into a wrapped submodule."
+            )
 
     def __bool__(self) -> bool:
         return bool(self.all)

@@ -133,8 +133,10 @@ class PipelineSchedule:
         self._stages = {s.stage_index: s for s in sorted(stages, key=lambda s: s.stage_index)}
         self._check_placement(stages)
         order = self._build(self.num_ranks, n_microbatches)
-        sharded = [s for s in self._stages.values() if sharded_units(s.submod)]
-        if sharded:
+        units = {index: sharded_units(s.submod) for index, s in self._stages.items()}
+        for index, stage_units in units.items():
+            stage_units.check_covers_all(f"{self._name}: stage {index}")
+        if any(units.values()):
             # [Note: FSDP protocol]: every rank is assumed to compose the same way.
             order = add_fsdp_steps(order, range(self.num_stages))
         self.order: Order = self._with_comms(order)
