@@ -22,7 +22,6 @@ from hp_core.distributed import get_world_size
 from hp_dtensor import Shard
 from torch import nn
 
-from hp_fsdp.checkpoint import install_checkpoint_hooks
 from hp_fsdp.param import FSDPParam
 from hp_fsdp.param_group import FSDPParamGroup
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -74,7 +73,6 @@ def fully_shard(
     replicated = set(map(id, replicate_params or ()))
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     validate_call(modules, mesh, offload_policy, reshard_after_forward)
-    install_checkpoint_hooks()
     plan = collect_params(modules, ignored, replicated, shard_placement_fn, offload=offload, mesh=mesh)
 
     # -- nothing was changed above; from here on the modules are converted --
