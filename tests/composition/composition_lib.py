@@ -48,12 +48,13 @@ class Case:
     pipeline: str | None = None  # a SCHEDULES key, or None for a plain training loop
     bf16: bool = False
     ac: bool = False
+    compile: bool = False  # each block compiled (aot_eager) after fully_shard, torchtitan's way
 
     @property
     def id(self) -> str:
         parts = [self.dp, self.wrap, "tp" if self.tp else "notp", self.pipeline or "nopp"]
         parts += ["bf16" if self.bf16 else "fp32", "ac" if self.ac else "noac"]
-        return "-".join(parts)
+        return "-".join(parts + ["compiled"] * self.compile)
 
     @property
     def mesh_dims(self) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -29,6 +29,7 @@ from typing import Any
 import hp_pipeline
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from hp_dtensor import ColwiseParallel, DTensor, RowwiseParallel, parallelize_module
 from hp_fsdp import MixedPrecisionPolicy, fully_shard
@@ -68,6 +69,9 @@ def _core_cases() -> list[Case]:
         Case(dp="hsdp", wrap="block", tp=True, bf16=True, ac=True),
         Case(dp="hsdp", wrap="stage", bf16=True, ac=True, pipeline="zbv"),
     ]
+    # compiled blocks: a pipeline stage whose blocks are compiled, under each kind of schedule
+    cases += [Case(compile=True, pipeline=p) for p in (None, "1f1b", "interleaved", "zb-h1", "zbv")]
+    cases += [Case(wrap="block", bf16=True, ac=True, compile=True, pipeline="1f1b")]
     return cases
 
 
@@ -115,6 +119,9 @@ def _wrap(stage: nn.Module, case: Case, dp_mesh: Any, tp_mesh: Any) -> None:
             fully_shard(block, **kwargs)
     if case.wrap in ("stage", "nested"):
         fully_shard(stage, **kwargs)
+    if case.compile:
+        for block in stage.blocks:  # type: ignore[union-attr]
+            block.compile(backend="aot_eager")
 
 
 def _sum_over(value: torch.Tensor, groups: list[Any]) -> torch.Tensor:
@@ -133,6 +140,8 @@ def _sum_over(value: torch.Tensor, groups: list[Any]) -> torch.Tensor:
 def test_composition_matches_single_process(
     rank: int, world_size: int, device_mesh_factory: Any, case: Case
 ) -> None:
+    if case.compile:
+        torch._dynamo.reset()  # the pooled ranks are reused: start from empty caches
     shape, names = case.mesh_dims
     mesh = device_mesh_factory(shape, names)
     dp_names = ("rep", "dp") if case.dp == "hsdp" else ("dp",)
@@ -178,7 +187,9 @@ def test_composition_matches_single_process(
         x, y = global_batch(step, batch)
         ref_loss = reference.step(x, y)
         loss: torch.Tensor | None = None
-        with record_collectives() as log:
+        # compiled blocks: nothing compiles again after the first step
+        no_recompile = torch._dynamo.config.patch(error_on_recompile=case.compile and step > 0)
+        with no_recompile, record_collectives() as log:
             if case.pipeline is not None:
                 losses: list[torch.Tensor] = []
                 runner.step(

@@ -195,6 +195,25 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _eager(fn: Any) -> Any:
+    """Run a hook eagerly, outside any compiled graph ([Note: hooks under torch.compile]).
+
+    [Note: hooks under torch.compile]
+    The hooks gather and free storage, issue asynchronous collectives, queue
+    autograd-engine callbacks and keep per-step flags: none of it belongs in
+    a graph, and tracing it would bake per-step state into guards (and c10d
+    calls with ``async_op=True`` inside an AOT graph carry no data
+    dependency on their wait, which miscompiles). As FSDP2 does, each hook
+    is excluded from tracing as a whole (``recursive=True``: nothing it
+    calls is traced either). Under ``block.compile()`` the hooks run around
+    the block's graph, which sees plain gathered parameters; under
+    ``torch.compile(model)`` dynamo splits the graph at each unit's hooks.
+    Disabling once per hook function (not per call) keeps the number of
+    graph breaks to those splits.
+    """
+    return torch._dynamo.disable(fn, recursive=True)
+
+
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
@@ -268,6 +287,7 @@ class FSDPState:
 
     # -- forward ------------------------------------------------------------------------------
 
+    @_eager
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         context = self._root_context()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
@@ -330,6 +350,7 @@ class FSDPState:
             flat[i] = tensor
         return pytree.tree_unflatten(flat, spec)
 
+    @_eager
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if _in_backward():  # see [Note: forward in backward]: keep the parameters for this backward
             if self.mp_policy.output_dtype is not None:
@@ -351,6 +372,7 @@ class FSDPState:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         return output
 
+    @_eager
     def _state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         """A state dict holds shards: reshard a unit left gathered (the root after forward)."""
         if self.group is not None and self.group.is_unsharded:
@@ -358,6 +380,7 @@ class FSDPState:
 
     # -- backward -----------------------------------------------------------------------------
 
+    @_eager
     def _pre_backward(self, grad: Any) -> None:
         context = self._root_context()
         if not context.callback_queued:
@@ -385,6 +408,7 @@ class FSDPState:
                 return [order[index - 1]]
         return []
 
+    @_eager
     def post_backward(self, *, final: bool = False) -> None:
         """Reduce this unit's gradients and reshard (once per forward call of the unit).
 
@@ -417,6 +441,7 @@ class FSDPState:
         if group.reshard_after_backward:
             group.reshard()
 
+    @_eager
     def _final_callback(self) -> None:
         context = self._root_context()
         for state in reversed(context.states):
