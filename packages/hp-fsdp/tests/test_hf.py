@@ -70,3 +70,24 @@ def test_llama_per_layer_parity_with_tied_embedding(rank: int, world_size: int) 
     # losses, every gradient (the tied one summed over both uses) and every parameter after AdamW
     parity(model, ref, dp_rank=rank, dp_world=world_size, steps=4)
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+def test_llama_layers_compiled_under_fully_shard(rank: int, world_size: int) -> None:
+    """torchtitan's recipe: ``fully_shard`` each decoder layer, then ``layer.compile()``; eager parity."""
+    import torch._dynamo
+    from hp_fsdp import fully_shard
+
+    torch._dynamo.reset()  # the pooled ranks are reused: start from empty caches
+    model = _llama()
+    hf: Any = model.hf
+    ref = ref_copy(model)
+    for layer in hf.model.layers:
+        fully_shard(layer)
+        layer.compile(backend="aot_eager")
+    fully_shard(model)
+    parity(model, ref, dp_rank=rank, dp_world=world_size, steps=1)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs > 0, "the layers were not compiled"
+    with torch._dynamo.config.patch(error_on_recompile=True):  # nothing compiles after the first step
+        parity(model, ref, dp_rank=rank, dp_world=world_size, steps=2)
