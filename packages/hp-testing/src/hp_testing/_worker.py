@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import ctypes
 import datetime
 import faulthandler
 import importlib.util
@@ -37,6 +36,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
+from hp_testing._lifetime import die_with_parent
 
 # Fixtures whose value differs per rank: computed inside the worker, never sent.
 #: Fixtures each rank builds itself instead of receiving a pickled copy. ``monkeypatch`` is one:
@@ -98,19 +99,6 @@ class TaskResult:
     needs_reinit: bool = False
     # Injected faults that fired on this rank (and planned ones that did not).
     faults: list[str] = field(default_factory=list)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL us when our parent (the forkserver) dies.
-
-    Without it a rank blocked in a collective would outlive a crashed pytest.
-    """
-    if sys.platform != "linux":
-        return
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _init_group(cfg: WorkerConfig, generation: int) -> None:
@@ -323,7 +311,7 @@ def _run_task(
 
 def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
     """Entry point of a pooled rank: join the group, then serve tasks until told to stop."""
-    _die_with_parent()
+    die_with_parent()  # the forkserver is our parent: [Note: dying with the parent]
     os.environ.update(cfg.env)
     torch.set_num_threads(1)
     stack_file = open(cfg.stack_file, "a", buffering=1)  # noqa: SIM115 - lives as long as we do

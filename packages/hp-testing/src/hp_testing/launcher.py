@@ -8,22 +8,24 @@ time.
 
 When one rank fails, the others are given a few seconds to finish and are then
 stopped, and the launcher names the rank that failed first, so a crash never
-turns into a silent hang.
+turns into a silent hang. SIGINT, SIGTERM and SIGHUP are forwarded to every
+rank, and the ranks die with the launcher even if it is killed hard
+([Note: signals reach every rank] in :mod:`hp_testing._supervisor`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from typing import IO
+
+from hp_testing._lifetime import preexec_die_with_parent
+from hp_testing._supervisor import SignalCatcher, stop_after_failure, supervise
 
 
 def _free_port() -> int:
@@ -77,7 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
     parser.add_argument(
-        "--grace", type=float, default=5.0, help="seconds the other ranks get after one fails (default 5)"
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds the other ranks get after one fails, or after a forwarded SIGINT/SIGTERM/SIGHUP, "
+        "before they are killed (default 5)",
     )
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
     parser.add_argument(
@@ -96,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``hp-run``; returns the first failing rank's exit code, or 0."""
+    """Entry point of ``hp-run``; returns 0, the first failing rank's exit code, or ``128 + signum``."""
     args = _parser().parse_args(argv)
     if args.nproc < 1:
         _parser().error(f"-n must be at least 1, got {args.nproc}")
@@ -114,79 +120,46 @@ def main(argv: Sequence[str] | None = None) -> int:
 def launch(
     command: list[str], nproc: int, master_port: int, *, grace_s: float = 5.0, tag_output: bool = False
 ) -> int:
-    """Start ``nproc`` copies of ``command`` and supervise them until all exit."""
+    """Start ``nproc`` copies of ``command`` and supervise them until all exit.
+
+    Returns hp-run's exit status: 0, the first failing rank's, or ``128 + signum``
+    when a signal stopped the run ([Note: signals reach every rank]).
+    """
     pipe = subprocess.PIPE if tag_output else None
     procs: list[subprocess.Popen[bytes]] = []
     pumps: list[threading.Thread] = []
-    for rank in range(nproc):
-        proc = subprocess.Popen(
-            command,
-            env=rank_env(rank, nproc, master_port),
-            stdout=pipe,
-            stderr=subprocess.STDOUT if pipe else None,
-        )
-        procs.append(proc)
-        if tag_output and proc.stdout is not None:
-            pump = threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True)
-            pump.start()
-            pumps.append(pump)
-    try:
-        code = _supervise(procs, grace_s)
-    except KeyboardInterrupt:
-        _stop(procs)
-        code = 130
+    # Caught from before the first rank starts: a signal during the start stops those started.
+    with SignalCatcher() as catcher:
+        try:
+            preexec = preexec_die_with_parent()
+            for rank in range(nproc):
+                if catcher.received:
+                    break  # stopping anyway: supervise() forwards it to the ranks started so far
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        env=rank_env(rank, nproc, master_port),
+                        stdout=pipe,
+                        stderr=subprocess.STDOUT if pipe else None,
+                        start_new_session=True,  # a terminal's Ctrl-C reaches a rank once, through us
+                        preexec_fn=preexec,  # resolved before the fork: see hp_testing._lifetime
+                    )
+                )
+            # The pumps start after every fork: no thread of ours runs while a child is made.
+            pumps = [
+                threading.Thread(target=_pump, args=(proc.stdout, rank, sys.stdout), daemon=True)
+                for rank, proc in enumerate(procs)
+                if proc.stdout is not None
+            ]
+            for pump in pumps:
+                pump.start()
+            code = supervise(procs, grace_s, catcher)
+        except BaseException:
+            stop_after_failure(procs)  # never leave ranks behind, whatever went wrong here
+            raise
     for pump in pumps:
         pump.join(2)
     return code
-
-
-def _supervise(procs: list[subprocess.Popen[bytes]], grace_s: float) -> int:
-    first_failure: tuple[int, int] | None = None
-    stop_at: float | None = None
-    while True:
-        codes = [p.poll() for p in procs]
-        if first_failure is None:
-            for rank, code in enumerate(codes):
-                if code is not None and code != 0:
-                    first_failure = (rank, code)
-                    stop_at = time.monotonic() + grace_s
-                    print(
-                        f"[hp-run] rank {rank} exited with code {code}; the other ranks get "
-                        f"{grace_s:g} s to finish before they are stopped",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    break
-        if all(code is not None for code in codes):
-            break
-        if first_failure is not None and stop_at is not None and time.monotonic() >= stop_at:
-            running = [rank for rank, code in enumerate(codes) if code is None]
-            print(
-                f"[hp-run] stopping ranks {running}, still running after rank {first_failure[0]} failed",
-                file=sys.stderr,
-                flush=True,
-            )
-            _stop(procs)
-            break
-        time.sleep(0.05)
-    if first_failure is not None:
-        return first_failure[1] if first_failure[1] > 0 else 128 - first_failure[1]
-    return 0
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 3.0
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(deadline - time.monotonic(), 0.01))
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 if __name__ == "__main__":
