@@ -15,12 +15,16 @@ wait into an error naming that rank. After the first timeout it also
 publishes what it waits for (``blocked/<rank>``) and follows the other
 blocked ranks' waits: a cycle that comes back to itself, with every awaited
 key still missing, is a deadlock and is reported on every rank in it.
+
+Every value is a record of :mod:`hp_testing._wire`, stored as JSON and
+checked field by field when read, never a pickle: the store listens on every
+interface, and a value someone else wrote must not run anything in a rank
+([Note: nothing read from the store is executed]).
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,11 +32,26 @@ from typing import Any
 import torch.distributed as dist
 
 from hp_testing._calls import Call
+from hp_testing._wire import (
+    Blocked,
+    Done,
+    Fingerprint,
+    ForeignValueError,
+    P2PEnd,
+    R,
+    Record,
+    Status,
+    decode,
+    encode,
+    plain,
+    status_key,
+)
 
 __all__ = [
     "CollectiveMismatchError",
     "DeadlockError",
     "DroppedMessageError",
+    "ForeignValueError",
     "P2PMismatchError",
     "PeerFailedError",
     "SideChannel",
@@ -91,15 +110,21 @@ class _Pair:
     matches: list[tuple[int, int, str, str]] = field(default_factory=list)
 
 
-def _put(store: Any, key: str, value: Any) -> None:
-    store.set(key, pickle.dumps(value))
+def _put(store: Any, key: str, record: Record) -> None:
+    store.set(key, encode(record))
 
 
-def _line(rank: int, payload: tuple[Any, ...] | None, width: int) -> str:
-    if payload is None:
+def _line(rank: int, posted: Fingerprint | None, width: int) -> str:
+    if posted is None:
         return f"  rank {rank}: (nothing posted)"
-    shown, site = payload[1], payload[2]
-    return f"  rank {rank}: {shown:<{width}}  at {site}"
+    return f"  rank {rank}: {posted.shown:<{width}}  at {posted.site}"
+
+
+def _split(posted: Fingerprint, side: int, index: int) -> int | None:
+    """One all_to_all split a rank posted (``side`` 0: input, 1: output); None if it posted none."""
+    if posted.splits is None or index >= len(posted.splits[side]):
+        return None
+    return posted.splits[side][index]
 
 
 class SideChannel:
@@ -109,6 +134,7 @@ class SideChannel:
         self, store: Any, prefix: str, rank: int, world_size: int, *, stream_ordered: bool, tags: bool = True
     ) -> None:
         self.store = dist.PrefixStore(prefix + "/", store)
+        self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
         self.stream_ordered = stream_ordered
@@ -133,37 +159,47 @@ class SideChannel:
     def _exists(self, key: str) -> bool:
         return bool(self.store.check([key]))
 
-    def _get(self, key: str) -> Any:
-        return pickle.loads(self.store.get(key)) if self._exists(key) else None
+    def _get(self, key: str, kind: type[R]) -> R | None:
+        return decode(self.store.get(key), self._where(key), kind) if self._exists(key) else None
+
+    def _where(self, key: str) -> str:
+        """``key`` as the store holds it, for errors: with this run's prefix."""
+        return f"{self.prefix}/{key}"
 
     def post_status(self, kind: str, text: str) -> None:
         """Tell the peers this rank failed (``"failed"``) so their waits end now."""
-        _put(self.store, f"status/{self.rank}", ((kind, text)))
+        _put(self.store, status_key(self.rank), Status(kind, text))
 
     def _await(
         self,
         keys: list[str],
         owners: list[int],
+        kind: type[R],
         what: str,
         site: str,
         group: str | None = None,
         *,
         at_end: bool = False,
-    ) -> list[Any]:
-        """Values of ``keys`` (owned by ``owners``) once all exist; see [Note: waiting without hanging]."""
+    ) -> list[R]:
+        """The ``kind`` records under ``keys`` (owned by ``owners``) once all exist.
+
+        See [Note: waiting without hanging].
+        """
         attempt = 0
         try:
             while True:
                 self._set_timeout(_POLLS[min(attempt, len(_POLLS) - 1)])
                 try:
-                    return [pickle.loads(v) for v in self.store.multi_get(keys)]
+                    raws = self.store.multi_get(keys)
                 except dist.DistStoreError:
                     pass
+                else:
+                    return [decode(raw, self._where(key), kind) for raw, key in zip(raws, keys, strict=True)]
                 attempt += 1
                 missing = [(k, o) for k, o in zip(keys, owners, strict=True) if not self._exists(k)]
                 self._check_missing(missing, what, site, group)
                 if not self._blocked_posted:
-                    _put(self.store, f"blocked/{self.rank}", ((missing, what, site)))
+                    _put(self.store, f"blocked/{self.rank}", Blocked(missing, what, site))
                     self._blocked_posted = True
                 if not at_end:
                     # A rank at the end of the test leaves cycle reports to the ranks still
@@ -171,19 +207,18 @@ class SideChannel:
                     self._find_cycle(missing, what, site)
         finally:
             if self._blocked_posted:
-                _put(self.store, f"blocked/{self.rank}", (None))
+                _put(self.store, f"blocked/{self.rank}", Blocked())  # no longer waiting
                 self._blocked_posted = False
 
     def _check_missing(self, missing: list[tuple[str, int]], what: str, site: str, group: str | None) -> None:
         for _, owner in missing:
-            status = self._get(f"status/{owner}")
+            status = self._get(status_key(owner), Status)
             if status is not None:
-                kind, text = status
                 raise PeerFailedError(
-                    f"rank {owner} {kind} while rank {self.rank} waited for it in {what} at {site}; "
-                    f"stopped waiting. Rank {owner}'s error:\n{text}"
+                    f"rank {owner} {status.kind} while rank {self.rank} waited for it in {what} at {site}; "
+                    f"stopped waiting. Rank {owner}'s error:\n{status.text}"
                 )
-            done = self._get(f"done/{owner}")
+            done = self._get(f"done/{owner}", Done)
             if done is not None:
                 raise PeerFailedError(
                     f"rank {owner} finished the test while rank {self.rank} waited for it in {what} at "
@@ -191,20 +226,22 @@ class SideChannel:
                 )
 
     @staticmethod
-    def _last_of(done: dict[str, Any], group: str | None) -> str:
+    def _last_of(done: Done, group: str | None) -> str:
         if group is None:
             return ""
-        if group not in done["groups"]:
+        if group not in done.groups:
             return "It issued no collective on that group."
-        count, last = done["groups"][group]
+        count, last = done.groups[group]
         return f"It issued {count} collective(s) on that group; the last was {last}."
 
     def _find_cycle(self, missing: list[tuple[str, int]], what: str, site: str) -> None:
         """Report a wait cycle through this rank, if every awaited key in it is still missing."""
-        states: dict[int, Any] = {}
+        states: dict[int, Blocked] = {}
         for rank in range(self.world_size):
             if rank != self.rank:
-                states[rank] = self._get(f"blocked/{rank}")
+                state = self._get(f"blocked/{rank}", Blocked)
+                if state is not None and state.missing:
+                    states[rank] = state
         path: list[int] = [self.rank]
         edges: dict[int, list[tuple[str, int]]] = {self.rank: missing}
 
@@ -212,9 +249,9 @@ class SideChannel:
             for _, owner in edges[rank]:
                 if owner == self.rank:
                     return list(path)
-                if owner in path or states.get(owner) is None:
+                if owner in path or owner not in states:
                     continue
-                edges[owner] = states[owner][0]
+                edges[owner] = states[owner].missing
                 path.append(owner)
                 found = follow(owner)
                 if found is not None:
@@ -230,7 +267,7 @@ class SideChannel:
                 return  # someone already moved on: not stuck
         lines = [f"  rank {self.rank}: waits in {what} at {site}"]
         for rank in cycle[1:]:
-            lines.append(f"  rank {rank}: waits in {states[rank][1]} at {states[rank][2]}")
+            lines.append(f"  rank {rank}: waits in {states[rank].what} at {states[rank].site}")
         raise DeadlockError(
             f"deadlock: ranks {cycle} wait on each other in a cycle, so none can proceed "
             "(NCCL and HCCL would hang here until the watchdog timeout):\n"
@@ -254,8 +291,8 @@ class SideChannel:
         self.seqs[group] = seq + 1
         self.group_ranks[group] = call.group_ranks
         self.last[group] = f"{call.shown} at {call.site}"
-        payload = (call.key, call.shown, call.site, call.splits)
-        _put(self.store, f"c/{group}/{seq}/{self.rank}", (payload))
+        payload = Fingerprint(plain(call.key), call.shown, call.site, call.splits)
+        _put(self.store, f"c/{group}/{seq}/{self.rank}", payload)
         others = [r for r in call.group_ranks if r != self.rank]
         if not others:
             return None
@@ -268,14 +305,14 @@ class SideChannel:
         self._compare(call, group, seq, payload, others)
         return None
 
-    def _compare(self, call: Call, group: str, seq: int, payload: Any, others: list[int]) -> None:
+    def _compare(self, call: Call, group: str, seq: int, payload: Fingerprint, others: list[int]) -> None:
         keys = [f"c/{group}/{seq}/{r}" for r in others]
         what = f"{call.shown} (collective #{seq} on group {list(call.group_ranks)})"
-        values = self._await(keys, others, what, call.site, group)
+        values = self._await(keys, others, Fingerprint, what, call.site, group)
         by_rank = dict(zip(others, values, strict=True))
         by_rank[self.rank] = payload
-        if any(v[0] != call.key for v in values):
-            width = max(len(v[1]) for v in by_rank.values())
+        if any(v.key != payload.key for v in values):
+            width = max(len(v.shown) for v in by_rank.values())
             lines = [_line(r, by_rank.get(r), width) for r in call.group_ranks]
             raise CollectiveMismatchError(
                 f"the ranks of group {list(call.group_ranks)} disagree on collective #{seq} of this test "
@@ -287,18 +324,18 @@ class SideChannel:
         if call.splits is not None and len(by_rank) == len(call.group_ranks):
             self._check_splits(call, by_rank, seq)
 
-    def _check_splits(self, call: Call, by_rank: dict[int, Any], seq: int) -> None:
+    def _check_splits(self, call: Call, by_rank: dict[int, Fingerprint], seq: int) -> None:
         ranks = call.group_ranks
         problems = []
         for i, src in enumerate(ranks):
             for j, dst in enumerate(ranks):
-                sends = by_rank[src][3][0][j]
-                expects = by_rank[dst][3][1][i]
+                sends = _split(by_rank[src], 0, j)
+                expects = _split(by_rank[dst], 1, i)
                 if sends != expects:
                     problems.append(
-                        f"  rank {src} sends {sends} to rank {dst} (input split {j}, at {by_rank[src][2]}) "
+                        f"  rank {src} sends {sends} to rank {dst} (input split {j}, at {by_rank[src].site}) "
                         f"but rank {dst} expects {expects} from rank {src} (output split {i}, at "
-                        f"{by_rank[dst][2]})"
+                        f"{by_rank[dst].site})"
                     )
         if problems:
             raise CollectiveMismatchError(
@@ -332,9 +369,9 @@ class SideChannel:
                 pair.pos += 1
                 pair.batch = batch
             pos = pair.batch_pos
-        payload = (call.key, call.shown, call.site, pos, dropped, call.tag)
+        payload = P2PEnd(plain(call.key), call.shown, call.site, pos, dropped, call.tag)
         letter = "s" if send else "r"
-        _put(self.store, f"{letter}/{group}/{src}/{dst}/{seq}", (payload))
+        _put(self.store, f"{letter}/{group}/{src}/{dst}/{seq}", payload)
         if send:
             self.sent[(group, src, dst, seq)] = f"{call.shown} at {call.site}"
         return Ticket(call, send, group, src, dst, seq, pos)
@@ -360,15 +397,15 @@ class SideChannel:
             f"{call.shown} (message #{ticket.seq} from rank {ticket.src} to rank {ticket.dst}, "
             f"waiting for rank {peer}'s matching {side})"
         )
-        (theirs,) = self._await([key], [peer], what, call.site)
-        their_key, their_shown, their_site, their_pos, dropped, their_tag = theirs
-        if dropped and not ticket.send:
+        (theirs,) = self._await([key], [peer], P2PEnd, what, call.site)
+        their_shown, their_site, their_pos, their_tag = theirs.shown, theirs.site, theirs.pos, theirs.tag
+        if theirs.dropped and not ticket.send:
             raise DroppedMessageError(
                 f"message #{ticket.seq} from rank {ticket.src} to rank {ticket.dst} ({their_shown} at "
                 f"{their_site}) was dropped by fault injection; {call.shown} at {call.site} would wait "
                 "forever on a real cluster."
             )
-        if their_key[1:] != call.key[1:]:
+        if theirs.key[1:] != plain(call.key)[1:]:
             raise P2PMismatchError(
                 f"message #{ticket.seq} from rank {ticket.src} to rank {ticket.dst}: the two ends disagree:\n"
                 f"  rank {self.rank}: {call.shown}  at {call.site}\n"
@@ -421,23 +458,23 @@ class SideChannel:
     def finish(self) -> None:
         """Publish this rank's counts, wait for every rank, and report unmatched messages."""
         groups = {g: (n, self.last.get(g, "")) for g, n in self.seqs.items()}
-        sent = {k: v for k, v in self.channels.items()}
-        _put(self.store, f"done/{self.rank}", ({"groups": groups, "channels": sent}))
+        mine = Done(groups, dict(self.channels))
+        _put(self.store, f"done/{self.rank}", mine)
         others = [r for r in range(self.world_size) if r != self.rank]
         if not others:
             return
         keys = [f"done/{r}" for r in others]
         try:
-            values = self._await(keys, others, "the end of the test", "(test end)", at_end=True)
+            values = self._await(keys, others, Done, "the end of the test", "(test end)", at_end=True)
         except PeerFailedError:
             return  # a peer failed: its own report says why
         done = dict(zip(others, values, strict=True))
-        done[self.rank] = {"channels": self.channels}
+        done[self.rank] = mine
         problems = []
-        channels = {c for d in done.values() for c in d["channels"] if self.rank in c[1:]}
+        channels = {c for d in done.values() for c in d.channels if self.rank in c[1:]}
         for group, src, dst in sorted(channels):
-            sent = done[src]["channels"].get((group, src, dst), 0)
-            received = done[dst]["channels"].get((group, src, dst), 0)
+            sent = done[src].channels.get((group, src, dst), 0)
+            received = done[dst].channels.get((group, src, dst), 0)
             if sent > received:
                 first = self.sent.get((group, src, dst, received), "") if src == self.rank else ""
                 problems.append(

@@ -7,7 +7,9 @@ stack of every rank that hung.
 
 Fixtures, resolved in the pytest process as usual, are pickled to the ranks;
 ``rank``, ``world_size`` and ``device_mesh_factory`` are the exceptions: each
-rank computes its own value.
+rank computes its own value. The pickles go over the pool's pipes (socketpairs
+between the pytest process and the ranks it forked), never over the network:
+what the ranks share through the TCPStore is JSON (:mod:`hp_testing._wire`).
 
 Under plain ``torchrun -m pytest`` (RANK and WORLD_SIZE already set and no pool
 involved) the plugin steps aside: the test body runs in the calling process on

@@ -144,6 +144,9 @@ class WorkerPool:
         self._generation += 1
         self._procs, self._conns = [], []
         for rank in range(self.world_size):
+            # Tasks (with their pickled fixture values) and results travel as pickles over this
+            # pipe: a socketpair between this process and its own child, which nothing on the
+            # network can reach. Only the TCPStore is reachable, and it carries JSON (see _wire).
             parent, child = ctx.Pipe(duplex=True)
             cfg = WorkerConfig(
                 rank=rank,
@@ -364,15 +367,18 @@ class WorkerPool:
 
 
 def _post_death(prefix: str, rank: int, code: int | None) -> None:
-    """Tell the live ranks' checks that ``rank`` died, so they stop waiting for it now."""
-    import pickle
+    """Tell the live ranks' checks that ``rank`` died, so they stop waiting for it now.
 
+    A JSON record, as every value the checks read from the store
+    ([Note: nothing read from the store is executed] in :mod:`hp_testing._wire`).
+    """
     import torch.distributed as dist
+
+    from hp_testing._wire import Status, encode, status_key
 
     with contextlib.suppress(Exception):
         store = dist.PrefixStore(prefix + "/", _store())
-        value: Any = pickle.dumps(("died", f"the process exited with code {code}"))
-        store.set(f"status/{rank}", value)
+        store.set(status_key(rank), encode(Status("died", f"the process exited with code {code}")))
 
 
 def _trim_stack(text: str) -> str:
