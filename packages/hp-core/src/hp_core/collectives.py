@@ -28,6 +28,7 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
+from hp_core import _issue
 from hp_core._checks import check_group_rank, check_same_dtype, check_tensor, group_facts, resolve_group
 from hp_core.capabilities import REDUCE_OPS, BackendCapabilities, capabilities_for
 from hp_core.work import Work
@@ -195,7 +196,7 @@ def all_reduce(
     plan = _plan_reduce(fn, op, scale, tensor, pg, caps)
     if plan.pre_scale is not None:
         tensor.mul_(plan.pre_scale)
-    handle = dist.all_reduce(tensor, op=plan.op, group=pg, async_op=True)
+    handle = _issue.all_reduce(tensor, plan.op, pg)
     divide_by = plan.divide_by
     post = (lambda: tensor.div_(divide_by)) if divide_by is not None else None
     return _finish(Work([handle], post, tensor), async_op)
@@ -221,7 +222,9 @@ def _gather_even(
             concatenated = output.view(world_size * input.shape[0], *input.shape[1:])
         # all_gather_single / reduce_scatter_single are torch 2.13's names for the
         # fused *_tensor collectives, which now warn as deprecated.
-        return dist.all_gather_single(concatenated, input, group=pg, async_op=True)
+        return _issue.all_gather(concatenated, input, pg)
+    if _issue.tracing():  # the functional gather needs no fused c10d support
+        return _issue.all_gather(output.view(world_size, *input.shape), input, pg)
     # Views of a contiguous output split along its first dimension are contiguous.
     chunks = list(output.view(world_size, *input.shape).unbind(0))
     return dist.all_gather(chunks, input, group=pg, async_op=True)
@@ -409,12 +412,12 @@ def reduce_scatter_tensor(
     divide_by = plan.divide_by
 
     if caps.reduce_scatter_tensor:
-        handle = dist.reduce_scatter_single(output, source, op=plan.op, group=pg, async_op=True)
+        handle = _issue.reduce_scatter(output, source, plan.op, pg)
         post = (lambda: output.div_(divide_by)) if divide_by is not None else None
         return _finish(Work([handle], post, output), async_op)
 
     buffer = source if source is not input else input.clone()
-    handle = dist.all_reduce(buffer, op=plan.op, group=pg, async_op=True)
+    handle = _issue.all_reduce(buffer, plan.op, pg)
     group_rank = group_facts(pg).rank
 
     def keep_chunk() -> None:
@@ -517,17 +520,17 @@ def all_to_all_single(
     caps = capabilities_for(pg, input.device.type)
 
     if caps.all_to_all_single:
-        handle = dist.all_to_all_single(
+        handle = _issue.all_to_all(
             output,
             input,
-            output_split_sizes=None if output_split_sizes is None else out_splits,
-            input_split_sizes=None if input_split_sizes is None else in_splits,
-            group=pg,
-            async_op=True,
+            None if output_split_sizes is None else out_splits,
+            None if input_split_sizes is None else in_splits,
+            pg,
         )
         return _finish(Work([handle], None, output), async_op)
 
     # Emulation: one batch of point-to-point transfers; the own chunk is a local copy.
+    _issue.refuse_when_tracing(fn)
     group_rank = group_facts(pg).rank
     ranks = dist.get_process_group_ranks(pg)
     in_chunks = input.split(in_splits)
@@ -611,7 +614,7 @@ def broadcast(
     check_tensor(fn, "tensor", tensor)
     pg = resolve_group(fn, group)
     source = _broadcast_source(fn, src, group_src, pg)
-    handle = dist.broadcast(tensor, group=pg, async_op=True, group_src=source)
+    handle = _issue.broadcast(tensor, source, pg)
     return _finish(Work([handle], None, tensor), async_op)
 
 

@@ -628,6 +628,16 @@ class DeviceMesh:
 
     # -- identity -----------------------------------------------------------------------
 
+    @property
+    def identity(self) -> tuple[Any, ...]:
+        """A hashable value identity: device type, shape, ranks and dim names (no tensor read).
+
+        Equal meshes have equal identities. Computed once at construction, so
+        code that runs while ``torch.compile`` traces (under fake tensors, where
+        reading the rank tensor is refused) can key caches by it.
+        """
+        return self._identity
+
     def _key(self) -> tuple[Any, ...]:
         return self._identity
 

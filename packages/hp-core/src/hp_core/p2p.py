@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp_core import _issue
 from hp_core._checks import check_group_rank, check_tensor, resolve_group
 from hp_core.work import Work
 
@@ -53,6 +54,7 @@ def recv(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> tor
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Work[torch.Tensor]:
     """Start sending ``tensor`` to global rank ``dst``; do not modify it before ``wait()``."""
     fn = "isend"
+    _issue.refuse_when_tracing(fn)
     check_tensor(fn, "tensor", tensor)
     pg = resolve_group(fn, group)
     _check_peer(fn, "dst", dst, pg)
@@ -62,6 +64,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Wo
 def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> Work[torch.Tensor]:
     """Start receiving into ``tensor`` from global rank ``src``; read it after ``wait()``."""
     fn = "irecv"
+    _issue.refuse_when_tracing(fn)
     check_tensor(fn, "tensor", tensor)
     pg = resolve_group(fn, group)
     _check_peer(fn, "src", src, pg)
@@ -99,6 +102,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> Work[list[torch.Tensor]]:
     deadlocks. Unlike torch, one :class:`Work` covers the batch.
     """
     fn = "batch_isend_irecv"
+    _issue.refuse_when_tracing(fn)
     ops = list(p2p_op_list)
     if not ops:
         raise ValueError(f"{fn}(): the op list is empty; pass at least one P2POp.")

@@ -66,13 +66,26 @@ def new_dtensor(local: torch.Tensor, layout: Layout) -> DTensor:
 
 
 class DTensor(torch.Tensor):
-    """One rank's piece (``_local``) of a global tensor described by ``_layout``."""
+    """One rank's piece (``_local``) of a global tensor described by ``_layout``.
+
+    [Note: DTensor under torch.compile]
+    DTensor is a traceable wrapper subclass: ``__tensor_flatten__`` hands
+    dynamo and AOTAutograd the local tensor and the (hashable, comparable)
+    ``Layout``, so a compiled graph runs the op rules at trace time and holds
+    only local ops and functional collectives ([Note: collectives under
+    torch.compile] in ``hp_core._issue``). Construction is never traced
+    (``__new__`` is excluded from dynamo), and the two coercion hooks tell
+    AOTAutograd which layout a gradient has at run time.
+    """
 
     _local: torch.Tensor
     _layout: Layout
 
     @staticmethod
+    @torch._disable_dynamo
     def __new__(cls, local: torch.Tensor, layout: Layout, *, requires_grad: bool = False) -> DTensor:
+        # Never traced: dynamo cannot trace _make_wrapper_subclass, and a resume frame would see a
+        # half-built wrapper without ``_layout`` ([Note: DTensor under torch.compile]).
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             layout.shape,
@@ -111,7 +124,35 @@ class DTensor(torch.Tensor):
     def __tensor_unflatten__(
         inner: dict[str, torch.Tensor], layout: Layout, outer_size: Any, outer_stride: Any
     ) -> DTensor:
-        return DTensor(inner["_local"], layout, requires_grad=inner["_local"].requires_grad)
+        local = inner["_local"]
+        if outer_size is not None and tuple(outer_size) != layout.shape:
+            # AOTAutograd rebuilds tensors with the shapes it traced (symbolic under dynamic shapes)
+            layout = Layout(layout.mesh, layout.placements, tuple(outer_size), tuple(outer_stride))
+        return DTensor(local, layout, requires_grad=local.requires_grad)
+
+    # -- AOTAutograd ([Note: DTensor under torch.compile]) ---------------------------
+
+    def __coerce_tangent_metadata__(self) -> DTensor:
+        """The layout AOTAutograd assumes for this output's gradient: Partial becomes Replicate.
+
+        A loss built from a Partial output receives a replicated gradient at
+        run time; guessing that at trace time avoids a redistribution in the
+        backward prologue.
+        """
+        if not self._layout.has_partial():
+            return self
+        placements = [Replicate() if isinstance(p, Partial) else p for p in self._layout.placements]
+        return self.redistribute(placements=placements)
+
+    def __coerce_same_metadata_as_tangent__(
+        self, expected: Layout, expected_type: Any = None
+    ) -> DTensor | None:
+        """A run-time gradient moved to the layout the compiled backward was traced with."""
+        if expected_type is not None:
+            return None
+        if self._layout == expected:
+            return self
+        return self.redistribute(device_mesh=expected.mesh, placements=expected.placements)
 
     # -- metadata ---------------------------------------------------------------------
 

@@ -314,10 +314,14 @@ _TOKENS: dict[tuple[Any, ...], int] = {}  # (mesh id, layout value) -> token; on
 
 
 def mesh_key(mesh: DeviceMesh) -> tuple[Any, ...]:
-    """A hashable value identity of ``mesh``, memoised per mesh object (computing it reads a tensor)."""
+    """A hashable value identity of ``mesh``, memoised per mesh object (which it keeps alive).
+
+    Taken from :attr:`hp_core.DeviceMesh.identity`, not from the rank tensor:
+    under ``torch.compile`` layouts are compared while fake tensors are active,
+    and reading a real tensor there is refused.
+    """
     entry = _MESH_KEYS.get(id(mesh))
     if entry is None or entry[0] is not mesh:
-        key = (mesh.device_type, tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
-        entry = (mesh, key)
+        entry = (mesh, mesh.identity)
         _MESH_KEYS[id(mesh)] = entry
     return entry[1]

@@ -26,9 +26,11 @@ import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from hp_core import DeviceMesh
 from torch import nn
 
+import hp_dtensor.tracing  # noqa: F401  (registers the metadata types for torch.compile)
 from hp_dtensor.dtensor import DTensor, distribute_tensor
 from hp_dtensor.placements import Placement, Replicate, Shard
 
@@ -109,14 +111,27 @@ class ParallelStyle:
             )
         self._params(module, mesh)
         given, desired = self.input_layouts, self.desired_input_layouts
+        output_layout, use_local = self.output_layouts, self.use_local_output
+
+        # One opaque call each under torch.compile ([Note: TP boundaries under torch.compile]); the
+        # metadata is closed over, so only the tensor crosses into the traced call.
+        @torch._dynamo.nonstrict_trace
+        def convert_input(value: torch.Tensor) -> torch.Tensor:
+            return _convert_input(value, mesh, given, desired)
+
+        @torch._dynamo.nonstrict_trace
+        def convert_output(value: torch.Tensor) -> torch.Tensor:
+            return _convert_output(value, output_layout, use_local)
 
         def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-            if not args:
+            if not args or not isinstance(args[0], torch.Tensor):
                 return args
-            return (_convert_input(args[0], mesh, given, desired), *args[1:])
+            return (convert_input(args[0]), *args[1:])
 
         def post_hook(mod: nn.Module, args: Any, output: Any) -> Any:
-            return _convert_output(output, self.output_layouts, self.use_local_output)
+            if not isinstance(output, torch.Tensor):
+                return output
+            return convert_output(output)
 
         module.register_forward_pre_hook(pre_hook)
         module.register_forward_hook(post_hook)
