@@ -140,12 +140,14 @@ def test_policies_are_frozen() -> None:
 
 
 @pytest.mark.distributed(world_size=2)
-@pytest.mark.parametrize("value", [2, "yes", 1.0])
+@pytest.mark.parametrize("value", [3, "yes", 1.0])
 def test_reshard_after_forward_values(rank: int, world_size: int, value: Any) -> None:
+    """More int cases (group sizes) in test_reshard_groups.py."""
     model = build()
     before = dict(model.named_parameters())
-    kind = NotImplementedError if isinstance(value, int) else TypeError
-    with pytest.raises(kind, match=rf"reshard_after_forward={re.escape(repr(value))}.*True, False or None"):
+    kind = ValueError if isinstance(value, int) else TypeError
+    fix = r"Pass one of \[1, 2\]" if isinstance(value, int) else "pass True, False, None"
+    with pytest.raises(kind, match=rf"reshard_after_forward={re.escape(repr(value))}.*{fix}"):
         fully_shard(model, reshard_after_forward=value)
     _untouched(model, before)
     fully_shard(model)

@@ -37,7 +37,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared on purpose
     offload_policy: OffloadPolicy | None = None,
@@ -55,6 +55,10 @@ def fully_shard(
       more memory, one all-gather less per unit). None (the default, as in
       FSDP2) means True for every unit but the root, whose backward starts
       right after its forward; an explicit True or False applies to the root too.
+      An int ``N`` (dividing the shard dim's size) frees all but ``1/N`` of the
+      gathered parameters, so backward gathers over groups of ``N`` ranks
+      only; ``1`` is False and the shard dim's size is True (see [Note:
+      reshard to groups of N ranks] in :mod:`hp_fsdp.post_forward`).
     * ``shard_placement_fn(param)``: ``Shard(d)`` to shard ``param`` along
       dim ``d`` instead of 0 (None keeps 0).
     * ``mp_policy``: see :class:`MixedPrecisionPolicy`.
@@ -100,7 +104,7 @@ def fully_shard(
             params,
             mesh,
             mp_policy,
-            reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
+            reshard_after_forward=True,  # set_reshard_after_forward below has the last word
             comm_fusion=comm_fusion,
             full_group=full_group,
         )
@@ -203,19 +207,27 @@ class HSDPModule:
             if state.group is not None:
                 state.group.requires_all_reduce = requires_all_reduce
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool | None, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool | int | None, *, recurse: bool = True
+    ) -> None:
         """Whether units free their gathered parameters after forward (True / False apply to the root too).
 
         None restores ``fully_shard``'s default (True except on the root), so a
         caller that changed the flag for a while can put back what it read from
-        :attr:`reshard_after_forward`.
+        :attr:`reshard_after_forward`. An int ``N`` reshards to groups of ``N``
+        ranks, as in ``fully_shard``; it is checked against every unit's mesh
+        before any unit changes. Call it on every rank (an int may create
+        process groups).
         """
-        check_reshard_after_forward("set_reshard_after_forward", reshard_after_forward)
-        for state in self._hp_states(recurse):
+        states = self._hp_states(recurse)
+        meshes = {s.group.mesh.identity: s.group.mesh for s in states if s.group is not None}
+        for mesh in meshes.values() or [None]:
+            check_reshard_after_forward("set_reshard_after_forward", reshard_after_forward, mesh)
+        for state in states:
             state.set_reshard_after_forward(reshard_after_forward)
 
     @property
-    def reshard_after_forward(self) -> bool | None:
+    def reshard_after_forward(self) -> bool | int | None:
         """This unit's requested ``reshard_after_forward`` (None: the default), to save and restore."""
         return self._hp_state().reshard_after_forward
 

@@ -34,6 +34,7 @@ import hp_core.collectives as hc
 import torch
 
 from hp_fsdp.param import FSDPParam
+from hp_fsdp.post_forward import PostForwardMesh
 
 __all__ = ["AllGatherHandle", "ReduceHandle", "ReducePlan", "all_gather_params", "reduce_grads"]
 
@@ -66,6 +67,7 @@ class AllGatherHandle:
     works: list[Any]
     output: torch.Tensor | None  # the fused W x S buffer, None when unfused
     sizes: list[int]
+    world: int = 1  # ranks in the gather's group (the shard group, or a post-forward group)
     done: bool = False
     versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
@@ -82,7 +84,7 @@ class AllGatherHandle:
                 tuple(b for b, _ in self.versions), tuple(v for _, v in self.versions)
             )
         if self.output is not None:
-            world = next(p.world for p in self.params if not p.replicate)
+            world = self.world
             buffers = [p.alloc_unsharded(self.output.dtype) for p in self.params if not p.replicate]
             outs = [b.view(world, -1) for b in buffers]
             with _preserve_versions(buffers):
@@ -96,14 +98,22 @@ class AllGatherHandle:
 
 
 def all_gather_params(
-    params: Sequence[FSDPParam], group: Any, dtype_of: Callable[[FSDPParam], torch.dtype], *, fused: bool
+    params: Sequence[FSDPParam],
+    group: Any,
+    dtype_of: Callable[[FSDPParam], torch.dtype],
+    *,
+    fused: bool,
+    post_forward: PostForwardMesh | None = None,
 ) -> AllGatherHandle:
     """Start gathering ``params`` (asynchronously); replicate params only get their local copy.
 
     ``dtype_of`` gives the gathered dtype of each param (the mixed-precision
     ``param_dtype`` or its own dtype). A fused gather needs one dtype, so a
     unit whose params would gather in different dtypes falls back to the
-    unfused path (see [Note: fused buckets]).
+    unfused path (see [Note: fused buckets]). With ``post_forward`` the
+    inputs are the pieces kept after forward and the gather runs over that
+    smaller group instead of ``group``; the output is the same buffer
+    ([Note: reshard to groups of N ranks] in :mod:`hp_fsdp.post_forward`).
     """
     sharded = [p for p in params if not p.replicate]
     for p in params:
@@ -113,32 +123,37 @@ def all_gather_params(
                 p.copy_in(buffer)
     if not sharded:
         return AllGatherHandle(list(params), [], None, [], done=False)
+    if post_forward is None:
+        world, rank = sharded[0].world, sharded[0].shard_rank
+        sizes = [p.padded_numel for p in sharded]
+        fill = FSDPParam.copy_in
+    else:
+        world, rank, group = post_forward.size, post_forward.rank, post_forward.group
+        sizes = [p.padded_numel * (p.world // world) for p in sharded]
+        fill = FSDPParam.copy_in_post_forward
     dtypes = {dtype_of(p) for p in sharded}
     if fused and len(dtypes) == 1:
         dtype = dtypes.pop()
-        world = sharded[0].world
-        rank = sharded[0].shard_rank
-        sizes = [p.padded_numel for p in sharded]
         total = sum(sizes)
         device = sharded[0].device
         output = torch.empty(world * total, dtype=dtype, device=device)
         segment = output[rank * total : (rank + 1) * total]
         offset = 0
         for p, size in zip(sharded, sizes, strict=True):
-            p.copy_in(segment[offset : offset + size])
+            fill(p, segment[offset : offset + size])
             offset += size
         work = hc.all_gather_into_tensor(output, segment, group, async_op=True)
-        return AllGatherHandle(list(params), [work], output, sizes)
+        return AllGatherHandle(list(params), [work], output, sizes, world)
     works = []
     versions = []
-    for p in sharded:
+    for p, size in zip(sharded, sizes, strict=True):
         buffer = p.alloc_unsharded(dtype_of(p))
         versions.append((buffer, buffer._version))
-        slot = p.rank_slot()
+        slot = p.slot(rank, size)
         with _preserve_versions([buffer]):
-            p.copy_in(slot)
+            fill(p, slot)
             works.append(hc.all_gather_into_tensor(buffer, slot, group, async_op=True))
-    return AllGatherHandle(list(params), works, None, [], versions=versions)
+    return AllGatherHandle(list(params), works, None, [], world, versions=versions)
 
 
 # -- gradient reduction ---------------------------------------------------------------------

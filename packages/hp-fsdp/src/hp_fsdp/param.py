@@ -150,6 +150,8 @@ class FSDPParam:
         self._unsharded_buffer: torch.Tensor | None = None  # see [Note: stable unsharded views]
         self._unsharded_view_buffer: torch.Tensor | None = None  # dim != 0: the assembled tensor
         self.unsharded_accumulated_grad: torch.Tensor | None = None
+        # reshard_after_forward=N: this rank's 1/N of the gathered buffer, kept from forward to backward
+        self.post_forward_data: torch.Tensor | None = None
         self._init_sharded(local_param.detach())
 
     # -- sharded state ------------------------------------------------------------------
@@ -268,12 +270,6 @@ class FSDPParam:
                     storage.resize_(nbytes)
         return buffer
 
-    def rank_slot(self) -> torch.Tensor:
-        """This rank's padded chunk inside the gathered buffer (the all-gather input, aliased)."""
-        assert self._unsharded_buffer is not None
-        start = self.shard_rank * self.padded_numel
-        return self._unsharded_buffer[start : start + self.padded_numel]
-
     def copy_in(self, slot: torch.Tensor) -> None:
         """Write this rank's shard into ``slot`` (flat, padded_numel), casting and zero-padding."""
         local = self.local_shard()
@@ -284,6 +280,47 @@ class FSDPParam:
         shaped.zero_()
         if self.local_rows:
             shaped.narrow(self.shard_dim, 0, self.local_rows).copy_(local)
+
+    def slot(self, rank: int, numel: int) -> torch.Tensor:
+        """Slot ``rank`` of ``numel`` elements inside the gathered buffer (an all-gather input, aliased)."""
+        assert self._unsharded_buffer is not None
+        return self._unsharded_buffer[rank * numel : (rank + 1) * numel]
+
+    def keep_post_forward(self, size: int, rank: int) -> None:
+        """Keep this rank's piece of the gathered buffer for a group of ``size`` ranks.
+
+        The piece is padded chunks ``rank * world/size`` to ``(rank + 1) *
+        world/size - 1``, contiguous in the flat buffer (see [Note: reshard to
+        groups of N ranks] in :mod:`hp_fsdp.post_forward`). It is a copy, so
+        the gathered buffer can be freed.
+        """
+        per = self.world // size
+        numel = per * self.padded_numel
+        if self.shard_dim == 0:
+            self.post_forward_data = self.slot(rank, numel).clone()
+            return
+        # Other shard dims: finish_copy_out released the flat buffer once it had assembled the
+        # parameter, so cut the padded chunks out of the assembled tensor again.
+        full = self._unsharded_view_buffer
+        assert full is not None
+        piece = torch.empty(numel, dtype=full.dtype, device=full.device)
+        chunks = piece.view(per, *self.padded_shape)
+        step = self.padded_shape[self.shard_dim]
+        size_dim = self.shape[self.shard_dim]
+        for index in range(per):
+            start = (rank * per + index) * step
+            rows = max(0, min(step, size_dim - start))
+            if rows < step:
+                chunks[index].zero_()
+            if rows:
+                chunks[index].narrow(self.shard_dim, 0, rows).copy_(full.narrow(self.shard_dim, start, rows))
+        self.post_forward_data = piece
+
+    def copy_in_post_forward(self, slot: torch.Tensor) -> None:
+        """Write the kept piece into ``slot`` (the backward all-gather's input) and drop it."""
+        assert self.post_forward_data is not None
+        slot.copy_(self.post_forward_data)
+        self.post_forward_data = None
 
     def finish_copy_out(self) -> None:
         """Make the gathered values visible as the unsharded parameter (a view for shard dim 0)."""

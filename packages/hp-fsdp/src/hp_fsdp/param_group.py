@@ -24,6 +24,7 @@ from hp_fsdp.collectives import (
 )
 from hp_fsdp.param import FSDPParam
 from hp_fsdp.policies import MixedPrecisionPolicy
+from hp_fsdp.post_forward import PostForwardMesh, build_post_forward_mesh, resolve
 
 __all__ = ["FSDPParamGroup"]
 
@@ -47,7 +48,11 @@ class FSDPParamGroup:
         self.mesh = mesh
         self.mp_policy = mp_policy
         self.comm_fusion = comm_fusion
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # free (all or part of) the gathered params
+        # reshard_after_forward=N: the group of N ranks that keeps the unit between forward and
+        # backward (None: reshard fully); see [Note: reshard to groups of N ranks]
+        self.post_forward_mesh: PostForwardMesh | None = None
+        self._held_post_forward: PostForwardMesh | None = None  # the group whose pieces are held now
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -76,14 +81,74 @@ class FSDPParamGroup:
         """The dtype gradients of ``p`` are reduced in (defaults to the compute dtype)."""
         return self.mp_policy.reduce_dtype or self.param_dtype(p)
 
+    # -- reshard_after_forward --------------------------------------------------------------
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks along the shard dim (the mesh's last dim)."""
+        return self.mesh.size(self.mesh.ndim - 1)
+
+    def set_reshard_after_forward(self, value: bool | int) -> None:
+        """Apply a validated ``reshard_after_forward`` (an int divides :attr:`shard_size`).
+
+        Builds the post-forward group for an int strictly between 1 and the
+        shard size (process-group creation: every rank calls this in the same
+        order, as ``fully_shard`` and the setter are). Pieces already held
+        stay valid for their own group until they are used or dropped.
+        """
+        reshard, size = resolve(value, self.shard_size)
+        self.reshard_after_forward = reshard
+        if size is None:
+            self.post_forward_mesh = None
+        elif self.post_forward_mesh is None or self.post_forward_mesh.size != size:
+            self.post_forward_mesh = build_post_forward_mesh(self.mesh, size)
+
+    @property
+    def is_sharded_post_forward(self) -> bool:
+        """Whether the pieces kept after forward are held (the next gather runs over their group)."""
+        return self._held_post_forward is not None
+
+    def reshard_after_forward_pass(self) -> None:
+        """The forward post-hook's reshard: none, to the post-forward group, or full.
+
+        Only a forward with grad keeps pieces: they exist to serve the backward
+        (see [Note: reshard to groups of N ranks]).
+        """
+        if not self.reshard_after_forward:
+            return
+        target = self.post_forward_mesh
+        if target is None or not torch.is_grad_enabled() or not self.sharded:
+            self.reshard()
+            return
+        self._land_gather()
+        if not self.is_unsharded:
+            return
+        for p in self.sharded:
+            p.keep_post_forward(target.size, target.rank)
+        self._free_gathered()
+        self._held_post_forward = target
+
+    def _drop_post_forward(self) -> None:
+        if self._held_post_forward is None:
+            return
+        for p in self.sharded:
+            p.post_forward_data = None
+        self._held_post_forward = None
+
     # -- unshard / reshard ------------------------------------------------------------------
 
     def unshard(self) -> None:
-        """Start gathering (no-op when already gathered or in flight)."""
+        """Start gathering (no-op when already gathered or in flight).
+
+        From the pieces kept after forward when they are held (over their
+        group; the pieces are copied into the gather's input and dropped),
+        otherwise from the shards over the shard group.
+        """
         if self.is_unsharded or self._gather is not None:
             return
+        held, self._held_post_forward = self._held_post_forward, None
         self._gather = all_gather_params(
-            self.params, self.shard_group, self.param_dtype, fused=self.comm_fusion
+            self.params, self.shard_group, self.param_dtype, fused=self.comm_fusion, post_forward=held
         )
 
     def wait_for_unshard(self) -> None:
@@ -100,11 +165,18 @@ class FSDPParamGroup:
         self.is_unsharded = True
 
     def reshard(self) -> None:
-        """Free the gathered storage and register the shards again."""
+        """Free the gathered storage (and any pieces kept after forward) and register the shards again."""
+        self._drop_post_forward()
+        self._land_gather()
+        self._free_gathered()
+
+    def _land_gather(self) -> None:
         if self._gather is not None:
             self._gather.finish()  # an in-flight gather must land before its buffers are freed
             self._gather = None
             self.is_unsharded = True
+
+    def _free_gathered(self) -> None:
         if not self.is_unsharded:
             return
         for p in self.params:

@@ -7,8 +7,10 @@ For each unit (one ``fully_shard`` call):
    gather), register the gathered tensors on the modules, start explicit
    forward prefetches, and wrap the forward inputs in :class:`_PostBackward`
    so that the unit learns when its backward has finished;
-2. forward post-hook: reshard (unless ``reshard_after_forward=False``) and
-   register a multi-grad hook on the outputs: the unit's *pre-backward*;
+2. forward post-hook: reshard (unless ``reshard_after_forward=False``; to
+   groups of N ranks for an int N, see [Note: reshard to groups of N ranks]
+   in :mod:`hp_fsdp.post_forward`) and register a multi-grad hook on the
+   outputs: the unit's *pre-backward*;
 3. pre-backward (first output gradient arrives): gather again if resharded,
    then prefetch the unit that runs backward next (the previous one in
    forward order on accelerators, see [Note: implicit prefetch], or the
@@ -236,8 +238,9 @@ class FSDPState:
         self.context: RootContext | None = None
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit on CPU
         self.backward_prefetch: list[FSDPState] | None = None
-        # what the user asked for: None follows FSDP2 (True for every unit but the root)
-        self.reshard_after_forward: bool | None = None
+        # what the user asked for: None follows FSDP2 (True for every unit but the root); an int N
+        # reshards to groups of N ranks ([Note: reshard to groups of N ranks] in post_forward.py)
+        self.reshard_after_forward: bool | int | None = None
         self._ran: set[int] = set()
         self._handles: list[Any] = []
         for module in self.modules:
@@ -267,17 +270,17 @@ class FSDPState:
         for state in states:
             state.apply_reshard_after_forward()
 
-    def set_reshard_after_forward(self, value: bool | None) -> None:
-        """Record the requested behaviour (None: FSDP2's default) and apply it to the group."""
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """Record the requested behaviour (None: FSDP2's default; validated already) and apply it."""
         self.reshard_after_forward = value
         self.apply_reshard_after_forward()
 
     def apply_reshard_after_forward(self) -> None:
-        """The effective flag: as requested, else True except on the root (its backward follows at once)."""
+        """The effective value: as requested, else True except on the root (its backward follows at once)."""
         if self.group is None:
             return
         value = self.reshard_after_forward
-        self.group.reshard_after_forward = (not self.is_root) if value is None else value
+        self.group.set_reshard_after_forward((not self.is_root) if value is None else value)
 
     def _root_context(self) -> RootContext:
         if self.is_root is None:
@@ -358,8 +361,8 @@ class FSDPState:
             return output
         if len(self._ran) >= len(self.modules):
             self._ran.clear()
-            if self.group is not None and self.group.reshard_after_forward:
-                self.group.reshard()
+            if self.group is not None:
+                self.group.reshard_after_forward_pass()
             if self.is_root and self.context is not None and self.context.prefetched:
                 self.context.drop_unused_prefetches()
         if self.mp_policy.output_dtype is not None:

@@ -7,16 +7,19 @@ the parameter or value at fault and the fix.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hp_core import DeviceMesh
+from hp_core.distributed import get_world_size
 from hp_dtensor import DTensor, Shard
 from torch import nn
 
 from hp_fsdp.param import ParamInfo
 from hp_fsdp.policies import OffloadPolicy
+from hp_fsdp.post_forward import group_sizes
 from hp_fsdp.state import get_state
 from hp_fsdp.tp_layout import check_tp_param
 
@@ -33,26 +36,58 @@ class ParamPlan:
     replicate: bool
 
 
-def check_reshard_after_forward(what: str, value: Any) -> None:
-    """``reshard_after_forward`` is True, False or None; refuse anything else before it is used."""
+def check_reshard_after_forward(what: str, value: Any, mesh: DeviceMesh | None = None) -> None:
+    """``reshard_after_forward`` is True, False, None or a group size; refuse anything else up front.
+
+    An int ``N`` is FSDP2's "reshard to groups of N ranks" ([Note: reshard to
+    groups of N ranks] in :mod:`hp_fsdp.post_forward`): it must divide the
+    ranks of ``mesh``'s shard dim (checked when ``mesh`` is given). ``1`` is
+    accepted as FSDP2 does, with a warning, since it means False.
+    """
     if value is None or isinstance(value, bool):
         return
-    if isinstance(value, int):
-        raise NotImplementedError(
-            f"{what}: reshard_after_forward={value!r} (an int: reshard to groups of {value} ranks) is not "
-            "supported yet; pass True, False or None (True for every unit but the root)."
+    if not isinstance(value, int):
+        raise TypeError(
+            f"{what}: reshard_after_forward={value!r} is a {type(value).__name__}; pass True, False, None "
+            "(None: True for every unit but the root) or an int N (reshard to groups of N ranks)."
         )
-    raise TypeError(
-        f"{what}: reshard_after_forward={value!r} is a {type(value).__name__}; pass True, False or None "
-        "(None: True for every unit but the root)."
-    )
+    if mesh is None:
+        if value < 1:
+            raise ValueError(
+                f"{what}: reshard_after_forward={value} is an int, which means a group size (reshard to "
+                "groups of N ranks after forward) and must be at least 1; pass False to keep the parameters "
+                "gathered after forward, True to free them."
+            )
+        return
+    size = mesh.size(mesh.ndim - 1)
+    valid = group_sizes(size)
+    if value not in valid:
+        kind = "must be at least 1" if value < 1 else f"must divide the {size} ranks of the mesh's shard dim"
+        raise ValueError(
+            f"{what}: reshard_after_forward={value} is an int, which means a group size (after forward each "
+            f"group of N ranks keeps the parameters sharded among itself), and it {kind} (mesh "
+            f"{tuple(mesh.shape)}). Pass one of {valid} ({size}: like True; 1: like False), or True / False."
+        )
+    if 1 < value < size and mesh.size() != get_world_size():
+        raise NotImplementedError(
+            f"{what}: reshard_after_forward={value} needs new process groups of {value} ranks, which hp_fsdp "
+            f"builds from the mesh's ranks; this mesh {mesh!r} spans {mesh.size()} of the {get_world_size()} "
+            "ranks (a slice beside 'tp' or 'pp'), and each rank sees only its own line. "
+            f"Pass a mesh over all ranks, or reshard_after_forward in (True, False, 1, {size})."
+        )
+    if value == 1:
+        warnings.warn(
+            f"{what}: reshard_after_forward=1 (an int) means groups of 1 rank: every rank keeps the whole "
+            "gathered parameters after forward, like False. Pass False to say so, or True to free them.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def validate_call(
     modules: list[Any], mesh: Any, offload_policy: Any, reshard_after_forward: Any = None
 ) -> None:
-    """Types, mesh shape and repeated application."""
-    check_reshard_after_forward("fully_shard", reshard_after_forward)
+    """Types, mesh shape, ``reshard_after_forward`` against the mesh, and repeated application."""
     if not modules:
         raise ValueError("fully_shard: got an empty list of modules; pass a module or a non-empty list.")
     seen: set[int] = set()
@@ -88,6 +123,7 @@ def validate_call(
             "data parallelism needs a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP). Slice the "
             "data-parallel dims out, e.g. mesh['dp_replicate', 'dp_shard']."
         )
+    check_reshard_after_forward("fully_shard", reshard_after_forward, mesh)
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             f"fully_shard: offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got "
