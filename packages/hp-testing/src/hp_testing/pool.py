@@ -378,7 +378,8 @@ def _post_death(prefix: str, rank: int, code: int | None) -> None:
 
     with contextlib.suppress(Exception):
         store = dist.PrefixStore(prefix + "/", _store())
-        store.set(status_key(rank), encode(Status("died", f"the process exited with code {code}")))
+        value: Any = encode(Status("died", f"the process exited with code {code}"))  # bytes (stub: str)
+        store.set(status_key(rank), value)
 
 
 def _trim_stack(text: str) -> str:
