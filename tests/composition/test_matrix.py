@@ -72,6 +72,8 @@ def _core_cases() -> list[Case]:
     # compiled blocks: a pipeline stage whose blocks are compiled, under each kind of schedule
     cases += [Case(compile=True, pipeline=p) for p in (None, "1f1b", "interleaved", "zb-h1", "zbv")]
     cases += [Case(wrap="block", bf16=True, ac=True, compile=True, pipeline="1f1b")]
+    cases += [Case(tp=True, compile=True), Case(tp=True, compile=True, pipeline="zbv")]  # FSDP x TP compiled
+    cases += [Case(dp="hsdp", compile=True)]
     return cases
 
 

@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+from hp_dtensor import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hp_fsdp_testlib import Block, Tol, build, parity, ref_copy, shard_blocks
+from hp_fsdp_testlib import Block, Tol, build, build_tp, parity, ref_copy, shard_blocks
 
 # name: (what is compiled, backend, world size, fully_shard options, activation checkpointing)
 CASES: dict[str, tuple[str, str, int, str, bool]] = {
@@ -33,6 +34,9 @@ CASES: dict[str, tuple[str, str, int, str, bool]] = {
     "blocks-aot_eager-bf16": ("blocks", "aot_eager", 2, "bf16", False),
     "blocks-aot_eager-no-reshard": ("blocks", "aot_eager", 2, "no_reshard", False),
     "blocks-aot_eager-checkpointed": ("blocks", "aot_eager", 2, "", True),
+    # FSDP x TP (2-D): column-/row-wise MLP inside each block, the block compiled after fully_shard
+    "blocks-aot_eager-tp": ("blocks", "aot_eager", 4, "tp", False),
+    "blocks-inductor-tp": ("blocks", "inductor", 4, "tp", False),
 }
 
 BF16_TOL = Tol(rtol=5e-2, atol=2e-2, loss_rtol=2e-2, loss_atol=2e-2, param_atol=6e-2)
@@ -73,8 +77,9 @@ def test_compiled_fully_shard_matches_eager(
     rank: int, world_size: int, device_mesh_factory: Any, name: str
 ) -> None:
     what, backend, _, kind, checkpointed = CASES[name]
-    torch._dynamo.reset()  # the pooled ranks are reused: start from empty caches
-    model = build()
+    torch._dynamo.reset()  # the pooled ranks are reused: start from empty caches and counters
+    torch._dynamo.utils.counters.clear()
+    model = build_tp() if kind == "tp" else build()
     if checkpointed:
         for i, block in enumerate(model.blocks):
             replacement = CheckpointedBlock()
@@ -85,9 +90,16 @@ def test_compiled_fully_shard_matches_eager(
         model = model.float()
         tol = BF16_TOL
     ref = ref_copy(model)
-    shard_blocks(model, **_options(kind, device_mesh_factory))
-    _compile(model, what, backend)
     dp_rank, dp_world = rank, world_size
+    if kind == "tp":
+        mesh = device_mesh_factory((2, 2), ("dp", "tp"))
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        shard_blocks(model, mesh=mesh["dp"])
+        dp_rank, dp_world = mesh.get_local_rank("dp"), 2
+    else:
+        shard_blocks(model, **_options(kind, device_mesh_factory))
+    _compile(model, what, backend)
 
     parity(model, ref, dp_rank=dp_rank, dp_world=dp_world, steps=1, tol=tol)
     compiled = dict(torch._dynamo.utils.counters["stats"])
