@@ -3,13 +3,17 @@
 Start with :func:`distribute_tensor` or :meth:`DTensor.from_local`; move
 between placements with :meth:`DTensor.redistribute` (see what it will do with
 :func:`explain_redistribute`); shard a model with :func:`parallelize_module`.
+Libraries that manage DTensor storage themselves (hp_fsdp) use
+:func:`local_tensor`, :func:`new_dtensor`, :attr:`DTensor.layout_spec` and
+:func:`chunk_sizes` instead of DTensor's private attributes.
 """
 
 import hp_dtensor.ops  # noqa: F401  (registers the op sharding rules)
 from hp_dtensor.__about__ import __version__
-from hp_dtensor.dtensor import DTensor, distribute_module, distribute_tensor
+from hp_dtensor.access import local_tensor
+from hp_dtensor.dtensor import DTensor, distribute_module, distribute_tensor, new_dtensor
 from hp_dtensor.interop import from_torch_dtensor, to_torch_dtensor
-from hp_dtensor.layout import Layout
+from hp_dtensor.layout import Layout, chunk_sizes
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.planner import RedistributePlan, RedistributeStep, explain_redistribute
 from hp_dtensor.tp import (
@@ -34,10 +38,13 @@ __all__ = [
     "SequenceParallel",
     "Shard",
     "__version__",
+    "chunk_sizes",
     "distribute_module",
     "distribute_tensor",
     "explain_redistribute",
     "from_torch_dtensor",
+    "local_tensor",
+    "new_dtensor",
     "parallelize_module",
     "to_torch_dtensor",
 ]
