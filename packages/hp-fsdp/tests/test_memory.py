@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hp_dtensor import DTensor
+from hp_dtensor import DTensor, local_tensor
 from hp_fsdp.param import FSDPParam
 from hp_fsdp.state import get_state
 
@@ -74,7 +74,7 @@ def _storage_bytes(tensors: list[Any]) -> int:
     for t in tensors:
         if t is None:
             continue
-        local = t._local if isinstance(t, DTensor) else t
+        local = local_tensor(t) if isinstance(t, DTensor) else t
         storage = local.untyped_storage()
         if storage.nbytes():
             seen[storage.data_ptr()] = storage.nbytes()

@@ -57,7 +57,7 @@ import math
 
 import torch
 from hp_core import DeviceMesh
-from hp_dtensor import DTensor, Layout, Placement, Replicate, Shard
+from hp_dtensor import DTensor, Layout, Placement, Replicate, Shard, chunk_sizes, local_tensor, new_dtensor
 from torch import nn
 
 from hp_fsdp.tp_layout import combined_layout, tp_layout_of
@@ -79,12 +79,6 @@ class ParamInfo:
 def _set_module_param(info: ParamInfo, value: nn.Parameter) -> None:
     """Register ``value`` under the attribute without nn.Module's type checks or hooks (fast path)."""
     info.module._parameters[info.name] = value
-
-
-def chunk_rows(size: int, parts: int) -> list[int]:
-    """``torch.chunk`` sizes of ``size`` rows over ``parts`` ranks, padded with zeros to ``parts`` entries."""
-    step = -(-size // parts) if size else 0
-    return [max(0, min(step, size - index * step)) for index in range(parts)]
 
 
 class FSDPParam:
@@ -123,7 +117,11 @@ class FSDPParam:
         # TP parameters: FSDP works on the TP-local tensor, see [Note: FSDP x TP]
         self.tp_layout: Layout | None = tp_layout_of(param, self.fqn)
         self.global_shape = tuple(param.shape)
-        local_param: torch.Tensor = param._local if self.tp_layout is not None else param  # type: ignore[attr-defined]
+        local_param: torch.Tensor = param
+        if self.tp_layout is not None:
+            dt = param if isinstance(param, DTensor) else param.data
+            assert isinstance(dt, DTensor)  # tp_layout_of found the layout on one of them
+            local_param = local_tensor(dt)
         self.shape = tuple(local_param.shape)
         self.numel = local_param.numel()
         shard_mesh_dim = mesh.ndim - 1
@@ -134,7 +132,7 @@ class FSDPParam:
             self.padded_shape = self.shape
             self.local_rows = self.shape[shard_dim] if self.shape else 1
         else:
-            rows = chunk_rows(self.shape[shard_dim], self.world)
+            rows = chunk_sizes(self.shape[shard_dim], self.world)
             self.placements = (*([Replicate()] * (mesh.ndim - 1)), Shard(shard_dim))
             padded = list(self.shape)
             padded[shard_dim] = -(-self.shape[shard_dim] // self.world)
@@ -172,8 +170,7 @@ class FSDPParam:
     def _wrap_local(self, local: torch.Tensor) -> None:
         if self.offload and self.pin_memory and _can_pin(local):
             local = local.pin_memory()
-        dt = DTensor(local, self.layout)
-        self.sharded_param = nn.Parameter(dt, requires_grad=self.requires_grad)
+        self.sharded_param = nn.Parameter(new_dtensor(local, self.layout), requires_grad=self.requires_grad)
         for info in self.infos:
             _set_module_param(info, self.sharded_param)
 
@@ -188,12 +185,12 @@ class FSDPParam:
         if current is None:
             return
         self.orig_dtype = current.dtype  # .to(dtype) changes what gradients are cast back to
-        if isinstance(current, DTensor) and current._layout == self.layout:
+        if isinstance(current, DTensor) and current.layout_spec == self.layout:
             self.sharded_param = current
             for info in self.infos:
                 _set_module_param(info, current)
             return
-        source: torch.Tensor = current._local if isinstance(current, DTensor) else current  # TP meta-init
+        source = local_tensor(current) if isinstance(current, DTensor) else current  # TP meta-init
         self._wrap_local(self._local_from_full(source.detach()).contiguous())
 
     def load_full_or_sharded(self, value: torch.Tensor) -> torch.Tensor:
@@ -203,7 +200,7 @@ class FSDPParam:
         redistributed to this layout if its placements differ.
         """
         if isinstance(value, DTensor):
-            if value._layout == self.layout:
+            if value.layout_spec == self.layout:
                 return value
             if value.device_mesh == self.layout.mesh:
                 return value.redistribute(placements=self.placements)
@@ -215,24 +212,22 @@ class FSDPParam:
             local = value.detach()
             for dim, (start, size) in enumerate(zip(offsets, sizes, strict=True)):
                 local = local.narrow(dim, start, size)
-            return DTensor(local.to(self.local_shard().device).contiguous(), self.layout)
+            return new_dtensor(local.to(self.local_shard().device).contiguous(), self.layout)
         local = self._local_from_full(value.detach())
-        return DTensor(local.to(self.local_shard().device), self.layout)
+        return new_dtensor(local.to(self.local_shard().device), self.layout)
 
     def local_shard(self) -> torch.Tensor:
         """This rank's unpadded shard (a plain tensor sharing the parameter's storage).
 
-        Read straight from the DTensor's ``_local``: going through ``.data``
-        would dispatch a ``detach`` through hp_dtensor for every parameter on
-        every all-gather (about 3% of a small model's step in
-        ``benchmarks/fsdp_step.py``). The local tensor of a Parameter never
-        requires grad, so copying from it records nothing for autograd.
+        Read with :func:`hp_dtensor.local_tensor`, an attribute read: going
+        through ``.data`` would dispatch a ``detach`` through hp_dtensor for
+        every parameter on every all-gather (about 3% of a small model's step
+        in ``benchmarks/fsdp_step.py``), and ``to_local()`` runs an autograd
+        Function. The local tensor of a Parameter never requires grad, so
+        copying from it records nothing for autograd.
         """
-        local = self.sharded_param.__dict__.get("_local")
-        if local is None or local.requires_grad:
-            data = self.sharded_param.data
-            return data._local if isinstance(data, DTensor) else data
-        return local
+        local = local_tensor(self.sharded_param)  # type: ignore[arg-type]  # the Parameter is a DTensor
+        return local.detach() if local.requires_grad else local
 
     def set_local_shard(self, local: torch.Tensor) -> None:
         """Copy ``local`` into the shard in place (keeps optimizer state keyed by the Parameter)."""
@@ -344,7 +339,7 @@ class FSDPParam:
             else:
                 data = buffer[: self.numel].view(self.shape)
             if self.tp_layout is not None:
-                data = DTensor(data, self.tp_layout)
+                data = new_dtensor(data, self.tp_layout)
             self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
 
     def free_unsharded(self) -> None:
@@ -405,10 +400,9 @@ class FSDPParam:
         """The gradient as a plain tensor of the gathered (TP-local) shape."""
         if not isinstance(grad, DTensor):
             return grad
-        if self.tp_layout is not None and grad._layout != self.tp_layout:
+        if self.tp_layout is not None and grad.layout_spec != self.tp_layout:
             grad = grad.redistribute(placements=self.tp_layout.placements)  # e.g. Partial -> Shard
-        local: torch.Tensor = grad._local
-        return local
+        return local_tensor(grad)
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor, *, main_grad: bool) -> None:
         """Add the reduced local gradient to ``.grad`` (or the fp32 ``main_grad``)."""
@@ -422,14 +416,14 @@ class FSDPParam:
         home = torch.device("cpu") if self.offload else local_grad.device
         local = local_grad.to(device=home, dtype=target_dtype)
         if existing is not None:
-            existing_local = existing._local if isinstance(existing, DTensor) else existing
+            existing_local = local_tensor(existing) if isinstance(existing, DTensor) else existing
             existing_local.add_(local)
             return
         if not local.is_contiguous():
             local = local.contiguous()  # shard dims other than 0: DTensor locals are contiguous
         # A contiguous piece stays a view of the unit's reduce output (as torch's FSDP2 does): a copy
         # would hold the output and the copies (2/W of the unit) at once.
-        grad = DTensor(local, self.layout)
+        grad = new_dtensor(local, self.layout)
         if main_grad:
             param.main_grad = grad  # type: ignore[attr-defined]
         else:

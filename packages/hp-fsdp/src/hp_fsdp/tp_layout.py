@@ -11,19 +11,17 @@ import itertools
 from typing import Any
 
 from hp_core import DeviceMesh
-from hp_dtensor import DTensor, Layout, Partial, Placement, Shard
+from hp_dtensor import DTensor, Layout, Partial, Placement, Shard, chunk_sizes
 
 __all__ = ["check_tp_param", "combined_layout", "tp_layout_of"]
 
 
 def _layout(param: Any) -> Layout | None:
     if isinstance(param, DTensor):
-        layout: Layout = param._layout
-        return layout
+        return param.layout_spec
     data = getattr(param, "data", None)
     if isinstance(data, DTensor):
-        inner: Layout = data._layout
-        return inner
+        return data.layout_spec
     return None
 
 
@@ -69,8 +67,6 @@ def combined_layout(
     tp_layout: Layout, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], world: int
 ) -> Layout:
     """The exact layout over the data-parallel dims and the TP dim (see [Note: FSDP x TP])."""
-    from hp_fsdp.param import chunk_rows
-
     tp_mesh = tp_layout.mesh
     tp_placement = tp_layout.placements[0]
     fsdp = dp_placements[-1]
@@ -89,6 +85,6 @@ def combined_layout(
     table = []
     for coord in itertools.product(*(range(n) for n in mesh.shape)):
         sizes = list(tp_layout.local_shape_at((coord[tp_pos],)))
-        sizes[fsdp.dim] = chunk_rows(sizes[fsdp.dim], world)[coord[shard_pos]]
+        sizes[fsdp.dim] = chunk_sizes(sizes[fsdp.dim], world)[coord[shard_pos]]
         table.append(tuple(sizes))
     return Layout(mesh, placements, tp_layout.shape, ragged=table)
