@@ -111,3 +111,26 @@ def test_compiled_fully_shard_matches_eager(
     with torch._dynamo.config.patch(error_on_recompile=True):
         parity(model, ref, dp_rank=dp_rank, dp_world=dp_world, steps=3, tol=tol)
     assert dict(torch._dynamo.utils.counters["stats"]).get("unique_graphs") == compiled.get("unique_graphs")
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
+def test_compiled_before_fully_shard(rank: int, world_size: int, how: str) -> None:
+    """Compiling first, then sharding (the other common order) trains the same: the hooks stay eager."""
+    torch._dynamo.reset()
+    model = build()
+    ref = ref_copy(model)
+    from hp_fsdp import fully_shard
+
+    for i, block in enumerate(model.blocks):
+        if how == "module.compile":
+            block.compile(backend="aot_eager")
+        else:  # an OptimizedModule wrapping the block: fully_shard manages the parameters it shares
+            model.blocks[i] = torch.compile(block, backend="aot_eager")
+            # the reference gets the same wrapper (names gain "_orig_mod."), run by dynamo's eager backend
+            ref.blocks[i] = torch.compile(ref.blocks[i], backend="eager")
+        fully_shard(model.blocks[i])
+    fully_shard(model)
+    parity(model, ref, dp_rank=rank, dp_world=world_size, steps=1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        parity(model, ref, dp_rank=rank, dp_world=world_size, steps=2)
