@@ -25,6 +25,7 @@ from typing import Any
 import hp_core
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from hp_dtensor import DTensor
 from hp_fsdp import FSDPModule, fully_shard
@@ -105,6 +106,7 @@ class Case:
     tokens: bool = True
     mode: str = "full"
     nested: bool = False  # fully_shard each stage's ``fc`` first, then the stage (two units a stage)
+    compiled: bool = False  # each stage module compiled (aot_eager) after fully_shard
 
 
 CASES = {
@@ -113,6 +115,7 @@ CASES = {
     "zbv-load-tokens-min": Case(3, base="zbv", loading=True, mode="min"),
     "1f1b-nested": Case(4, nested=True),
     "zbv-load-nested": Case(3, base="zbv", loading=True, nested=True),
+    "1f1b-load-compiled": Case(4, loading=True, compiled=True),
 }
 
 
@@ -161,6 +164,10 @@ def test_mpipe_fsdp_2x2_matches_single_process(
             fully_shard(modules[s].fc, mesh=mesh["dp"])
         fully_shard(modules[s], mesh=mesh["dp"])
         assert isinstance(modules[s], FSDPModule)
+        if case.compiled:
+            torch._dynamo.reset()  # pooled ranks are reused: empty caches and counters
+            torch._dynamo.utils.counters.clear()
+            modules[s].compile(backend="aot_eager")
         stages.append(PipelineStage(modules[s], s, num_stages, group=pp_group))
     schedule = schedule_for(case, stages, my_tower, m, dp_group=dp_group)
     assert any(step.type.is_fsdp for step in schedule.order[pp_rank]), "no FSDP steps were inserted"
@@ -269,3 +276,5 @@ def test_mpipe_fsdp_2x2_matches_single_process(
         for (pname, got), want in zip(my_tower.named_parameters(), ref_tower.parameters(), strict=True):
             close(got.detach(), want.detach(), f"step {step} tower {pname} after AdamW on rank {rank}")
     schedule.check_tower_sync()
+    if case.compiled:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "no stage was compiled"
