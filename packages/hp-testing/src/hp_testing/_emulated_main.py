@@ -1,4 +1,4 @@
-"""Entry point of one ``hp-run --emulate nccl|hccl`` rank: install the layer, then run the script.
+"""Entry point of one ``hp-run --emulate nccl|hccl`` (or ``--strict``) rank: the layer, then the script.
 
 The user's script runs unchanged (``runpy``, as ``python script.py`` would):
 ``hp_core.init_distributed()`` sees the emulated platform and asks for
@@ -6,6 +6,11 @@ The user's script runs unchanged (``runpy``, as ``python script.py`` would):
 same rules and cross-rank checks as in the pytest harness. The checks use
 their own client of the rendezvous store, created after the script
 initialised its process group.
+
+Strict mode is the layer's own (``Layer.strict``, as for the marker's
+``strict=True``): async outputs are poisoned until ``wait()``, inputs and
+outputs touched before it raise there, and once the script has ended
+normally, async work it never waited is reported and the rank exits 1.
 """
 
 from __future__ import annotations
@@ -45,11 +50,23 @@ def _channel_factory() -> Any:
     )
 
 
+def _run_script(rest: list[str]) -> None:
+    """Run the user's script (``[path, *args]``) or module (``["-m", name, *args]``) as ``__main__``."""
+    if rest and rest[0] == "-m":
+        sys.argv = [rest[1], *rest[2:]]
+        runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = rest
+        sys.path.insert(0, os.path.dirname(os.path.abspath(rest[0])))
+        runpy.run_path(rest[0], run_name="__main__")
+
+
 def main(argv: list[str]) -> None:
-    profile, checks, *rest = argv
+    """``argv``: profile name, ``checks``/``no-checks``, ``strict``/``no-strict``, then the target."""
+    profile, checks, strict, *rest = argv
     from hp_testing.emulation import install
 
-    layer = install(profile, checks=checks == "checks")
+    layer = install(profile, checks=checks == "checks", strict=strict == "strict")
     layer.channel_factory = _channel_factory
     previous = sys.excepthook
 
@@ -58,13 +75,29 @@ def main(argv: list[str]) -> None:
         previous(kind, exc, tb)
 
     sys.excepthook = excepthook
-    if rest and rest[0] == "-m":
-        sys.argv = [rest[1], *rest[2:]]
-        runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = rest
-        sys.path.insert(0, os.path.dirname(os.path.abspath(rest[0])))
-        runpy.run_path(rest[0], run_name="__main__")
+    try:
+        _run_script(rest)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise  # the script failed: its own status stands
+    if layer.strict:
+        _report_unwaited(layer)
+
+
+def _report_unwaited(layer: Any) -> None:
+    """Exit 1 naming every never-waited async call; the message (with call sites) is the whole report.
+
+    A traceback would show only the harness: the script's frames are gone by now.
+    """
+    from hp_testing._hazards import AsyncHazardError
+
+    try:
+        layer.check_unwaited()
+    except AsyncHazardError as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        layer.post_failure(text)
+        sys.stderr.write(f"rank {os.environ.get('RANK', '?')}: {text}\n")  # one write: lines stay together
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -232,6 +232,12 @@ class Layer:
                 + "; ".join(f.describe() for f in unfired)
                 + ". The test issued fewer calls than the fault's at=; lower it so the error path runs."
             )
+        self.check_unwaited()
+        if self.channel is not None:
+            self.channel.finish()
+
+    def check_unwaited(self) -> None:
+        """Strict mode: raise for async work never waited (end of a test, or of an ``hp-run`` script)."""
         if self.unwaited:
             lines = "\n".join(f"  {what} at {site}" for what, site in self.unwaited.values())
             self.unwaited = {}
@@ -241,8 +247,6 @@ class Layer:
                 + "\nOn a GPU its result would be read (or its buffers reused) while the collective is "
                 "still running. Call .wait() on every work handle."
             )
-        if self.channel is not None:
-            self.channel.finish()
 
     def end_test(self) -> list[str]:
         """Forget the test; return the faults that fired plus the ones that never did."""

@@ -27,6 +27,29 @@ from typing import IO
 from hp_testing._lifetime import preexec_die_with_parent
 from hp_testing._supervisor import SignalCatcher, stop_after_failure, supervise
 
+ENV_STRICT = "HP_RUN_STRICT"
+_YES = ("1", "true", "yes", "on")
+_NO = ("0", "false", "no", "off")
+
+
+def _strict(flag: bool | None, emulate: str | None, parser: argparse.ArgumentParser) -> bool:
+    """``--strict``/``--no-strict``, else ``$HP_RUN_STRICT``, else on exactly under ``--emulate``.
+
+    On by default under emulation because that is where a script is checked
+    for the GPU it will meet; plain ``hp-run`` stays a torchrun look-alike.
+    """
+    if flag is not None:
+        return flag
+    raw = os.environ.get(ENV_STRICT, "").strip().lower()
+    if not raw:
+        return emulate is not None
+    if raw in _YES + _NO:
+        return raw in _YES
+    parser.error(
+        f"{ENV_STRICT}={raw!r} is neither yes nor no; set it to 1 or 0, or unset it "
+        "(then strict mode is on under --emulate)"
+    )
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -94,7 +117,23 @@ def _parser() -> argparse.ArgumentParser:
         "backend's rules and the cross-rank checks of hp-testing",
     )
     parser.add_argument(
-        "--no-checks", action="store_true", help="with --emulate: skip the cross-rank checks (rules stay)"
+        "--no-checks",
+        action="store_true",
+        help="with --emulate or --strict: skip the cross-rank checks (rules stay)",
+    )
+    strict = parser.add_mutually_exclusive_group()
+    strict.add_argument(
+        "--strict",
+        dest="strict",
+        action="store_const",
+        const=True,
+        default=None,
+        help="async hazards become errors (outputs poisoned until wait(), buffers touched before it, "
+        f"work never waited), as the pytest marker's strict=True; the default under --emulate "
+        f"(or set {ENV_STRICT}=1/0)",
+    )
+    strict.add_argument(
+        "--no-strict", dest="strict", action="store_const", const=False, help="turn strict mode off"
     )
     parser.add_argument("script", help="the script (or module with -m) to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -103,16 +142,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hp-run``; returns 0, the first failing rank's exit code, or ``128 + signum``."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.nproc < 1:
         _parser().error(f"-n must be at least 1, got {args.nproc}")
     if not args.module and not os.path.exists(args.script):
         _parser().error(f"script {args.script!r} does not exist (use -m to run a module)")
     port = args.master_port or _free_port()
     target = ["-m", args.script] if args.module else [args.script]
-    if args.emulate is not None:
+    strict = _strict(args.strict, args.emulate, parser)
+    if args.emulate is not None or strict:
+        # The layer of the pytest harness; with --strict alone, under gloo's own rules.
+        profile = f"{args.emulate}-emu" if args.emulate is not None else "gloo"
         checks = "no-checks" if args.no_checks else "checks"
-        target = ["-m", "hp_testing._emulated_main", f"{args.emulate}-emu", checks, *target]
+        mode = "strict" if strict else "no-strict"
+        target = ["-m", "hp_testing._emulated_main", profile, checks, mode, *target]
     command = [sys.executable, "-u", *target, *args.script_args]
     return launch(command, args.nproc, port, grace_s=args.grace, tag_output=args.tag_output)
 

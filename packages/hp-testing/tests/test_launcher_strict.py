@@ -1,0 +1,91 @@
+"""hp-run's strict mode: async hazards that plain gloo lets through fail under --emulate.
+
+Each planted bug exits 0 under plain ``hp-run`` (gloo finishes the all-reduce
+before anyone looks, or nobody looks at all) and must fail under
+``hp-run --emulate nccl``, where strict mode is on by default, with the
+collective and its line named.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hp_testing.launcher import main
+
+PLANTED = """
+import sys, torch, torch.distributed as dist, hp_core
+hp_core.init_distributed()
+t = torch.ones(2)
+work = dist.all_reduce(t, async_op=True)
+if sys.argv[1] == "written-early":
+    t.zero_()  # reuses the buffer before wait(): on a GPU this races with the all-reduce
+    work.wait()
+# "never-waited": the work handle is dropped
+dist.barrier()
+hp_core.destroy_distributed()
+print(f"rank {dist.get_rank() if dist.is_initialized() else '-'} finished")
+"""
+
+WRITTEN_EARLY = (
+    "AsyncHazardError: all_reduce(tensor 2 torch.float32, op SUM) issued with async_op=True at "
+    "{name}:5 in <module>: between the issue and wait(), its output tensor was written to"
+)
+NEVER_WAITED = (
+    "AsyncHazardError: async work issued with async_op=True was never waited:\n"
+    "  all_reduce(tensor 2 torch.float32, op SUM) at {name}:5 in <module>"
+)
+
+
+def _hp_run(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "planted.py"
+    script.write_text(textwrap.dedent(PLANTED))
+    cmd = [sys.executable, "-m", "hp_testing.launcher", "-n", "2", *args[:-1], str(script), args[-1]]
+    full_env = {k: v for k, v in os.environ.items() if k != "HP_RUN_STRICT"}
+    full_env.update(env or {})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=full_env)
+
+
+def _site_name(tmp_path: Path) -> str:
+    return f"{tmp_path.name}/planted.py"
+
+
+@pytest.mark.parametrize(
+    ("bug", "expected"), [("written-early", WRITTEN_EARLY), ("never-waited", NEVER_WAITED)]
+)
+def test_planted_async_bug_passes_plain_gloo_and_fails_emulated_nccl(
+    tmp_path: Path, bug: str, expected: str
+) -> None:
+    plain = _hp_run(tmp_path, bug)
+    assert plain.returncode == 0, plain.stdout + plain.stderr  # gloo hides the bug
+    emulated = _hp_run(tmp_path, "--emulate", "nccl", bug)
+    assert emulated.returncode == 1, emulated.stdout + emulated.stderr
+    assert expected.format(name=_site_name(tmp_path)) in emulated.stderr
+
+
+def test_strict_flags_and_environment(tmp_path: Path) -> None:
+    off = _hp_run(tmp_path, "--emulate", "nccl", "--no-strict", "never-waited")
+    assert off.returncode == 0, off.stdout + off.stderr
+    off_by_env = _hp_run(tmp_path, "--emulate", "nccl", "never-waited", env={"HP_RUN_STRICT": "0"})
+    assert off_by_env.returncode == 0, off_by_env.stdout + off_by_env.stderr
+    # Without --emulate: the layer under gloo's own rules, strict because it was asked for.
+    on_by_env = _hp_run(tmp_path, "never-waited", env={"HP_RUN_STRICT": "1"})
+    assert on_by_env.returncode == 1, on_by_env.stdout + on_by_env.stderr
+    assert NEVER_WAITED.format(name=_site_name(tmp_path)) in on_by_env.stderr
+
+
+def test_a_bad_strict_environment_value_is_explained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    monkeypatch.setenv("HP_RUN_STRICT", "maybe")
+    with pytest.raises(SystemExit):
+        main(["-n", "1", "--emulate", "nccl", str(script)])
+    assert "HP_RUN_STRICT='maybe' is neither yes nor no; set it to 1 or 0" in capsys.readouterr().err
