@@ -9,6 +9,11 @@ read from the torch profiler's memory events (CPU has no allocator counters).
 
 Run: ``hp-run -n 4 benchmarks/fsdp_step.py`` (measures 2 and 4 ranks; with
 ``-n 2`` only 2). Prints a table, then as its last line one JSON object.
+
+``--compile`` compiles every block after ``fully_shard`` (``block.compile()``,
+inductor, torchtitan's recipe) on both sides and also times hp's eager step:
+the ratios then name the compiled anchor (``torch_fully_shard_compiled_...``)
+and our own eager step (``hp_eager_step_time_...``).
 """
 
 from __future__ import annotations
@@ -102,18 +107,32 @@ def _peak_bytes(fn: Any) -> int:
     return peak
 
 
+def _compiled(model: Model, backend: str) -> Model:
+    for block in model.blocks:
+        block.compile(backend=backend)
+    return model
+
+
 def measure(mesh: DeviceMesh, group: Any, args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     base = Model(args.vocab, args.dim, args.blocks)
-    models = {"hp": _shard_hp(copy.deepcopy(base), mesh), "torch": _shard_torch(copy.deepcopy(base), mesh)}
+    models: dict[str, nn.Module] = {
+        "hp": _shard_hp(copy.deepcopy(base), mesh),
+        "torch": _shard_torch(copy.deepcopy(base), mesh),
+    }
+    if args.compile:
+        models["hp"] = _compiled(models["hp"], args.backend)  # type: ignore[arg-type]
+        models["torch"] = _compiled(models["torch"], args.backend)  # type: ignore[arg-type]
+        models["hp_eager"] = _shard_hp(copy.deepcopy(base), mesh)
+    order = list(models)
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
     rank = mesh.get_local_rank(0)
     g = torch.Generator().manual_seed(1 + rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     targets = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-    times: dict[str, list[float]] = {"hp": [], "torch": []}
+    times: dict[str, list[float]] = {name: [] for name in order}
     for it in range(args.warmup + args.iters):
-        for name in ("hp", "torch") if it % 2 == 0 else ("torch", "hp"):
+        for name in order if it % 2 == 0 else order[::-1]:
             dist.barrier(group=group)
             start = time.perf_counter()
             _step(models[name], opts[name], tokens, targets)
@@ -131,8 +150,15 @@ def measure(mesh: DeviceMesh, group: Any, args: argparse.Namespace) -> dict[str,
             )
     peaks = {name: float(statistics.median(values)) for name, values in samples.items()}
     # the slowest rank sets the pace of a step; the largest rank sets the memory need
+    eager = statistics.median(times["hp_eager"]) if "hp_eager" in times else float("nan")
     out = torch.tensor(
-        [statistics.median(times["hp"]), statistics.median(times["torch"]), peaks["hp"], peaks["torch"]],
+        [
+            statistics.median(times["hp"]),
+            statistics.median(times["torch"]),
+            peaks["hp"],
+            peaks["torch"],
+            eager,
+        ],
         dtype=torch.float64,
     )
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
@@ -141,6 +167,7 @@ def measure(mesh: DeviceMesh, group: Any, args: argparse.Namespace) -> dict[str,
         "torch_step_s": out[1].item(),
         "hp_peak": out[2].item(),
         "torch_peak": out[3].item(),
+        "hp_eager_step_s": out[4].item(),
     }
 
 
@@ -154,6 +181,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="compile each block after fully_shard")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend with --compile")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # torch FSDP2's advice, not ours
     hp_core.init_distributed()
@@ -171,6 +200,7 @@ def main() -> None:
         print(
             f"fsdp_step: transformer dim={args.dim} blocks={args.blocks} vocab={args.vocab} "
             f"batch={args.batch}x{args.seq} per rank, AdamW, {args.iters} alternating steps, median"
+            + (f", blocks compiled ({args.backend})" if args.compile else "")
         )
         print(
             f"{'ranks':>5} | {'hp ms':>8} | {'torch ms':>8} | {'time ratio':>10} | "
@@ -186,8 +216,14 @@ def main() -> None:
                 f"{size:>5} | {hp_ms:>8.2f} | {torch_ms:>8.2f} | {t_ratio:>10.3f} | "
                 f"{r['hp_peak'] / 2**20:>11.2f} | {r['torch_peak'] / 2**20:>14.2f} | {m_ratio:>9.3f}"
             )
-            ratios[f"torch_fully_shard_step_time_{size}r"] = round(t_ratio, 4)
-            ratios[f"torch_fully_shard_peak_memory_{size}r"] = round(m_ratio, 4)
+            anchor = "torch_fully_shard_compiled" if args.compile else "torch_fully_shard"
+            ratios[f"{anchor}_step_time_{size}r"] = round(t_ratio, 4)
+            ratios[f"{anchor}_peak_memory_{size}r"] = round(m_ratio, 4)
+            if args.compile:
+                eager_ratio = r["hp_step_s"] / r["hp_eager_step_s"]
+                ratios[f"hp_eager_step_time_{size}r"] = round(eager_ratio, 4)
+                eager_ms = 1e3 * r["hp_eager_step_s"]
+                print(f"{'':>5}   hp compiled / hp eager step: {eager_ratio:.3f} ({eager_ms:.2f} ms eager)")
             raw[f"{size}r"] = {k: round(v, 6) for k, v in r.items()}
         print(json.dumps({"benchmark": "fsdp_step", "ratios": ratios, "raw": raw, "config": vars(args)}))
     hp_core.destroy_distributed()
