@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hp_pipeline import (
     MetaStep,
     MetaStepType,
+    build_dualpipev_order,
     build_interleaved_1f1b_order,
     build_zbv_order,
     format_order,
@@ -37,6 +39,8 @@ EXAMPLES = [
     (MetaStep(2, T.UNSHARD, 1), "1UNSHARD2"),
     (MetaStep(7, T.FWD_SEND, 0, 3), "0SEND_F7->3"),
     (MetaStep(7, T.BWD_RECV, 2, 0), "2RECV_B7<-0"),
+    (MetaStep.overlap(MetaStep(3, T.FWD, 0), MetaStep(1, T.BWD, 7)), "(0F3;7B1)OVERLAP_F_B"),
+    (MetaStep.overlap(MetaStep(12, T.FWD, 5), MetaStep(0, T.BWD_INPUT, 2)), "(5F12;2I0)OVERLAP_F_B"),
 ]
 
 
@@ -50,8 +54,50 @@ def test_text_form_round_trips(step: MetaStep, text: str) -> None:
 
 def test_every_type_has_a_distinct_code() -> None:
     codes = [t.code for t in MetaStepType]
-    assert len(set(codes)) == len(codes) == 21  # 14 base types + 7 MPipe types
+    assert len(set(codes)) == len(codes) == 22  # 14 base types + 7 MPipe types + OVERLAP_F_B
     assert all(MetaStepType(t.code) is t for t in MetaStepType)
+
+
+def test_overlap_step_mirrors_its_forward_and_lists_its_halves() -> None:
+    forward, backward = MetaStep(3, T.FWD, 0), MetaStep(1, T.BWD, 7)
+    pair = MetaStep.overlap(forward, backward)
+    assert pair.type is T.OVERLAP_F_B and pair.type.is_overlap and pair.type.is_compute
+    assert (pair.micro_index, pair.stage_index, pair.peer_stage) == (3, 0, None)
+    assert pair.sub_steps == pair.parts == (forward, backward)
+    assert forward.parts == (forward,) and forward.sub_steps is None
+    # Equal pairs hash equally (the hash is built from ints only, so it is the same on every rank).
+    assert {pair, MetaStep.overlap(MetaStep(3, T.FWD, 0), MetaStep(1, T.BWD, 7))} == {pair}
+    assert pair != MetaStep.overlap(forward, MetaStep(1, T.BWD_INPUT, 7))
+    assert pair != forward
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: MetaStep(3, T.OVERLAP_F_B, 0), r"pairs a forward \(F\) with a backward \(B or I\)"),
+        (
+            lambda: MetaStep.overlap(MetaStep(1, T.BWD, 7), MetaStep(3, T.FWD, 0)),
+            r"in that order; got sub_steps=",
+        ),
+        (
+            lambda: MetaStep.overlap(MetaStep(3, T.FWD, 0), MetaStep(1, T.BWD_WEIGHT, 7)),
+            r"a backward \(B or I\)",
+        ),
+        (lambda: MetaStep.overlap(MetaStep(3, T.FWD, 0), MetaStep(3, T.BWD, 0)), "0B3 needs 0F3"),
+        (
+            lambda: MetaStep(2, T.OVERLAP_F_B, 0, None, (MetaStep(3, T.FWD, 0), MetaStep(1, T.BWD, 7))),
+            r"carries its forward's micro-batch and stage \(3, 0\), got \(2, 0\)",
+        ),
+        (
+            lambda: MetaStep(3, T.FWD, 0, None, (MetaStep(3, T.FWD, 0), MetaStep(1, T.BWD, 7))),
+            "FWD has no sub_steps",
+        ),
+        (lambda: MetaStep.overlap("0F3", MetaStep(1, T.BWD, 7)), "takes two MetaSteps, got str"),  # type: ignore[arg-type]
+    ],
+)
+def test_invalid_overlap_steps_are_rejected(make: Any, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        make()
 
 
 def test_steps_are_immutable_and_hashable() -> None:
@@ -102,6 +148,12 @@ def test_invalid_steps_are_rejected(args: tuple, message: str) -> None:
         ("0F1->2", "'->peer' belongs to SEND"),
         ("0SEND_F1<-2", "'->peer' belongs to SEND"),
         ("0SEND_D1", "must name its peer_stage"),
+        ("0OVERLAP_F_B3", r"written with its two halves, e.g. '\(0F3;7B1\)OVERLAP_F_B'"),
+        ("(0F3)OVERLAP_F_B", r"written '\(forward;backward\)OVERLAP_F_B'"),
+        ("(0F3;7B1;1F0)OVERLAP_F_B", r"written '\(forward;backward\)OVERLAP_F_B'"),
+        ("(0F3;7B1)OVERLAP", r"written '\(forward;backward\)OVERLAP_F_B'"),
+        ("(0F3;7X1)OVERLAP_F_B", "unknown step code 'X'"),
+        ("(7B1;0F3)OVERLAP_F_B", "in that order"),
     ],
 )
 def test_parse_errors_say_what_is_expected(text: str, message: str) -> None:
@@ -128,6 +180,18 @@ def test_csv_round_trip_through_a_file(tmp_path: Path, with_data: bool) -> None:
     lines = path.read_text().splitlines()
     assert len(lines) == 3 and lines[0].startswith("0,")
     assert read_order_csv(path) == order
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_csv_round_trip_of_overlapped_steps(tmp_path: Path, p: int) -> None:
+    order = insert_comms(build_dualpipev_order(p, 2 * p + 1), data_stages=[2 * p - 1])
+    assert any(step.type is T.OVERLAP_F_B for steps in order.values() for step in steps)
+    path = tmp_path / "dualpipev.csv"
+    write_order_csv(order, path)
+    assert "(0F" in path.read_text() and ")OVERLAP_F_B" in path.read_text()  # one cell per pair
+    assert read_order_csv(path) == order
+    grid = format_order(order)
+    assert all(str(step) in grid for step in order[0])
 
 
 def test_csv_round_trip_through_a_stream_keeps_empty_ranks() -> None:

@@ -11,6 +11,7 @@ from hp_pipeline import (
     ScheduleError,
     StepCosts,
     build_1f1b_order,
+    build_dualpipev_order,
     build_zbv_order,
     format_order,
     insert_comms,
@@ -60,6 +61,21 @@ def test_svg_has_a_box_per_timed_step_and_a_line_per_transfer(tmp_path: Path) ->
     headings = [t.text for t in root.iter(f"{SVG}text")]
     assert "ZB-V <p=2>" in headings  # escaped in the file, intact once parsed
     assert "rank 0 |" in text
+
+
+def test_pairs_are_drawn_as_one_box_over_both_halves(tmp_path: Path) -> None:
+    order = build_dualpipev_order(1, 2)  # 0F0 1F0 0F1 1B0 (1F1;0B0)OVERLAP_F_B 1B1 0I1 0W1
+    text = render_order(order, tmp_path / "dualpipev.svg", costs=StepCosts(forward=1, backward=2))
+    assert "1F1+0B0 ------- ------- 1B1" in text  # the label, then the rest of F + B = 3 cells
+    root = ET.parse(tmp_path / "dualpipev.svg").getroot()
+    titles = [
+        str(r.findtext(f"{SVG}title")) for r in root.iter(f"{SVG}rect") if r.find(f"{SVG}title") is not None
+    ]
+    assert "1F1+0B0 [5, 8)" in titles
+    runnable = insert_comms(build_dualpipev_order(2, 4))
+    render_order(runnable, tmp_path / "dualpipev-2.svg")  # transfers into and out of pairs get lines
+    recvs = [s for steps in runnable.values() for s in steps if s.type.is_recv]
+    assert len(list(ET.parse(tmp_path / "dualpipev-2.svg").getroot().iter(f"{SVG}line"))) == len(recvs)
 
 
 def test_svg_path_must_end_in_svg(tmp_path: Path) -> None:

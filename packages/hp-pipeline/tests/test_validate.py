@@ -11,13 +11,17 @@ from hp_pipeline import (
     MetaStepType,
     Order,
     ScheduleError,
+    add_fsdp_steps,
     build_1f1b_order,
+    build_dualpipev_order,
     build_interleaved_1f1b_order,
     build_zbv_order,
     build_zero_bubble_h1_order,
     insert_comms,
+    stages_on_rank,
     validate_order,
 )
+from hp_pipeline.overlap import add_fsdp_steps_with_overlaps
 
 T = MetaStepType
 P = MetaStep.parse
@@ -209,3 +213,90 @@ def test_errors_list_several_problems() -> None:
     error = _fails(order, "runs before")
     assert len(error.problems) >= 2
     assert {r for r, _ in error.marks} == {0, 1}
+
+
+# -- OVERLAP_F_B pairs -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_dualpipev_orders_with_pairs_pass(p: int) -> None:
+    order = build_dualpipev_order(p, 2 * p + 1)
+    assert any(s.type is T.OVERLAP_F_B for steps in order.values() for s in steps)
+    validate_order(order, n_microbatches=2 * p + 1, num_stages=2 * p)
+    validate_order(insert_comms(order), n_microbatches=2 * p + 1, require_comms=True)
+
+
+def test_pair_of_one_micro_batch_deadlocks() -> None:
+    # 0B0 needs the gradient from stage 1, which needs 3B0 (rank 0, after the pair), which needs
+    # 3F0: the pair's own forward. A runtime that starts both halves at once waits forever.
+    error = _fails(
+        _order({0: "0F0 (3F0;0B0)OVERLAP_F_B 3B0", 1: "1F0 2F0 2B0 1B0"}),
+        "deadlocks",
+        marked=["(3F0;0B0)OVERLAP_F_B", "2B0"],
+    )
+    assert "rank 0 waits in (3F0;0B0)OVERLAP_F_B for 1B0 from another rank" in str(error)
+
+
+def test_pair_before_what_its_backward_needs_on_the_rank() -> None:
+    # 3B0 needs 3F0, which comes after the pair on the same rank.
+    _fails(
+        _order({0: "0F0 (0F1;3B0)OVERLAP_F_B 3F0 3F1 3B1 0B0 0B1", 1: "1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1"}),
+        "runs before",
+        marked=["(0F1;3B0)OVERLAP_F_B", "3F0"],
+    )
+
+
+def test_receive_for_a_pair_after_the_pair() -> None:
+    order = insert_comms(build_dualpipev_order(2, 4))
+    row = order[0]
+    pair_at = next(
+        k for k, s in enumerate(row) if s.sub_steps is not None and s.sub_steps[1].stage_index == 0
+    )
+    backward = row[pair_at].parts[1]
+    recv = MetaStep(backward.micro_index, T.BWD_RECV, 0)
+    row.remove(recv)
+    row.insert(pair_at, recv)  # the pair moved one left: the receive now follows it
+    error = _fails(order, "runs before|arrives after", marked=[str(recv)])
+    assert f"{recv} (rank 0, position {pair_at}) arrives after {backward}" in str(error)
+
+
+def test_pair_halves_on_two_ranks() -> None:
+    _fails(
+        _order({0: "0F0 (0F1;1B0)OVERLAP_F_B 0B0 0B1", 1: "1F0 1F1 1B1"}),
+        "more than one rank",
+        marked=["(0F1;1B0)OVERLAP_F_B"],
+    )
+
+
+def test_pair_counts_as_its_halves() -> None:
+    order = build_dualpipev_order(2, 4)
+    row = order[1]
+    k = next(k for k, s in enumerate(row) if s.sub_steps is not None)
+    forward, backward = row[k].parts
+    row[k] = forward  # the backward is gone
+    error = _fails(order, r"once per micro-batch \(m=4\)")
+    assert f"stage {backward.stage_index} has no backward (B, or I and W) for micro-batches" in str(error)
+
+
+def test_pair_computes_only_while_unsharded() -> None:
+    order = _order(
+        {0: "0UNSHARD 1UNSHARD 0F0 1F0 0F1 1B0 1RESHARD (1F1;0B0)OVERLAP_F_B 1B1 0B1 0REDUCE_GRAD 0RESHARD"}
+    )
+    _fails(order, "FSDP", marked=["(1F1;0B0)OVERLAP_F_B", "1B1"])
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_fsdp_steps_around_pairs(p: int) -> None:
+    order = build_dualpipev_order(p, 2 * p)
+    stages = range(2 * p)
+    with_fsdp = add_fsdp_steps_with_overlaps(order, stages)
+    validate_order(with_fsdp)
+    validate_order(insert_comms(with_fsdp), require_comms=True)
+    for rank, steps in with_fsdp.items():
+        assert [s for s in steps if not s.type.is_fsdp] == order[rank], "pairs and their order are kept"
+        for stage in stages_on_rank(rank, p, 2, style="v"):
+            assert sum(s == MetaStep(None, T.UNSHARD, stage) for s in steps) == 1
+            assert sum(s == MetaStep(None, T.REDUCE_GRAD, stage) for s in steps) == 1
+    # Without pairs it is add_fsdp_steps itself.
+    plain = build_1f1b_order(2, 3)
+    assert add_fsdp_steps_with_overlaps(plain, [0, 1]) == add_fsdp_steps(plain, [0, 1])

@@ -10,6 +10,7 @@ classes (:class:`Schedule1F1B`, ...) run an order over :class:`PipelineStage`\\ 
 from hp_pipeline.__about__ import __version__
 from hp_pipeline.builders import (
     build_1f1b_order,
+    build_dualpipev_order,
     build_gpipe_order,
     build_interleaved_1f1b_order,
     build_zbv_order,
@@ -81,6 +82,7 @@ __all__ = [
     "__version__",
     "add_fsdp_steps",
     "build_1f1b_order",
+    "build_dualpipev_order",
     "build_gpipe_order",
     "build_interleaved_1f1b_order",
     "build_mpipe_order",

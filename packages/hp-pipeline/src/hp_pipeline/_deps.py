@@ -26,6 +26,11 @@ its owning rank. MPipe adds (see :mod:`hp_pipeline.mpipe.order`):
 An edge between stages on different ranks is carried by a SEND/RECV pair once
 communication is inserted; an edge within a rank is a local hand-off, ordered
 by the rank's list alone.
+
+An ``OVERLAP_F_B`` step is a *node* of its rank's list that holds two steps
+(its ``parts``). The index places both halves at the pair's position, so every
+question about a half (where it runs, what it needs) has its usual answer;
+the pair itself needs what its halves need (:meth:`OrderView.node_edges`).
 """
 
 from __future__ import annotations
@@ -75,17 +80,24 @@ class OrderView:
                     )
         self.position: dict[MetaStep, tuple[int, int]] = {}
         self.stage_rank: dict[int, int] = {}
+        #: the half of an OVERLAP_F_B step -> the pair (the node of the rank's list)
+        self.parent: dict[MetaStep, MetaStep] = {}
         duplicates, misplaced = [], []
+        first_at: dict[int, tuple[int, int]] = {}  # stage -> where it first appeared
         for rank in sorted(self.order):
-            for pos, step in enumerate(self.order[rank]):
-                if step in self.position:
-                    first = self.position[step]
-                    duplicates.append(((rank, pos), first, step))
-                    continue
-                self.position[step] = (rank, pos)
-                host = self.stage_rank.setdefault(step.stage_index, rank)
-                if host != rank:
-                    misplaced.append(((rank, pos), host, step))
+            for pos, node in enumerate(self.order[rank]):
+                for step in (node, *node.sub_steps) if node.sub_steps is not None else (node,):
+                    if step in self.position:
+                        first = self.position[step]
+                        duplicates.append(((rank, pos), first, step))
+                        continue
+                    self.position[step] = (rank, pos)
+                    if step is not node:
+                        self.parent[step] = node
+                    host = self.stage_rank.setdefault(step.stage_index, rank)
+                    first_at.setdefault(step.stage_index, (rank, pos))
+                    if host != rank:
+                        misplaced.append(((rank, pos), first_at[step.stage_index], step))
         if duplicates:
             raise ScheduleError(
                 "a step appears more than once; each step must run exactly once",
@@ -101,10 +113,11 @@ class OrderView:
                 "a stage has steps on more than one rank; each stage lives on exactly one rank",
                 self.order,
                 [
-                    f"{s} is on rank {r} but stage {s.stage_index} already runs on rank {h}"
-                    for (r, _), h, s in misplaced
+                    f"{s} is on rank {r} but stage {s.stage_index} already runs on rank {h} "
+                    f"({self.order[h][p]} at position {p})"
+                    for (r, _), (h, p), s in misplaced
                 ],
-                [m[0] for m in misplaced],
+                [m for d in misplaced for m in d[:2]],
             )
         stages = set(self.stage_rank)
         stages.update(s.peer_stage for s in self.position if s.peer_stage is not None)
@@ -140,6 +153,14 @@ class OrderView:
         split = MetaStep(micro, I, stage)
         return split if split in self.position else MetaStep(micro, B, stage)
 
+    def node(self, step: MetaStep) -> MetaStep:
+        """The entry of a rank's list that runs ``step``: its pair, or the step itself."""
+        return self.parent.get(step, step)
+
+    @property
+    def has_overlaps(self) -> bool:
+        return bool(self.parent)
+
     def same_rank(self, a: int, b: int) -> bool:
         ra, rb = self.rank_of(a), self.rank_of(b)
         return ra is not None and ra == rb
@@ -152,6 +173,12 @@ class OrderView:
         if edges is None:
             edges = self._edges[step] = self._find_edges(step)
         return edges
+
+    def node_edges(self, node: MetaStep) -> list[Edge]:
+        """The edges into an entry of a list: into each half of a pair, else into the step."""
+        if node.sub_steps is None:
+            return self.edges_into(node)
+        return [edge for part in node.sub_steps for edge in self.edges_into(part)]
 
     def _find_edges(self, step: MetaStep) -> list[Edge]:
         i, s = step.micro_index, step.stage_index

@@ -20,6 +20,11 @@ it, without delaying anything under the simulator's model.
 
 Adjacent stages on the same rank (the turn of a V, or a whole V on one rank)
 need no pair: the producer precedes the consumer in the rank's own list.
+
+An ``OVERLAP_F_B`` step is one node of the sequence: every transfer into
+either half comes before the pair, and each half's sends follow it, the
+forward's first (its outputs are ready when the forward ends, see [Note:
+running overlapped steps] in :mod:`hp_pipeline.overlap`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from fractions import Fraction
 from hp_pipeline._deps import Edge, OrderView
 from hp_pipeline.errors import ScheduleError
 from hp_pipeline.ir import MetaStep, MetaStepType, Order
-from hp_pipeline.simulate import StepCosts, _timeline
+from hp_pipeline.simulate import StepCosts, _timelines
 from hp_pipeline.validate import validate_order
 
 __all__ = ["insert_comms"]
@@ -92,15 +97,19 @@ def insert_comms(
         if not preloaded:
             view = OrderView(_with_loads(view))
     costs = StepCosts() if costs is None else costs
-    start = {
-        timed.step: (timed.start, timed.end) for steps in _timeline(view, costs).values() for timed in steps
+    folded, flat = _timelines(view, costs)
+    start = {  # every entry of the lists, and each half of a pair
+        timed.step: (timed.start, timed.end)
+        for timeline in (flat, folded)
+        for steps in timeline.values()
+        for timed in steps
     }
     edges = [
         edge
         for steps in view.order.values()
-        for step in steps
-        for edge in view.edges_into(step)
-        if not view.same_rank(edge.producer.stage_index, step.stage_index)
+        for node in steps
+        for edge in view.node_edges(node)
+        if not view.same_rank(edge.producer.stage_index, edge.consumer.stage_index)
     ]
     edges += _data_edges(view, consumers)
     result = _merge(view, edges, start)
@@ -125,8 +134,9 @@ def _with_loads(view: OrderView) -> Order:
     for rank, steps in view.order.items():
         out: list[MetaStep] = []
         for step in steps:
-            if step.type is MetaStepType.FWD and step.stage_index == 0:
-                out.append(MetaStep(step.micro_index, MetaStepType.DATA_LOAD, 0))
+            for part in step.parts:  # a pair's forward loads before the pair
+                if part.type is MetaStepType.FWD and part.stage_index == 0:
+                    out.append(MetaStep(part.micro_index, MetaStepType.DATA_LOAD, 0))
             out.append(step)
         result[rank] = out
     return result
@@ -163,7 +173,7 @@ def _merge(
         for pos, step in enumerate(steps):
             pending[step] = 1 if pos else 0
     for index, edge in enumerate(edges):
-        pending[edge.consumer] += 1
+        pending[view.node(edge.consumer)] += 1
         waiting_on.setdefault(edge.producer, []).append(index)
     heap: list[tuple[tuple[Fraction, int, int, int], MetaStep | int]] = []
 
@@ -186,15 +196,16 @@ def _merge(
             result[rank].append(node)
             if pos + 1 < len(view.order[rank]):
                 released.append(view.order[rank][pos + 1])
-            for index in waiting_on.get(node, ()):
-                edge = edges[index]
-                sender = view.position[edge.producer][0]
-                heapq.heappush(heap, ((times[edge.producer][1], _PAIR, sender, index), index))
+            for part in node.parts:
+                for index in waiting_on.get(part, ()):
+                    edge = edges[index]
+                    sender = view.position[edge.producer][0]
+                    heapq.heappush(heap, ((times[edge.producer][1], _PAIR, sender, index), index))
         else:
             edge = edges[node]
             result[view.position[edge.producer][0]].append(edge.send)
             result[view.position[edge.consumer][0]].append(edge.recv)
-            released.append(edge.consumer)
+            released.append(view.node(edge.consumer))
         for step in released:
             pending[step] -= 1
             if pending[step] == 0:

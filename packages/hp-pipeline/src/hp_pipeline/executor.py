@@ -145,6 +145,7 @@ from hp_core import capabilities_for
 from hp_pipeline.errors import PipelineStepError, StageFailure
 from hp_pipeline.fsdp import ShardedUnits, sharded_units
 from hp_pipeline.ir import MetaStep, MetaStepType
+from hp_pipeline.overlap import split_overlaps
 from hp_pipeline.stage import PipelineStage, TensorMeta
 from hp_pipeline.vote import FailureVote
 
@@ -251,7 +252,9 @@ class StepRunner:
         self.stages = stages
         self._units_of: dict[int, ShardedUnits] = {}  # per stage, found once ([Note: FSDP protocol])
         self.training = training
-        self.steps = [s for s in steps if training or s.type not in _BACKWARD_TYPES]
+        # An OVERLAP_F_B runs as its forward, the forward's sends, then its backward
+        # ([Note: running overlapped steps] in hp_pipeline.overlap).
+        self.steps = [s for s in split_overlaps(steps) if training or s.type not in _BACKWARD_TYPES]
         self.blocks = _blocks(self.steps)
         self.peer_rank = peer_rank
         self.group = group

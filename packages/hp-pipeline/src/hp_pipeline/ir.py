@@ -35,6 +35,7 @@ code          type             meaning
 ``SEND_PG``   PREPROCESS_GRAD_SEND  MPipe: send dL/dfeatures back to the owner
 ``RECV_PG``   PREPROCESS_GRAD_RECV  MPipe: receive dL/dfeatures on the owner
 ``REDUCE_P``  PREPROCESS_REDUCE  MPipe: sum the tower's gradients over the ranks
+``OVERLAP_F_B`` OVERLAP_F_B    a forward and another micro-batch's backward, run as one
 ============  ===============  ==================================================
 
 Communication steps name their peer stage. For activations and gradients the
@@ -48,6 +49,20 @@ way (``"2SEND_P6->0"``, ``"0SEND_PG6->2"``). The FSDP steps and ``REDUCE_P``
 act on a whole stage (a collective), so their micro-batch is optional:
 ``"1UNSHARD"``, ``"3REDUCE_P"``. The MPipe steps are described in
 :mod:`hp_pipeline.mpipe.order`.
+
+[Note: overlapped steps]
+An ``OVERLAP_F_B`` step (DualPipe's "F&B" chunk) pairs a forward with the
+backward of another micro-batch on the same rank, so that a runtime may
+let one's communication hide behind the other's compute. It is written as
+torch.distributed.pipelining writes it, the two halves in parentheses:
+``"(0F3;7B1)OVERLAP_F_B"`` is stage 0's forward of micro-batch 3 together
+with stage 7's backward of micro-batch 1. Build one with
+:meth:`MetaStep.overlap`; the halves are ``step.sub_steps`` (a forward ``F``,
+then a ``B`` or an ``I``), and the step itself carries its forward's stage
+and micro-batch in ``stage_index`` / ``micro_index``, so a pass that only
+asks "which rank" sees it on the right one. Every pass treats the halves as
+the steps they are, at the position of the pair (:mod:`hp_pipeline.overlap`
+says how they run and are timed).
 """
 
 from __future__ import annotations
@@ -95,6 +110,8 @@ class MetaStepType(enum.Enum):
     PREPROCESS_GRAD_SEND = "SEND_PG"
     PREPROCESS_GRAD_RECV = "RECV_PG"
     PREPROCESS_REDUCE = "REDUCE_P"
+    # A forward and another micro-batch's backward as one step ([Note: overlapped steps]).
+    OVERLAP_F_B = "OVERLAP_F_B"
 
     @property
     def code(self) -> str:
@@ -134,13 +151,18 @@ class MetaStepType(enum.Enum):
         return self._value_ in _PREPROCESS
 
     @property
+    def is_overlap(self) -> bool:
+        """A pair of steps run as one (``OVERLAP_F_B``); its halves are the step's ``sub_steps``."""
+        return self._value_ == "OVERLAP_F_B"
+
+    @property
     def whole_stage(self) -> bool:
         """A step that may leave ``micro_index`` as ``None`` (FSDP steps, ``REDUCE_P``)."""
         return self._value_ in _WHOLE_STAGE
 
 
 # Sets of codes (plain strings hash faster than enum members, and these are hot).
-_COMPUTE = frozenset({"F", "B", "I", "W"})
+_COMPUTE = frozenset({"F", "B", "I", "W", "OVERLAP_F_B"})
 _INPUT_GRAD = frozenset({"B", "I"})
 _SENDS = frozenset({"SEND_F", "SEND_B", "SEND_D", "SEND_P", "SEND_PG"})
 _RECVS = frozenset({"RECV_F", "RECV_B", "RECV_D", "RECV_P", "RECV_PG"})
@@ -174,6 +196,9 @@ _DEFAULT_PEER_OFFSET = {
 }
 
 _TEXT = re.compile(r"^(\d+)([A-Z_]+?)(\d*)(?:(->|<-)(\d+))?$")
+_OVERLAP_TEXT = re.compile(r"^\(([^()]*)\)([A-Z_]+)$")
+# The halves an OVERLAP_F_B may pair: a forward, then a backward that makes an input gradient.
+_OVERLAP_HALVES = (frozenset({"F"}), frozenset({"B", "I"}))
 
 
 @dataclass(frozen=True)
@@ -193,12 +218,18 @@ class MetaStep:
         peer_stage: the stage on the other side of a communication step.
             Activation and gradient steps default to the adjacent stage, data
             steps must name it; every other type must leave it ``None``.
+        sub_steps: the two halves of an ``OVERLAP_F_B`` step (a forward, then a
+            ``B`` or ``I`` of another micro-batch), ``None`` for every other
+            type. Build such a step with :meth:`overlap`, which fills
+            ``micro_index`` and ``stage_index`` from the forward
+            ([Note: overlapped steps]).
     """
 
     micro_index: int | None
     type: MetaStepType
     stage_index: int
     peer_stage: int | None = None
+    sub_steps: tuple[MetaStep, ...] | None = None
     _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
@@ -216,6 +247,7 @@ class MetaStep:
                     _ORDINAL[self.type],
                     self.stage_index,
                     -1 if self.peer_stage is None else self.peer_stage,
+                    *(part._hash for part in self.sub_steps or ()),
                 )
             ),
         )
@@ -231,6 +263,9 @@ class MetaStep:
             )
         if not _is_index(self.stage_index):
             raise ValueError(f"MetaStep stage_index must be an int >= 0, got {self.stage_index!r}")
+        if self.type.is_overlap or self.sub_steps is not None:
+            self._check_overlap()
+            return
         if self.micro_index is None:
             if not self.type.whole_stage:
                 raise ValueError(
@@ -269,6 +304,56 @@ class MetaStep:
                 "peer; a stage does not communicate with itself"
             )
 
+    def _check_overlap(self) -> None:
+        """``OVERLAP_F_B`` <=> two halves: a forward, then a ``B``/``I``; the step mirrors the forward."""
+        example = "MetaStep.overlap(MetaStep(3, MetaStepType.FWD, 0), MetaStep(1, MetaStepType.BWD, 7))"
+        if not self.type.is_overlap:
+            raise ValueError(
+                f"MetaStep of type {self.type.name} has no sub_steps, got {self.sub_steps!r}; only "
+                f"OVERLAP_F_B pairs two steps, e.g. {example}"
+            )
+        parts = self.sub_steps
+        if (
+            not isinstance(parts, tuple)
+            or len(parts) != 2
+            or not all(isinstance(p, MetaStep) for p in parts)
+            or any(p.type.code not in allowed for p, allowed in zip(parts, _OVERLAP_HALVES, strict=True))
+        ):
+            raise ValueError(
+                f"an OVERLAP_F_B step pairs a forward (F) with a backward (B or I) of another "
+                f"micro-batch, in that order; got sub_steps={parts!r}. Build it as {example}"
+            )
+        forward = parts[0]
+        if self.micro_index != forward.micro_index or self.stage_index != forward.stage_index:
+            raise ValueError(
+                f"an OVERLAP_F_B step carries its forward's micro-batch and stage "
+                f"({forward.micro_index}, {forward.stage_index}), got ({self.micro_index!r}, "
+                f"{self.stage_index!r}); build it with MetaStep.overlap(forward, backward)"
+            )
+        if self.peer_stage is not None:
+            raise ValueError(f"an OVERLAP_F_B step has no peer, got peer_stage={self.peer_stage!r}")
+        if forward.micro_index == parts[1].micro_index and forward.stage_index == parts[1].stage_index:
+            raise ValueError(
+                f"{parts[1]} needs {forward}, so they cannot run as one OVERLAP_F_B step; pair a "
+                "forward with the backward of an earlier micro-batch"
+            )
+
+    @classmethod
+    def overlap(cls, forward: MetaStep, backward: MetaStep) -> MetaStep:
+        """The ``OVERLAP_F_B`` running ``forward`` and ``backward`` as one ([Note: overlapped steps])."""
+        if not isinstance(forward, MetaStep) or not isinstance(backward, MetaStep):
+            raise TypeError(
+                f"MetaStep.overlap takes two MetaSteps, got {type(forward).__name__} and "
+                f"{type(backward).__name__}"
+            )
+        pair = (forward, backward)
+        return cls(forward.micro_index, MetaStepType.OVERLAP_F_B, forward.stage_index, None, pair)
+
+    @property
+    def parts(self) -> tuple[MetaStep, ...]:
+        """The steps this step runs: the two halves of an ``OVERLAP_F_B``, else the step itself."""
+        return self.sub_steps if self.sub_steps is not None else (self,)
+
     @property
     def default_peer(self) -> int | None:
         """The peer implied by the type (the adjacent stage), or ``None`` for data steps."""
@@ -276,6 +361,8 @@ class MetaStep:
         return None if offset is None else self.stage_index + offset
 
     def __str__(self) -> str:
+        if self.sub_steps is not None:
+            return f"({';'.join(str(part) for part in self.sub_steps)}){self.type.code}"
         micro = "" if self.micro_index is None else str(self.micro_index)
         text = f"{self.stage_index}{self.type.code}{micro}"
         if self.type.is_comm and self.peer_stage != self.default_peer:
@@ -284,13 +371,18 @@ class MetaStep:
         return text
 
     def __repr__(self) -> str:
+        if self.sub_steps is not None:
+            return f"MetaStep.overlap({', '.join(repr(part) for part in self.sub_steps)})"
         extra = "" if self.peer_stage is None else f", peer_stage={self.peer_stage}"
         return f"MetaStep({self.micro_index!r}, MetaStepType.{self.type.name}, {self.stage_index}{extra})"
 
     @classmethod
     def parse(cls, text: str) -> MetaStep:
-        """Read the text form back (``"2F0"``, ``"0SEND_D3->5"``, ``"1UNSHARD"``)."""
-        match = _TEXT.match(text.strip())
+        """Read the text form back (``"2F0"``, ``"0SEND_D3->5"``, ``"(0F3;7B1)OVERLAP_F_B"``)."""
+        text = text.strip()
+        if text.startswith("("):
+            return cls._parse_overlap(text)
+        match = _TEXT.match(text)
         if match is None:
             raise ValueError(
                 f"cannot parse {text!r} as a MetaStep; expected "
@@ -304,12 +396,28 @@ class MetaStep:
             raise ValueError(f"unknown step code {code!r} in {text!r}; known codes: {codes}") from None
         if arrow is not None and (not step_type.is_comm or (arrow == "->") != step_type.is_send):
             raise ValueError(f"{text!r}: '->peer' belongs to SEND steps and '<-peer' to RECV steps")
+        if step_type.is_overlap:
+            raise ValueError(
+                f"{text!r}: an OVERLAP_F_B step is written with its two halves, e.g. '(0F3;7B1)OVERLAP_F_B'"
+            )
         return cls(
             int(micro) if micro else None,
             step_type,
             int(stage),
             None if peer is None else int(peer),
         )
+
+    @classmethod
+    def _parse_overlap(cls, text: str) -> MetaStep:
+        match = _OVERLAP_TEXT.match(text)
+        halves = match.group(1).split(";") if match else []
+        if match is None or match.group(2) != MetaStepType.OVERLAP_F_B.code or len(halves) != 2:
+            raise ValueError(
+                f"cannot parse {text!r} as a MetaStep; a step in parentheses is an overlapped pair "
+                "written '(forward;backward)OVERLAP_F_B', e.g. '(0F3;7B1)OVERLAP_F_B'"
+            )
+        forward, backward = (cls.parse(half) for half in halves)
+        return cls.overlap(forward, backward)
 
 
 Order = dict[int, list[MetaStep]]

@@ -35,6 +35,7 @@ COLOURS: dict[MetaStepType, str] = {
     MetaStepType.PREPROCESS_FWD: "#edc948",
     MetaStepType.PREPROCESS_BWD: "#e15759",
     MetaStepType.PREPROCESS_REDUCE: "#af7aa1",
+    MetaStepType.OVERLAP_F_B: "#8cd17d",
 }
 _COMM_COLOUR = "#555555"
 
@@ -50,10 +51,11 @@ def render_order(
 
     The text has one row per rank and one column per time unit (the largest
     unit that divides every start and duration); each step's text form sits
-    where it starts, ``-`` marks the rest of its duration and ``.`` idle time.
-    Steps that take no time (SEND/RECV, free ``LOAD``/FSDP steps) are left out
-    of the timeline. When the timeline would be wider than 400 columns, the
-    rank x step grid (``format_order``) is returned instead.
+    where it starts (an ``OVERLAP_F_B`` as ``0F3+7B1``, spanning both halves),
+    ``-`` marks the rest of its duration and ``.`` idle time. Steps that take
+    no time (SEND/RECV, free ``LOAD``/FSDP steps) are left out of the timeline.
+    When the timeline would be wider than 400 columns, the rank x step grid
+    (``format_order``) is returned instead.
 
     Args:
         order: rank -> steps; it is validated by ``simulate``.
@@ -82,6 +84,13 @@ def _summary(result: SimulationResult) -> str:
     return f"makespan {_num(result.makespan)}, bubble {bubble:.1%} of rank time"
 
 
+def _label(step: MetaStep) -> str:
+    """A step's text form; a pair as ``0F3+7B1`` (the full form is too wide for a timeline cell)."""
+    if step.sub_steps is not None:
+        return "+".join(str(part) for part in step.sub_steps)
+    return str(step)
+
+
 def _num(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{float(value):.4g}"
 
@@ -94,7 +103,7 @@ def _text_timeline(order: Mapping[int, Sequence[MetaStep]], result: SimulationRe
         note = "(the timeline is too fine to print; the rank x step grid instead)"
         return "\n".join([_summary(result), note, format_order(order)])
     columns = int(result.makespan / unit)
-    width = max(len(str(t.step)) for t in timed) + 1
+    width = max(len(_label(t.step)) for t in timed) + 1
     label = max(len(f"rank {r}") for r in result.timeline)
     header = [" " * label + " |"]
     for col in range(columns):
@@ -106,7 +115,7 @@ def _text_timeline(order: Mapping[int, Sequence[MetaStep]], result: SimulationRe
             if t.end <= t.start:
                 continue
             first = int(t.start / unit)
-            cells[first] = f"{t.step!s:<{width}}"
+            cells[first] = f"{_label(t.step):<{width}}"
             for col in range(first + 1, int(t.end / unit)):
                 cells[col] = "-" * (width - 1) + " "
         lines.append(f"{f'rank {rank}':<{label}} | " + "".join(cells).rstrip())
@@ -153,7 +162,7 @@ def _svg(result: SimulationResult, comm: Fraction, title: str | None) -> str:
                 continue
             x, w = left + float(t.start) * scale, float(t.end - t.start) * scale
             colour = COLOURS.get(t.step.type, "#cccccc")
-            label = escape(str(t.step))
+            label = escape(_label(t.step))
             out.append(
                 f'<rect x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{row:.2f}" '
                 f'fill="{colour}" stroke="#ffffff" stroke-width="1"><title>{label} '
@@ -168,7 +177,9 @@ def _svg(result: SimulationResult, comm: Fraction, title: str | None) -> str:
             f'<text x="{left + makespan * scale + 8:.2f}" y="{y + row / 2 + 4:.2f}">'
             f"bubble {bubble:.1%}</text>"
         )
-    rank_of_stage = {t.step.stage_index: rank for rank in ranks for t in result.timeline[rank]}
+    rank_of_stage = {
+        part.stage_index: rank for rank in ranks for t in result.timeline[rank] for part in t.step.parts
+    }
     for rank in ranks:
         for t in result.timeline[rank]:
             if not t.step.type.is_recv:

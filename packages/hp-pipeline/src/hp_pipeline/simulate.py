@@ -18,6 +18,14 @@ the simulator gives both without a cluster, in exact arithmetic
   needs the data, which is how the executor runs them. Whether an order could
   deadlock under blocking point-to-point is ``validate_order``'s question, not
   the simulator's.
+* An ``OVERLAP_F_B`` runs as the executor runs it ([Note: running overlapped
+  steps] in :mod:`hp_pipeline.overlap`): its forward, then its backward, each
+  at its own cost and waiting for its own inputs; the forward's outputs leave
+  when the forward ends. Its entry in the timeline spans both halves; its
+  compute time is the halves' costs. With ``StepCosts.overlap_f_b`` set, the
+  pair is instead one step of that cost (two streams on an accelerator): it
+  starts when both halves' inputs are there and both halves end with it,
+  which is how DualPipe's bubble formula counts.
 
 [Note: bubble definitions]
 With ``compute[r]`` the time rank ``r`` spends in ``F``/``B``/``I``/``W`` (and
@@ -52,6 +60,7 @@ from typing import NamedTuple
 from hp_pipeline._deps import OrderView
 from hp_pipeline.errors import ScheduleError
 from hp_pipeline.ir import MetaStep, MetaStepType
+from hp_pipeline.overlap import split_order
 from hp_pipeline.validate import validate_order
 
 __all__ = ["SimulationResult", "StepCosts", "TimedStep", "simulate"]
@@ -75,6 +84,12 @@ class StepCosts:
         preprocess_forward, preprocess_backward, preprocess_reduce: MPipe's
             ``PF``, ``PB`` and ``REDUCE_P`` (the tower's forward, backward and
             gradient reduction).
+        overlap_f_b: the time of an ``OVERLAP_F_B`` whose halves share the
+            device at once (DualPipe's ``F&B``: two streams on an
+            accelerator). The pair then starts when the inputs of both halves
+            are there and both halves' results leave at its end. ``None``
+            (the default) times the pair the way hp-pipeline's executor runs
+            it, one half after the other ([Note: timing model]).
     """
 
     forward: Fraction | float = 1
@@ -89,10 +104,13 @@ class StepCosts:
     preprocess_forward: Fraction | float = 1
     preprocess_backward: Fraction | float = 2
     preprocess_reduce: Fraction | float = 0
+    overlap_f_b: Fraction | float | None = None
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
+            if value is None and field.name == "overlap_f_b":
+                continue
             try:
                 exact = Fraction(value)
             except (TypeError, ValueError):
@@ -103,6 +121,13 @@ class StepCosts:
 
     def of(self, step_type: MetaStepType) -> Fraction:
         """The cost of one step of ``step_type`` (0 for SEND/RECV, see the timing note)."""
+        if step_type is MetaStepType.OVERLAP_F_B:
+            if self.overlap_f_b is None:
+                raise ValueError(
+                    "StepCosts.overlap_f_b is None: an OVERLAP_F_B then costs its halves, timed one "
+                    "after the other; set overlap_f_b to time the pair as one step"
+                )
+            return Fraction(self.overlap_f_b)
         name = _COST_FIELD.get(step_type)
         return Fraction(0) if name is None else Fraction(getattr(self, name))
 
@@ -137,7 +162,8 @@ class SimulationResult:
 
     Attributes:
         makespan: when the last step on any rank ends.
-        timeline: rank -> its steps with start and end times, in list order.
+        timeline: rank -> its steps with start and end times, in list order (an
+            ``OVERLAP_F_B`` is one entry, from its forward's start to its backward's end).
         compute_time: rank -> time spent in ``F``/``B``/``I``/``W``.
         idle_time: rank -> ``makespan - compute_time``.
         bubble_ratio: rank -> ``idle / makespan`` ([Note: bubble definitions]).
@@ -192,19 +218,19 @@ def simulate(
         validate_order(order)
     costs = StepCosts() if costs is None else costs
     view = OrderView(order)
-    timeline = _timeline(view, costs)
+    timeline, flat = _timelines(view, costs)
     makespan = max((t.end for steps in timeline.values() for t in steps), default=Fraction(0))
     compute = {
         rank: sum(
             (t.end - t.start for t in steps if t.step.type.is_compute or t.step.type in _TOWER_COMPUTE),
             Fraction(0),
         )
-        for rank, steps in timeline.items()
+        for rank, steps in flat.items()
     }
     idle = {rank: makespan - busy for rank, busy in compute.items()}
     ratio = {rank: (idle[rank] / makespan if makespan else Fraction(0)) for rank in timeline}
     overhead = {rank: idle[rank] / busy for rank, busy in compute.items() if busy}
-    per_stage, per_rank = _peak_activations(view, timeline)
+    per_stage, per_rank = _peak_activations(view, flat)
     return SimulationResult(
         makespan=makespan,
         timeline=timeline,
@@ -218,7 +244,35 @@ def simulate(
 
 
 def _timeline(view: OrderView, costs: StepCosts) -> dict[int, list[TimedStep]]:
-    """Start and end of every step under [Note: timing model]."""
+    """Start and end of every entry of every rank's list under [Note: timing model]."""
+    return _timelines(view, costs)[0]
+
+
+def _timelines(
+    view: OrderView, costs: StepCosts
+) -> tuple[dict[int, list[TimedStep]], dict[int, list[TimedStep]]]:
+    """The timeline of the lists as given, and of their split form (each half of a pair on its own).
+
+    Without ``OVERLAP_F_B`` steps the two are the same object.
+    """
+    if not view.has_overlaps or costs.overlap_f_b is not None:
+        flat = _run(view, costs)  # pairs, if any, as single steps
+        return flat, flat
+    flat = _run(OrderView(split_order(view.order)), costs)
+    folded: dict[int, list[TimedStep]] = {}
+    for rank, steps in view.order.items():
+        when = {t.step: t for t in flat[rank]}
+        folded[rank] = [
+            TimedStep(step, when[step.sub_steps[0]].start, when[step.sub_steps[1]].end)
+            if step.sub_steps is not None
+            else when[step]
+            for step in steps
+        ]
+    return folded, flat
+
+
+def _run(view: OrderView, costs: StepCosts) -> dict[int, list[TimedStep]]:
+    """Start and end of every step; a pair is one step of ``costs.overlap_f_b``."""
     order = view.order
     head = {rank: 0 for rank in order}
     clock = {rank: Fraction(0) for rank in order}
@@ -230,8 +284,8 @@ def _timeline(view: OrderView, costs: StepCosts) -> dict[int, list[TimedStep]]:
     def arrival(step: MetaStep) -> Fraction | None:
         """When every cross-rank input of ``step`` is usable, or None if one is not yet sent."""
         latest = Fraction(0)
-        for edge in view.edges_into(step):
-            if view.same_rank(edge.producer.stage_index, step.stage_index):
+        for edge in view.node_edges(step):
+            if view.same_rank(edge.producer.stage_index, edge.consumer.stage_index):
                 continue
             source = sent.get(edge.send) if view.has_comms else finished.get(edge.producer)
             if source is None:
@@ -271,6 +325,8 @@ def _timeline(view: OrderView, costs: StepCosts) -> dict[int, list[TimedStep]]:
                         break
                     start = max(now, ready)
                     end = start + costs.of(step.type)
+                    for part in step.parts:
+                        finished[part] = end
                     finished[step] = end
                     clock[rank] = end
                     timeline[rank].append(TimedStep(step, start, end))
@@ -295,8 +351,7 @@ def _peak_activations(
     start: dict[tuple[int, int], Fraction] = {}
     end: dict[tuple[int, int], Fraction] = {}
     for steps in timeline.values():
-        for timed in steps:
-            step = timed.step
+        for timed, step in ((t, part) for t in steps for part in t.step.parts):
             if step.micro_index is None:
                 continue
             key = (step.stage_index, step.micro_index)

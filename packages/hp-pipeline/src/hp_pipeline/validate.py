@@ -51,7 +51,12 @@ def validate_order(
     5. when the order has communication steps (or ``require_comms``), every
        cross-rank dependency is carried by a SEND on the producer's rank and the
        matching RECV on the consumer's rank, with no unmatched SEND or RECV;
-    6. FSDP steps, if any: a stage computes only while unsharded, and
+    6. an ``OVERLAP_F_B`` pairs two steps that do not need each other, since
+       a runtime may start both at once ([Note: running overlapped steps]):
+       ``MetaStep`` refuses a backward paired with its own forward, rule 4
+       a need through the rank's other stage (it would come after the pair),
+       rule 7 a need through other ranks (the pair waits for all its inputs);
+       FSDP steps, if any: a stage computes only while unsharded, and
        ``REDUCE_GRAD`` follows the stage's last backward; MPipe steps, if any:
        one ``PF`` (and, if any, one ``PB``) per micro-batch, one ``REDUCE_P``
        per rank after its ``PB`` steps, each micro-batch loaded once;
@@ -146,7 +151,7 @@ def _check_counts(view: OrderView, n_microbatches: int | None) -> None:
     problems: Problems = []
     by_stage: dict[tuple[int, MetaStepType], set[int]] = defaultdict(set)
     for step, where in view.position.items():
-        if step.micro_index is None:
+        if step.micro_index is None or step.sub_steps is not None:  # a pair counts as its halves
             continue
         if step.micro_index >= m:
             problems.append(
@@ -349,7 +354,7 @@ def _check_fsdp(view: OrderView) -> None:
             ),
             default=-1,
         )
-        for pos, step in enumerate(view.order[rank]):
+        for pos, step in ((pos, part) for pos, node in enumerate(view.order[rank]) for part in node.parts):
             if step.stage_index != stage:
                 continue
             if step.type is MetaStepType.UNSHARD:
@@ -383,7 +388,7 @@ def _check_deadlock(view: OrderView) -> None:
     def ready(step: MetaStep) -> bool:
         if view.has_comms:
             return True  # cross-rank inputs arrive through RECVs that precede the step
-        return all(e.producer in done for e in view.edges_into(step))
+        return all(e.producer in done for e in view.node_edges(step))
 
     progress = True
     while progress:
@@ -417,7 +422,7 @@ def _check_deadlock(view: OrderView) -> None:
                     break
                 if not ready(step):
                     break
-                done.add(step)
+                done.update(step.parts)
                 head[rank] += 1
                 progress = True
     stuck = [(rank, head[rank]) for rank in sorted(order) if head[rank] < len(order[rank])]
@@ -455,7 +460,7 @@ def _check_deadlock(view: OrderView) -> None:
                 )
             )
         else:
-            waiting = [e.producer for e in view.edges_into(step) if e.producer not in done]
+            waiting = [e.producer for e in view.node_edges(step) if e.producer not in done]
             problems.append(
                 (
                     f"rank {rank} waits in {step} for {', '.join(str(w) for w in waiting)} from another rank",
