@@ -12,8 +12,11 @@ from hp_pipeline import (
     MetaStepType,
     Order,
     build_1f1b_order,
+    build_dualpipev_order,
     build_gpipe_order,
     build_interleaved_1f1b_order,
+    build_interleaved_zero_bubble_order,
+    build_looped_bfs_order,
     build_zbv_order,
     build_zero_bubble_h1_order,
     insert_comms,
@@ -94,22 +97,127 @@ def test_zbv_over_the_grid(p: int, m: int) -> None:
     assert turn == []
 
 
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("m", MICROS)
+@pytest.mark.parametrize("p", RANKS)
+def test_looped_bfs_over_the_grid(p: int, m: int, v: int) -> None:
+    order = build_looped_bfs_order(p, m, v)
+    _check(order, p, m, num_stages=v * p)
+    for rank in range(p):
+        local = stages_on_rank(rank, p, v)
+        # breadth first: all of a chunk's forwards before the next chunk's
+        assert [s.stage_index for s in order[rank][: v * m]] == [s for s in local for _ in range(m)]
+        assert [s.stage_index for s in order[rank][v * m :]] == [s for s in reversed(local) for _ in range(m)]
+
+
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("m", MICROS)
+@pytest.mark.parametrize("p", RANKS)
+def test_interleaved_zero_bubble_over_the_grid(p: int, m: int, v: int) -> None:
+    if not _interleaved_is_valid(p, m):
+        with pytest.raises(
+            ValueError, match=f"build_interleaved_zero_bubble_order: n_microbatches={m} cannot"
+        ):
+            build_interleaved_zero_bubble_order(p, m, v)
+        return
+    order = build_interleaved_zero_bubble_order(p, m, v)
+    _check(order, p, m, num_stages=v * p)
+    kinds = Counter(s.type for steps in order.values() for s in steps)
+    assert kinds == {T.FWD: v * p * m, T.BWD_INPUT: v * p * m, T.BWD_WEIGHT: v * p * m}
+    for rank in range(p):
+        assert {s.stage_index for s in order[rank]} == set(stages_on_rank(rank, p, v))
+
+
+@pytest.mark.parametrize("m", MICROS)
+@pytest.mark.parametrize("p", RANKS)
+def test_dualpipev_over_the_grid(p: int, m: int) -> None:
+    if m < 2 * p:
+        with pytest.raises(ValueError, match=rf"n_microbatches={m} is fewer than the {2 * p} stages"):
+            build_dualpipev_order(p, m)
+        return
+    order = build_dualpipev_order(p, m)
+    with_comms = insert_comms(order)
+    validate_order(with_comms, n_microbatches=m, num_stages=2 * p, require_comms=True)
+    assert [[s for s in with_comms[r] if s.type.is_compute] for r in range(p)] == [order[r] for r in range(p)]
+    halves = [part for steps in order.values() for s in steps for part in s.parts]
+    assert len(halves) == len(set(halves))
+    forwards = Counter(s.stage_index for s in halves if s.type is T.FWD)
+    assert forwards == {s: m for s in range(2 * p)}
+    pairs = [s for steps in order.values() for s in steps if s.type is T.OVERLAP_F_B]
+    if p > 1 or m > 2:
+        assert pairs, "DualPipeV's steady phase runs overlapped pairs"
+    for pair in pairs:
+        forward, backward = pair.sub_steps or ()
+        assert backward.type is T.BWD and backward.micro_index < forward.micro_index + (
+            backward.stage_index < forward.stage_index
+        ), pair
+    for rank in range(p):
+        hosted = {part.stage_index for s in order[rank] for part in s.parts}
+        assert hosted == {rank, 2 * p - 1 - rank}
+
+
+def _torch_order(name: str, p: int, m: int, v: int) -> dict[int, list[str]]:
+    """torch.distributed.pipelining's per-rank compute order, without a process group.
+
+    Its schedule classes compute every rank's actions in ``_calculate_single_rank_operations``
+    from a handful of attributes; we set those on a bare instance (private API, pinned torch).
+    """
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = getattr(schedules, name)
+    obj = object.__new__(cls)
+    rounds = max(1, m // p)
+    attributes = {
+        "pp_group_size": p,
+        "_n_microbatches": m,
+        "_stages": [None] * v,
+        "n_local_stages": v,
+        "_num_stages": v * p,
+        "num_stages": v * p,
+        "number_of_rounds": rounds,
+        "microbatches_per_round": m // rounds,
+    }
+    for key, value in attributes.items():
+        object.__setattr__(obj, key, value)
+    try:
+        actions = {r: obj._calculate_single_rank_operations(r) for r in range(p)}
+    except AttributeError as exc:  # pragma: no cover - torch's internals moved
+        pytest.skip(f"torch's {name} internals changed: {exc}")
+    return {r: [str(a) for a in row if a is not None] for r, row in actions.items()}
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 8, 9, 12, 16])
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_same_orders_as_torch(p: int, m: int) -> None:
+    """The new builders give each rank exactly torch's compute order (text forms included)."""
+
+    def ours(order: Order) -> dict[int, list[str]]:
+        return {r: [str(s) for s in steps] for r, steps in order.items()}
+
+    for v in (1, 2, 3):
+        assert ours(build_looped_bfs_order(p, m, v)) == _torch_order("ScheduleLoopedBFS", p, m, v)
+        if _interleaved_is_valid(p, m):
+            got = ours(build_interleaved_zero_bubble_order(p, m, v))
+            assert got == _torch_order("ScheduleInterleavedZeroBubble", p, m, v)
+    if m >= 2 * p:
+        assert ours(build_dualpipev_order(p, m)) == _torch_order("ScheduleDualPipeV", p, m, 2)
+
+
 @pytest.mark.parametrize(
     "build",
-    [build_1f1b_order, build_zero_bubble_h1_order, build_zbv_order],
-    ids=["1f1b", "zb-h1", "zbv"],
+    [build_1f1b_order, build_zero_bubble_h1_order, build_zbv_order, build_dualpipev_order],
+    ids=["1f1b", "zb-h1", "zbv", "dualpipev"],
 )
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_data_steps_reach_the_last_stage(build: Callable[[int, int], Order], p: int) -> None:
-    m = 5
+    m = 2 * p + 1
     order = build(p, m)
-    last = max(s.stage_index for steps in order.values() for s in steps)
+    last = max(part.stage_index for steps in order.values() for s in steps for part in s.parts)
     with_data = insert_comms(order, data_stages=[last])
     validate_order(with_data, require_comms=True)
     loads = [s for s in with_data[0] if s.type is T.DATA_LOAD]
     assert loads == [MetaStep(i, T.DATA_LOAD, 0) for i in range(m)]
     sends = [s for steps in with_data.values() for s in steps if s.type is T.DATA_SEND]
-    if build is build_zbv_order:
+    if build in (build_zbv_order, build_dualpipev_order):
         assert sends == []  # the V puts the last stage on the loading rank
     else:
         assert sends == [MetaStep(i, T.DATA_SEND, 0, last) for i in range(m)]
@@ -139,6 +247,30 @@ def test_golden_zero_bubble_h1() -> None:
     assert " ".join(map(str, order[1])) == "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"
 
 
+def test_golden_looped_bfs() -> None:
+    order = build_looped_bfs_order(2, 2, 2)
+    assert " ".join(map(str, order[0])) == "0F0 0F1 2F0 2F1 2B1 2B0 0B1 0B0"
+    assert " ".join(map(str, order[1])) == "1F0 1F1 3F0 3F1 3B1 3B0 1B1 1B0"
+
+
+def test_golden_interleaved_zero_bubble() -> None:
+    order = build_interleaved_zero_bubble_order(2, 2, 2)
+    assert " ".join(map(str, order[0])) == "0F0 0F1 2F0 2F1 2I0 2W0 2I1 2W1 0I0 0W0 0I1 0W1"
+    assert " ".join(map(str, order[1])) == "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1I0 3W1 1I1 1W0 1W1"
+
+
+def test_golden_dualpipev() -> None:
+    order = build_dualpipev_order(2, 4)
+    assert " ".join(map(str, order[0])) == (
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1)OVERLAP_F_B (3F2;0B0)OVERLAP_F_B 3B2 "
+        "(3F3;0B1)OVERLAP_F_B 3B3 0I2 0W2 0I3 0W3"
+    )
+    assert " ".join(map(str, order[1])) == (
+        "1F0 2F0 1F1 2F1 1F2 2B0 (2F2;1B0)OVERLAP_F_B (1F3;2B1)OVERLAP_F_B (2F3;1B1)OVERLAP_F_B "
+        "2B2 1B2 2I3 1I3 2W3 1W3"
+    )
+
+
 def test_golden_insert_comms_1f1b() -> None:
     order = insert_comms(build_1f1b_order(2, 2))
     assert " ".join(map(str, order[0])) == ("0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1")
@@ -157,14 +289,27 @@ def test_interleaved_round_size(p: int, m: int, expected: int | None) -> None:
         assert interleaved_round_size(p, m) == expected
 
 
-def test_interleaved_error_names_values_that_work() -> None:
+@pytest.mark.parametrize(
+    "build", [build_interleaved_1f1b_order, build_interleaved_zero_bubble_order], ids=["1f1b", "zero-bubble"]
+)
+def test_interleaved_error_names_values_that_work(build: Callable[[int, int, int], Order]) -> None:
     with pytest.raises(ValueError) as info:
-        build_interleaved_1f1b_order(4, 9, 2)
+        build(4, 9, 2)
     message = str(info.value)
+    assert message.startswith(build.__name__)
     assert "n_microbatches=9" in message and "num_ranks=4" in message
     assert "e.g. 8 or 10" in message
     for suggestion in (8, 10):
-        build_interleaved_1f1b_order(4, suggestion, 2)
+        build(4, suggestion, 2)
+
+
+def test_dualpipev_error_names_the_fewest_micro_batches() -> None:
+    with pytest.raises(ValueError) as info:
+        build_dualpipev_order(4, 7)
+    message = str(info.value)
+    assert "n_microbatches=7 is fewer than the 8 stages" in message and "num_ranks=4" in message
+    assert message.endswith("use n_microbatches >= 8")
+    build_dualpipev_order(4, 8)
 
 
 @pytest.mark.parametrize(
@@ -178,6 +323,12 @@ def test_interleaved_error_names_values_that_work() -> None:
         ),
         (lambda: build_zero_bubble_h1_order(True, 4), r"num_ranks must be an int >= 1, got True"),
         (lambda: build_interleaved_1f1b_order(2, 4, 0), r"stages_per_rank must be an int >= 1, got 0"),
+        (lambda: build_looped_bfs_order(2, 4, 0), r"build_looped_bfs_order: stages_per_rank must be an int"),
+        (
+            lambda: build_interleaved_zero_bubble_order(2, 0, 2),
+            r"build_interleaved_zero_bubble_order: n_microbatches must be an int >= 1, got 0",
+        ),
+        (lambda: build_dualpipev_order(0, 4), r"build_dualpipev_order: num_ranks must be an int >= 1, got 0"),
         (lambda: stages_on_rank(0, 2, 3, style="v"), r"exactly 2 stages on each rank"),
         (lambda: stages_on_rank(2, 2), r"rank must be in 0 .. 1, got 2"),
         (lambda: stage_to_rank(4, 2, style="v"), r"stages 0 .. 3, got stage 4"),

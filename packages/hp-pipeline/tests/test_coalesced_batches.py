@@ -18,16 +18,19 @@ from collections.abc import Callable, Sequence
 import pytest
 from hp_pipeline import (
     MetaStep,
-    add_fsdp_steps,
     build_1f1b_order,
+    build_dualpipev_order,
     build_gpipe_order,
     build_interleaved_1f1b_order,
+    build_interleaved_zero_bubble_order,
+    build_looped_bfs_order,
     build_zbv_order,
     build_zero_bubble_h1_order,
     insert_comms,
 )
 from hp_pipeline.builders import stage_to_rank
 from hp_pipeline.executor import _BACKWARD_TYPES, _blocks, _coalesced_batches
+from hp_pipeline.overlap import add_fsdp_steps_with_overlaps, split_order
 
 Batches = list[list[MetaStep]]
 
@@ -118,6 +121,12 @@ def _orders() -> list[tuple[str, dict[int, list[MetaStep]], str]]:
                 cases.append((f"zbv-p{p}-m{m}", build_zbv_order(p, m), "v"))
             if m % p == 0:
                 cases.append((f"interleaved-p{p}-m{m}", build_interleaved_1f1b_order(p, m, 2), "loop"))
+                cases.append(
+                    (f"interleaved-zb-p{p}-m{m}", build_interleaved_zero_bubble_order(p, m, 2), "loop")
+                )
+            cases.append((f"looped-bfs-p{p}-m{m}", build_looped_bfs_order(p, m, 2), "loop"))
+            if m >= 2 * p:
+                cases.append((f"dualpipev-p{p}-m{m}", build_dualpipev_order(p, m), "v"))
     return cases
 
 
@@ -130,8 +139,11 @@ def test_coalesced_batches_finish_under_nccl_rules(
     order: dict[int, list[MetaStep]], style: str, fsdp: bool
 ) -> None:
     if fsdp:
-        order = add_fsdp_steps(order, {s.stage_index for steps in order.values() for s in steps})
-    runnable = insert_comms(order)
+        order = add_fsdp_steps_with_overlaps(
+            order, {s.stage_index for steps in order.values() for s in steps}
+        )
+    # what the runner posts from: each OVERLAP_F_B split ([Note: running overlapped steps])
+    runnable = split_order(insert_comms(order))
     assert nccl_finishes(runnable, style, _new)
     # forward only (no loss_fn): the runner drops the backward steps, then batches what is left
     forward_only = {r: [s for s in steps if s.type not in _BACKWARD_TYPES] for r, steps in runnable.items()}

@@ -12,8 +12,11 @@ from hp_pipeline import (
     ScheduleError,
     StepCosts,
     build_1f1b_order,
+    build_dualpipev_order,
     build_gpipe_order,
     build_interleaved_1f1b_order,
+    build_interleaved_zero_bubble_order,
+    build_looped_bfs_order,
     build_zbv_order,
     build_zero_bubble_h1_order,
     insert_comms,
@@ -98,6 +101,87 @@ def test_zbv_reaches_the_fill_bound_with_1f1b_memory(p: int, m: int) -> None:
         assert result.idle_time == {r: p - 1 for r in range(p)}
 
 
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("p", RANKS)
+def test_looped_bfs_has_the_interleaved_bubble_and_gpipe_memory(p: int, k: int, v: int) -> None:
+    m = k * p
+    result = simulate(build_looped_bfs_order(p, m, v), EQUAL)
+    # Breadth-first (Lamy-Poirier, 2023): the bubble of interleaved 1F1B, (p-1)/(v*m) ...
+    assert result.bubble_overhead == {r: Fraction(p - 1, v * m) for r in range(p)}
+    assert result.makespan == 2 * v * m + 2 * (p - 1)
+    # ... and GPipe's memory: every micro-batch of every local stage is alive at the turn.
+    assert result.peak_activations == {s: m for s in range(v * p)}
+    assert result.peak_activations_per_rank == {r: v * m for r in range(p)}
+
+
+@pytest.mark.parametrize("costs", [(1, 1, 1), (2, 2, 1), (1, 2, 1)], ids=lambda c: "F{}-I{}-W{}".format(*c))
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_interleaved_zero_bubble_has_zb_h1_bubble_per_chunk(
+    p: int, k: int, v: int, costs: tuple[int, int, int]
+) -> None:
+    f, i, w = costs
+    m = k * p
+    split = StepCosts(forward=f, backward=i + w, backward_input=i, backward_weight=w)
+    result = simulate(build_interleaved_zero_bubble_order(p, m, v), split)
+    # ZB-H1's bubble (Qi et al., 2024), (p-1)(F + I - W), in units of one chunk: v times smaller
+    # than ZB-H1's on the same model (whose stages are v chunks long).
+    assert result.idle_time == {r: (p - 1) * (f + i - w) for r in range(p)}
+    # 1F1B's memory: v*p chunks, i.e. p stages' worth of activations, on every rank.
+    assert max(result.peak_activations_per_rank.values()) == v * p
+    if (f, i, w) == (1, 1, 1):  # a third of interleaved 1F1B's bubble
+        plain = simulate(build_interleaved_1f1b_order(p, m, v), split)
+        assert plain.idle_time == {r: 3 * (p - 1) for r in range(p)}
+
+
+@pytest.mark.parametrize("m_per_stage", [1, 2, 3])
+@pytest.mark.parametrize("p", RANKS)
+def test_dualpipev_bubble_against_the_published_formula(p: int, m_per_stage: int) -> None:
+    m = 2 * p * m_per_stage
+    order = build_dualpipev_order(p, m)
+    f, i, w = 1, 1, 1
+    b = i + w
+
+    def costs(overlap: int | None) -> StepCosts:
+        return StepCosts(forward=f, backward=b, backward_input=i, backward_weight=w, overlap_f_b=overlap)
+
+    # DualPipe's table (DeepSeek-AI, 2024), DualPipeV row: (PP/2 - 1)(F&B + B - 3W) over PP = 2p
+    # stages, counted with each pair as one step of F&B. With F&B = F + B (no gain from the
+    # overlap) it holds on every rank; with F&B = max(F, B) on the busiest one.
+    for overlap, ranks in ((f + b, range(p)), (max(f, b), [None])):
+        result = simulate(order, costs(overlap))
+        formula = (p - 1) * (overlap + b - 3 * w)
+        idle = max(result.idle_time.values())
+        assert idle == formula, (overlap, result.idle_time)
+        assert all(result.idle_time[r] == formula for r in ranks if r is not None)
+    # Timed as this executor runs a pair (forward, then backward) the forward does not wait
+    # for the backward's input: the bubble is halved, ZB-H1's (p-1)(F + I - W) per chunk.
+    executed = simulate(order, costs(None))
+    assert executed.idle_time == {r: (p - 1) * (f + i - w) for r in range(p)}
+    # The table's activation memory: PP + 1 chunks per rank.
+    assert executed.peak_activations_per_rank == {r: 2 * p + 1 for r in range(p)}
+
+
+def test_pair_timing_in_the_timeline() -> None:
+    order = build_dualpipev_order(1, 2)  # one rank holds both stages of the V
+    assert " ".join(map(str, order[0])) == "0F0 1F0 0F1 1B0 (1F1;0B0)OVERLAP_F_B 1B1 0I1 0W1"
+    pair = order[0][4]
+    f, b, i, w = Fraction(3, 2), 2, Fraction(1, 2), Fraction(1, 4)
+    result = simulate(order, StepCosts(forward=f, backward=b, backward_input=i, backward_weight=w))
+    timed = result.timeline[0][4]
+    assert timed.step == pair and timed.end - timed.start == f + b  # the halves, one after the other
+    assert [t.step for t in result.timeline[0]] == order[0]
+    assert result.compute_time == {0: 4 * f + 3 * b + i + w}
+    joint = simulate(
+        order,
+        StepCosts(forward=f, backward=b, backward_input=i, backward_weight=w, overlap_f_b=Fraction(5, 2)),
+    )
+    assert joint.timeline[0][4].end - joint.timeline[0][4].start == Fraction(5, 2)
+    assert joint.compute_time == {0: 3 * f + 2 * b + i + w + Fraction(5, 2)}
+
+
 @pytest.mark.parametrize(
     "order",
     [
@@ -106,12 +190,20 @@ def test_zbv_reaches_the_fill_bound_with_1f1b_memory(p: int, m: int) -> None:
         build_interleaved_1f1b_order(2, 4, 3),
         build_zero_bubble_h1_order(3, 5),
         build_zbv_order(3, 7),
+        build_looped_bfs_order(3, 4, 2),
+        build_interleaved_zero_bubble_order(3, 6, 2),
+        build_dualpipev_order(3, 7),
     ],
-    ids=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"],
+    ids=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "looped-bfs", "interleaved-zb", "dualpipev"],
 )
+@pytest.mark.parametrize("overlap", [None, Fraction(5, 2)], ids=["pairs-split", "pairs-joint"])
 @pytest.mark.parametrize("comm", [Fraction(0), Fraction(1, 3)])
-def test_inserted_comms_do_not_change_the_timing(order: Order, comm: Fraction) -> None:
-    costs = StepCosts(forward=1, backward=2, backward_input=1, backward_weight=1, comm=comm)
+def test_inserted_comms_do_not_change_the_timing(
+    order: Order, comm: Fraction, overlap: Fraction | None
+) -> None:
+    costs = StepCosts(
+        forward=1, backward=2, backward_input=1, backward_weight=1, comm=comm, overlap_f_b=overlap
+    )
     compute_only = simulate(order, costs)
     with_comms = simulate(insert_comms(order, data_stages=[1]), costs)
     starts = {t.step: t.start for steps in compute_only.timeline.values() for t in steps}
@@ -161,6 +253,11 @@ def test_costs_are_exact_and_checked() -> None:
         StepCosts(backward=-1)
     with pytest.raises(TypeError, match=r"StepCosts\.forward must be a number"):
         StepCosts(forward="fast")  # type: ignore[arg-type]
+    assert StepCosts().overlap_f_b is None and StepCosts(overlap_f_b=0.5).overlap_f_b == Fraction(1, 2)
+    with pytest.raises(ValueError, match=r"StepCosts\.overlap_f_b must be >= 0, got -1"):
+        StepCosts(overlap_f_b=-1)
+    with pytest.raises(ValueError, match="set overlap_f_b to time the pair as one step"):
+        StepCosts().of(T.OVERLAP_F_B)
 
 
 def test_invalid_orders_are_not_timed() -> None:

@@ -2,15 +2,23 @@
 
 Each class picks a builder and a placement; everything else is shared:
 
-==========================  ===========================  =====================  ===========
-class                       builder                      stages per rank        placement
-==========================  ===========================  =====================  ===========
-``ScheduleGPipe``           ``build_gpipe_order``        1                      ``stage = rank``
-``Schedule1F1B``            ``build_1f1b_order``         1                      ``stage = rank``
-``ScheduleInterleaved1F1B`` ``build_interleaved_...``    ``v >= 1`` (a list)    loop
-``ScheduleZeroBubble``      ``build_zero_bubble_h1_...`` 1                      ``stage = rank``
-``ScheduleZBV``             ``build_zbv_order``          2 (a list)             V
-==========================  ===========================  =====================  ===========
+================================  ===============================  =====================  ===========
+class                             builder                          stages per rank        placement
+================================  ===============================  =====================  ===========
+``ScheduleGPipe``                 ``build_gpipe_order``            1                      ``stage = rank``
+``Schedule1F1B``                  ``build_1f1b_order``             1                      ``stage = rank``
+``ScheduleZeroBubble``            ``build_zero_bubble_h1_order``   1                      ``stage = rank``
+``ScheduleInterleaved1F1B``       ``build_interleaved_1f1b_order`` ``v >= 1`` (a list)    loop
+``ScheduleLoopedBFS``             ``build_looped_bfs_order``       ``v >= 1`` (a list)    loop
+``ScheduleInterleavedZeroBubble`` ``build_interleaved_zero_...``   ``v >= 1`` (a list)    loop
+``ScheduleZBVZeroBubble``         ``build_zbv_order``              2 (a list)             V
+``ScheduleDualPipeV``             ``build_dualpipev_order``        2 (a list)             V
+================================  ===============================  =====================  ===========
+
+``ScheduleZBV`` is another name of ``ScheduleZBVZeroBubble``. The first three
+derive from :class:`PipelineScheduleSingle`, the others from
+:class:`PipelineScheduleMulti`, as in torch.distributed.pipelining, and
+:func:`get_schedule_class` maps torch's schedule names to these classes.
 
 ``.order`` is the whole pipeline's order with communication (and, when the
 stage modules are sharded, FSDP steps) inserted; ``.step()`` runs this rank's
@@ -29,10 +37,14 @@ import torch.distributed as dist
 
 from hp_pipeline.builders import (
     build_1f1b_order,
+    build_dualpipev_order,
     build_gpipe_order,
     build_interleaved_1f1b_order,
+    build_interleaved_zero_bubble_order,
+    build_looped_bfs_order,
     build_zbv_order,
     build_zero_bubble_h1_order,
+    dualpipev_min_microbatches,
     stage_to_rank,
     stages_on_rank,
 )
@@ -40,19 +52,27 @@ from hp_pipeline.builders.placement import Style
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.errors import StageFailure
 from hp_pipeline.executor import StepRunner, raise_step_error
-from hp_pipeline.fsdp import add_fsdp_steps, sharded_units
+from hp_pipeline.fsdp import sharded_units
 from hp_pipeline.grads import TiedGroup, clip_grad_norm_, sync_tied
 from hp_pipeline.ir import Order
 from hp_pipeline.microbatch import ChunkSpec, TensorChunkSpec, merge_chunks, split_args_kwargs
+from hp_pipeline.overlap import add_fsdp_steps_with_overlaps
 from hp_pipeline.stage import PipelineStage
 
 __all__ = [
     "PipelineSchedule",
+    "PipelineScheduleMulti",
+    "PipelineScheduleSingle",
     "Schedule1F1B",
+    "ScheduleDualPipeV",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
     "ScheduleZBV",
+    "ScheduleZBVZeroBubble",
     "ScheduleZeroBubble",
+    "get_schedule_class",
 ]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -102,6 +122,11 @@ class PipelineSchedule:
         abort_timeout: float = 10.0,
         recv_lookahead: int | None = None,
     ) -> None:
+        if type(self)._build is PipelineSchedule._build:
+            raise TypeError(
+                f"{type(self).__name__} is a base class (get_schedule_class returns it, as torch's does, "
+                "for issubclass checks); build a schedule such as Schedule1F1B or ScheduleInterleaved1F1B"
+            )
         if recv_lookahead is not None and (
             isinstance(recv_lookahead, bool) or not isinstance(recv_lookahead, int) or recv_lookahead < 1
         ):
@@ -138,7 +163,7 @@ class PipelineSchedule:
             stage_units.check_covers_all(f"{self._name}: stage {index}")
         if any(units.values()):
             # [Note: FSDP protocol]: every rank is assumed to compose the same way.
-            order = add_fsdp_steps(order, range(self.num_stages))
+            order = add_fsdp_steps_with_overlaps(order, range(self.num_stages))
         self.order: Order = self._with_comms(order)
         self._runner = self._make_runner(training=loss_fn is not None, abort_timeout=abort_timeout)
         self._runner.recv_lookahead = recv_lookahead
@@ -190,7 +215,9 @@ class PipelineSchedule:
         if have != sorted(want) or len(have) != len(stages):
             raise ValueError(
                 f"{self._name}: rank {self.group_rank} of {p} must host stages {sorted(want)} "
-                f"({self._style} placement), got {[s.stage_index for s in stages]}"
+                f"({self._style} placement), got {[s.stage_index for s in stages]}; build this rank's "
+                f"stages for hp_pipeline.stages_on_rank({self.group_rank}, {p}, {per_rank}, "
+                f"style={self._style!r})"
             )
 
     def _peer_rank(self, stage: int) -> int:
@@ -353,7 +380,9 @@ def _failure_outside_steps(exc: Exception) -> StageFailure:
     )
 
 
-class _SingleStage(PipelineSchedule):
+class PipelineScheduleSingle(PipelineSchedule):
+    """Base of the schedules with one stage per rank (stage ``r`` on rank ``r``), as torch's."""
+
     def __init__(
         self,
         stage: PipelineStage,
@@ -377,7 +406,7 @@ class _SingleStage(PipelineSchedule):
         super().__init__(stage, n_microbatches, loss_fn, **options)
 
 
-class ScheduleGPipe(_SingleStage):
+class ScheduleGPipe(PipelineScheduleSingle):
     """GPipe: all forwards, then all backwards; ``m`` micro-batches of activations live at the turn."""
 
     _name = "ScheduleGPipe"
@@ -386,7 +415,7 @@ class ScheduleGPipe(_SingleStage):
         return build_gpipe_order(p, m)
 
 
-class Schedule1F1B(_SingleStage):
+class Schedule1F1B(PipelineScheduleSingle):
     """1F1B (PipeDream-Flush): GPipe's bubble with at most ``p`` live micro-batches on stage 0."""
 
     _name = "Schedule1F1B"
@@ -395,7 +424,7 @@ class Schedule1F1B(_SingleStage):
         return build_1f1b_order(p, m)
 
 
-class ScheduleZeroBubble(_SingleStage):
+class ScheduleZeroBubble(PipelineScheduleSingle):
     """ZB-H1: backward split into input and weight gradients; about a third of 1F1B's bubble."""
 
     _name = "ScheduleZeroBubble"
@@ -404,10 +433,11 @@ class ScheduleZeroBubble(_SingleStage):
         return build_zero_bubble_h1_order(p, m)
 
 
-class ScheduleInterleaved1F1B(PipelineSchedule):
-    """Interleaved 1F1B: ``v`` stages per rank (loop placement), a ``v``-fold smaller bubble."""
+class PipelineScheduleMulti(PipelineSchedule):
+    """Base of the schedules that take a list of stages per rank, as torch's.
 
-    _name = "ScheduleInterleaved1F1B"
+    A single :class:`PipelineStage` is taken as a list of one.
+    """
 
     def __init__(
         self,
@@ -422,14 +452,46 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     def _expected_num_stages(self, p: int, local: int) -> int:
         return p * local
 
+
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+    """Interleaved 1F1B: ``v`` stages per rank (loop placement), a ``v``-fold smaller bubble."""
+
+    _name = "ScheduleInterleaved1F1B"
+
     def _build(self, p: int, m: int) -> Order:
         return build_interleaved_1f1b_order(p, m, self._v)
 
 
-class ScheduleZBV(PipelineSchedule):
-    """ZB-V: two stages per rank in a V (rank ``r`` holds ``r`` and ``2p-1-r``), split backward."""
+class ScheduleLoopedBFS(PipelineScheduleMulti):
+    """Looped BFS: ``v`` stages per rank (loop placement), each run over all micro-batches in turn.
 
-    _name = "ScheduleZBV"
+    Interleaved 1F1B's bubble for ``m`` a multiple of ``p``, GPipe's activation
+    memory ([Note: looped BFS] in :mod:`hp_pipeline.builders.looped_bfs`).
+    """
+
+    _name = "ScheduleLoopedBFS"
+
+    def _build(self, p: int, m: int) -> Order:
+        return build_looped_bfs_order(p, m, self._v)
+
+
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+    """Interleaved zero bubble (ZB1P): interleaved placement, backward split into ``I`` and ``W``.
+
+    See [Note: interleaved zero bubble] in
+    :mod:`hp_pipeline.builders.interleaved_zero_bubble`; ``m`` as for
+    :class:`ScheduleInterleaved1F1B`.
+    """
+
+    _name = "ScheduleInterleavedZeroBubble"
+
+    def _build(self, p: int, m: int) -> Order:
+        return build_interleaved_zero_bubble_order(p, m, self._v)
+
+
+class _VSchedule(PipelineScheduleMulti):
+    """Two stages per rank folded into a V: rank ``r`` holds stages ``r`` and ``2p-1-r``."""
+
     _style: Style = "v"
 
     def __init__(
@@ -442,13 +504,75 @@ class ScheduleZBV(PipelineSchedule):
         if isinstance(stages, PipelineStage) or len(stages) != 2:
             count = 1 if isinstance(stages, PipelineStage) else len(stages)
             raise ValueError(
-                f"ScheduleZBV runs exactly 2 stages per rank (r and 2p-1-r), got {count}; pass "
+                f"{self._name} runs exactly 2 stages per rank (r and 2p-1-r), got {count}; pass "
                 "[PipelineStage(chunk_a, r, 2 * p), PipelineStage(chunk_b, 2 * p - 1 - r, 2 * p)]"
             )
         super().__init__(stages, n_microbatches, loss_fn, **options)
 
-    def _expected_num_stages(self, p: int, local: int) -> int:
-        return 2 * p
+
+class ScheduleZBVZeroBubble(_VSchedule):
+    """ZB-V: two stages per rank in a V (rank ``r`` holds ``r`` and ``2p-1-r``), split backward."""
+
+    _name = "ScheduleZBVZeroBubble"
 
     def _build(self, p: int, m: int) -> Order:
         return build_zbv_order(p, m)
+
+
+ScheduleZBV = ScheduleZBVZeroBubble
+"""The name hp-pipeline used first for :class:`ScheduleZBVZeroBubble`; the same class."""
+
+
+class ScheduleDualPipeV(_VSchedule):
+    """DualPipeV: the V placement with overlapped forward/backward pairs (``OVERLAP_F_B``).
+
+    See [Note: DualPipeV] in :mod:`hp_pipeline.builders.dualpipev` and, for how
+    a pair runs, [Note: running overlapped steps] in :mod:`hp_pipeline.overlap`.
+    Needs ``n_microbatches >= 2 * p`` (one per stage), as torch's.
+    """
+
+    _name = "ScheduleDualPipeV"
+
+    def _build(self, p: int, m: int) -> Order:
+        least = dualpipev_min_microbatches(p)
+        if m < least:
+            raise ValueError(
+                f"ScheduleDualPipeV over {p} ranks runs {2 * p} stages and needs at least one "
+                f"micro-batch per stage, got n_microbatches={m}; use n_microbatches >= {least}"
+            )
+        return build_dualpipev_order(p, m)
+
+
+# torch.distributed.pipelining's names (get_schedule_class), then names of ours torch lacks.
+_BY_NAME: dict[str, type[PipelineSchedule]] = {
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "GPipe": ScheduleGPipe,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "PipelineScheduleSingle": PipelineScheduleSingle,
+    "PipelineScheduleMulti": PipelineScheduleMulti,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+    "ZeroBubble": ScheduleZeroBubble,
+    "ZBV": ScheduleZBVZeroBubble,
+}
+
+
+def get_schedule_class(schedule_name: str) -> type[PipelineSchedule]:
+    """The schedule class for a name, case-insensitive, as torch's ``get_schedule_class``.
+
+    Every name torch accepts maps to our class of that name (``"1F1B"``,
+    ``"Interleaved1F1B"``, ``"GPipe"``, ``"LoopedBFS"``,
+    ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``, and the
+    bases ``"PipelineScheduleSingle"`` / ``"PipelineScheduleMulti"``, which tell
+    a caller how many stages per rank to build); ``"ZeroBubble"`` (ZB-H1) and
+    ``"ZBV"`` name ours too. Other names raise a ValueError listing the valid ones.
+    """
+    if isinstance(schedule_name, str):
+        for name, cls in _BY_NAME.items():
+            if name.lower() == schedule_name.lower():
+                return cls
+    raise ValueError(
+        f"unknown schedule name {schedule_name!r}; the valid names (case-insensitive) are {list(_BY_NAME)}"
+    )

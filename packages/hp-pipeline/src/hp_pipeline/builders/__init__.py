@@ -10,6 +10,8 @@ re-derives a schedule.
 from hp_pipeline.builders.dualpipev import build_dualpipev_order, dualpipev_min_microbatches
 from hp_pipeline.builders.gpipe import build_gpipe_order
 from hp_pipeline.builders.interleaved import build_interleaved_1f1b_order, interleaved_round_size
+from hp_pipeline.builders.interleaved_zero_bubble import build_interleaved_zero_bubble_order
+from hp_pipeline.builders.looped_bfs import build_looped_bfs_order
 from hp_pipeline.builders.one_f_one_b import build_1f1b_order
 from hp_pipeline.builders.placement import stage_to_rank, stages_on_rank
 from hp_pipeline.builders.zbv import build_zbv_order
@@ -20,6 +22,8 @@ __all__ = [
     "build_dualpipev_order",
     "build_gpipe_order",
     "build_interleaved_1f1b_order",
+    "build_interleaved_zero_bubble_order",
+    "build_looped_bfs_order",
     "build_zbv_order",
     "build_zero_bubble_h1_order",
     "dualpipev_min_microbatches",

@@ -31,13 +31,18 @@ _NAME = "build_interleaved_1f1b_order"
 
 def interleaved_round_size(num_ranks: int, n_microbatches: int) -> int:
     """The round size ``g`` of [Note: interleaved rounds], or a ValueError saying which ``m`` work."""
-    p, m = check_ranks_and_micros(_NAME, num_ranks, n_microbatches)
+    return round_size(_NAME, num_ranks, n_microbatches)
+
+
+def round_size(builder: str, num_ranks: int, n_microbatches: int) -> int:
+    """:func:`interleaved_round_size` for any builder that walks rounds; errors name ``builder``."""
+    p, m = check_ranks_and_micros(builder, num_ranks, n_microbatches)
     rounds = max(1, m // p)
     if m % rounds:
         below = _nearest_valid(p, m, -1)
         above = _nearest_valid(p, m, +1)
         raise ValueError(
-            f"{_NAME}: n_microbatches={m} cannot be split into equal rounds over num_ranks={p} "
+            f"{builder}: n_microbatches={m} cannot be split into equal rounds over num_ranks={p} "
             f"(m // p = {rounds} rounds, and {m} is not a multiple of {rounds}); use "
             f"n_microbatches <= {p}, a multiple of {p}, or another value whose rounds are "
             f"equal, e.g. {below} or {above}"
@@ -69,8 +74,8 @@ def build_interleaved_1f1b_order(num_ranks: int, n_microbatches: int, stages_per
     order: Order = {}
     for rank in range(p):
         warmup = min((v - 1) * g + 2 * (p - 1 - rank), total)
-        fwd = [_op(k, rank, p, v, g, F) for k in range(total)]
-        bwd = [_op(k, rank, p, v, g, B) for k in range(total)]
+        fwd = [interleaved_op(k, rank, p, v, g, F) for k in range(total)]
+        bwd = [interleaved_op(k, rank, p, v, g, B) for k in range(total)]
         steps = fwd[:warmup]
         for k in range(total - warmup):
             steps += [fwd[warmup + k], bwd[k]]
@@ -79,7 +84,7 @@ def build_interleaved_1f1b_order(num_ranks: int, n_microbatches: int, stages_per
     return order
 
 
-def _op(k: int, rank: int, p: int, v: int, g: int, kind: MetaStepType) -> MetaStep:
+def interleaved_op(k: int, rank: int, p: int, v: int, g: int, kind: MetaStepType) -> MetaStep:
     """The ``k``-th forward (or backward) of ``rank`` under [Note: interleaved rounds]."""
     round_index, within = divmod(k, g * v)
     local = within // g
