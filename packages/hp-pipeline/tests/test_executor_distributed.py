@@ -15,12 +15,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from hp_pipeline import (
+    PipelineScheduleMulti,
     PipelineStage,
     PipelineStepError,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
     ScheduleZBV,
+    ScheduleZBVZeroBubble,
     ScheduleZeroBubble,
     stages_on_rank,
 )
@@ -76,6 +81,22 @@ SCHEDULES = {
     "interleaved-4x2": (ScheduleInterleaved1F1B, 4, 4, 2, "loop"),
     "zb-h1-4": (ScheduleZeroBubble, 4, 6, 1, "loop"),
     "zbv-2": (ScheduleZBV, 2, 4, 2, "v"),
+    # the schedules named after torch's: m equal to the stage count, and larger
+    "looped-bfs-2x2-m4": (ScheduleLoopedBFS, 2, 4, 2, "loop"),
+    "looped-bfs-2x2-m6": (ScheduleLoopedBFS, 2, 6, 2, "loop"),
+    "looped-bfs-4x2-m8": (ScheduleLoopedBFS, 4, 8, 2, "loop"),
+    "looped-bfs-4x2-m12": (ScheduleLoopedBFS, 4, 12, 2, "loop"),
+    "interleaved-zb-2x2-m4": (ScheduleInterleavedZeroBubble, 2, 4, 2, "loop"),
+    "interleaved-zb-2x2-m6": (ScheduleInterleavedZeroBubble, 2, 6, 2, "loop"),
+    "interleaved-zb-4x2-m8": (ScheduleInterleavedZeroBubble, 4, 8, 2, "loop"),
+    "interleaved-zb-4x2-m12": (ScheduleInterleavedZeroBubble, 4, 12, 2, "loop"),
+    "zbv-zero-bubble-2-m6": (ScheduleZBVZeroBubble, 2, 6, 2, "v"),
+    "zbv-zero-bubble-4-m8": (ScheduleZBVZeroBubble, 4, 8, 2, "v"),
+    "zbv-zero-bubble-4-m12": (ScheduleZBVZeroBubble, 4, 12, 2, "v"),
+    "dualpipev-2-m4": (ScheduleDualPipeV, 2, 4, 2, "v"),
+    "dualpipev-2-m6": (ScheduleDualPipeV, 2, 6, 2, "v"),
+    "dualpipev-4-m8": (ScheduleDualPipeV, 4, 8, 2, "v"),
+    "dualpipev-4-m12": (ScheduleDualPipeV, 4, 12, 2, "v"),
 }
 
 
@@ -115,7 +136,7 @@ def test_schedule_matches_single_process(rank, world_size, name):
         pytest.param(
             n, k, marks=pytest.mark.distributed(world_size=SCHEDULES[n][1], timeout=90), id=f"{n}-{k}"
         )
-        for n in ("1f1b-4", "interleaved-4x2", "zbv-2")
+        for n in ("1f1b-4", "interleaved-4x2", "zbv-2", "dualpipev-2-m6")
         for k in (1, 2)
     ],
 )
@@ -186,6 +207,24 @@ def test_forward_only_and_unscaled_grads(rank, world_size):
         close(got.grad, want.grad * 4, "unscaled grad (sum over 4 micro-batches)")
 
 
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_forward_only_dualpipev(rank, world_size):
+    """Without loss_fn a pair runs its forward half only."""
+    blocks = make_blocks(4)
+    reference = Reference(copy.deepcopy(blocks))
+    mine = stages_on_rank(rank, 2, 2, style="v")
+    stages = [PipelineStage(copy.deepcopy(blocks[s]), s, 4) for s in mine]
+    schedule = ScheduleDualPipeV(stages, 4)
+    assert any(s.sub_steps is not None for s in schedule.order[rank])
+    x, mask, _ = batch(0)
+    out = schedule.step(x, mask) if rank == 0 else schedule.step()
+    if rank == 0:  # the V puts the last stage on rank 0
+        close(out, reference(x, mask).detach(), "forward-only output")
+    else:
+        assert out is None
+    assert all(p.grad is None for s in stages for p in s.submod.parameters())
+
+
 # -- failures ----------------------------------------------------------------------
 
 
@@ -216,6 +255,14 @@ class Exploding(nn.Module):
         ),
         pytest.param(
             "zbv-2", 3, 7, marks=pytest.mark.distributed(world_size=2, timeout=60), id="zbv-later-step"
+        ),
+        # call 7 of stage 3 is the forward half of the pair (3F2;0B0) on the second step
+        pytest.param(
+            "dualpipev-2-m4",
+            3,
+            7,
+            marks=pytest.mark.distributed(world_size=2, timeout=60),
+            id="dualpipev-in-a-pair",
         ),
     ],
 )
@@ -499,3 +546,58 @@ def test_schedule_rejects_wrong_placement(rank, world_size):
         ScheduleZBV([PipelineStage(nn.Linear(2, 2), rank, 4)], 2)
     with pytest.raises(ValueError, match=r"must host stages \[0, 3\]|must host stages \[1, 2\]"):
         ScheduleZBV([PipelineStage(nn.Linear(2, 2), rank, 4), PipelineStage(nn.Linear(2, 2), rank + 2, 4)], 2)
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_bad_configurations_fail_before_any_communication(rank, world_size, monkeypatch):
+    """Each error names the value and the fix, raised while building: no rank has communicated."""
+
+    def communicated(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a bad configuration reached torch.distributed communication")
+
+    for name in (
+        "isend",
+        "irecv",
+        "send",
+        "recv",
+        "batch_isend_irecv",
+        "all_reduce",
+        "all_gather",
+        "all_gather_object",
+        "broadcast",
+        "broadcast_object_list",
+        "barrier",
+    ):
+        monkeypatch.setattr(dist, name, communicated)
+
+    def stage(index: int, num_stages: int = 4) -> PipelineStage:
+        return PipelineStage(nn.Linear(2, 2), index, num_stages)
+
+    v_stages = [stage(s) for s in stages_on_rank(rank, 2, 2, style="v")]
+    loop_stages = [stage(s) for s in stages_on_rank(rank, 2, 2)]
+    with pytest.raises(ValueError, match=r"n_microbatches=3; use n_microbatches >= 4"):
+        ScheduleDualPipeV(v_stages, 3)
+    with pytest.raises(
+        ValueError, match=r"ScheduleDualPipeV: rank \d of 2 must host stages \[(0, 3|1, 2)\] \(v"
+    ):
+        ScheduleDualPipeV(loop_stages, 4)
+    with pytest.raises(ValueError, match=r"ScheduleDualPipeV runs exactly 2 stages per rank .*, got 1"):
+        ScheduleDualPipeV(v_stages[:1], 4)
+    with pytest.raises(
+        ValueError, match=r"ScheduleLoopedBFS: rank \d of 2 must host stages \[(0, 2|1, 3)\] \(loop"
+    ):
+        ScheduleLoopedBFS(v_stages, 4)
+    with pytest.raises(ValueError, match=r"stages_on_rank\(\d, 2, 2, style='loop'\)"):
+        ScheduleInterleavedZeroBubble(v_stages, 4)
+    with pytest.raises(ValueError, match=r"n_microbatches=5 cannot be split .* e\.g\. 4 or 6"):
+        ScheduleInterleavedZeroBubble(loop_stages, 5)
+    with pytest.raises(
+        ValueError, match=r"ScheduleLoopedBFS over 2 ranks .* runs 4 stages.*num_stages=\[2\]"
+    ):
+        ScheduleLoopedBFS([stage(rank, 2), stage(1 - rank, 2)], 4)
+    with pytest.raises(TypeError, match="PipelineScheduleMulti is a base class"):
+        PipelineScheduleMulti(loop_stages, 4)
+    # The same stages in the right schedule build, still without communicating.
+    ScheduleDualPipeV(v_stages, 4)
+    ScheduleLoopedBFS(loop_stages, 4)
+    ScheduleInterleavedZeroBubble(loop_stages, 6)

@@ -28,9 +28,13 @@ from hp_fsdp import FSDPModule, fully_shard
 from hp_pipeline import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
     ScheduleZBV,
+    ScheduleZBVZeroBubble,
     ScheduleZeroBubble,
     stages_on_rank,
 )
@@ -52,6 +56,12 @@ CASES: dict[str, tuple[type, int, int, str]] = {
     # parameters must survive I (the executor keeps them until RESHARD)
     "zb-h1": (ScheduleZeroBubble, 1, 4, "loop"),
     "zbv": (ScheduleZBV, 2, 4, "v"),
+    "looped-bfs": (ScheduleLoopedBFS, 2, 4, "loop"),
+    "interleaved-zb": (ScheduleInterleavedZeroBubble, 2, 4, "loop"),
+    "zbv-zero-bubble": (ScheduleZBVZeroBubble, 2, 8, "v"),  # ScheduleZBV by torch's name; m > stages
+    # overlapped pairs: each stage of a pair must stay gathered for both halves
+    "dualpipev": (ScheduleDualPipeV, 2, 4, "v"),
+    "dualpipev-m8": (ScheduleDualPipeV, 2, 8, "v"),
 }
 
 
