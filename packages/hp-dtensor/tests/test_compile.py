@@ -12,7 +12,9 @@ eager single-process model.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,54 +24,8 @@ import torch.nn.functional as F
 from hp_dtensor import ColwiseParallel, DTensor, RowwiseParallel, SequenceParallel, Shard, parallelize_module
 from torch import nn
 
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
-class Attention(nn.Module):
-    """Heads sharded by the column-wise q / k / v: attention runs on DTensors in the graph."""
-
-    def __init__(self, dim: int = 16, head_dim: int = 4) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim, bias=False)
-        self.v = nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class SequenceParallelBlock(nn.Module):
-    def __init__(self, dim: int = 8) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 12, dim: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(F.gelu(self.embed(ids)))
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_models import MLP, Attention, SequenceParallelBlock, TinyLM
 
 
 def _mlp(mesh: Any) -> tuple[nn.Module, nn.Module, Callable[[int], Any]]:
@@ -96,6 +52,7 @@ def _sequence_parallel(mesh: Any) -> tuple[nn.Module, nn.Module, Callable[[int],
         "norm": SequenceParallel(),
         "up": ColwiseParallel(input_layouts=Shard(1)),
         "down": RowwiseParallel(output_layouts=Shard(1)),  # local: added to the local residual
+        "out_norm": SequenceParallel(use_local_output=True),
     }
     model = parallelize_module(copy.deepcopy(ref), mesh, plan)
     return model, ref, lambda step: torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(step))

@@ -7,7 +7,9 @@ every gradient, and every parameter after each optimizer step.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,54 +25,8 @@ from hp_dtensor import (
 )
 from torch import nn
 
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int = 16, head_dim: int = 4) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.q = nn.Linear(dim, dim)
-        # No key bias: softmax ignores it, so its gradient is rounding noise that Adam would amplify.
-        self.k = nn.Linear(dim, dim, bias=False)
-        self.v = nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # Under TP, q, k and v are DTensors cut on the feature dim; the view makes that the head
-        # dim, so sdpa runs on DTensors with heads sharded (no communication inside attention).
-        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        self.seen = [getattr(t, "placements", None) for t in (q, out)]
-        return self.o(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class SequenceParallelBlock(nn.Module):
-    """Norm -> MLP -> residual -> normed residual, the norms sequence-parallel around a TP MLP.
-
-    (A block that ends in a norm would make ``out.pow(2).mean()`` nearly constant:
-    gradients of rounding-noise size, which Adam's first step turns into lr-sized steps.)
-    """
-
-    def __init__(self, dim: int = 8) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-        self.out_norm = nn.RMSNorm(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.down(F.gelu(self.up(self.norm(x))))
-        return h + self.out_norm(h)
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_models import MLP, Attention, SequenceParallelBlock, TinyLM
 
 
 def _train(
@@ -164,16 +120,6 @@ def test_sequence_parallel_block_tp2_tp4(rank, device_mesh_factory) -> None:  # 
         gather_output(model(shard_input(torch.randn(2, 8, 8)))).sum().backward()
         for name, param in model.named_parameters():  # the norms' partial gradients were reduced
             assert param.grad is not None and param.grad.placements == param.placements, name
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 12, dim: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(F.gelu(self.embed(ids)))
 
 
 @pytest.mark.distributed(world_size=4)

@@ -15,7 +15,9 @@ built from them can key caches of sharding decisions and redistribution plans.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["PARTIAL_OPS", "Partial", "Placement", "Replicate", "Shard"]
 
@@ -38,6 +40,10 @@ class Placement:
     def is_partial(self, reduce_op: str | None = None) -> bool:
         """Whether this is a ``Partial`` (with ``reduce_op`` when given)."""
         return False
+
+    def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
+        """Code that rebuilds this placement, for graphs that hold it as a constant (torch.compile)."""
+        return f"hp_dtensor.placements.{self!r}", {"hp_dtensor": importlib.import_module("hp_dtensor")}
 
 
 @dataclass(frozen=True, slots=True)

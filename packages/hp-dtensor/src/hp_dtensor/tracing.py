@@ -9,32 +9,41 @@ each one into its graph as one opaque call, and AOTAutograd traces through it
 (under fake tensors, where redistribution issues functional collectives, see
 [Note: collectives under torch.compile] in ``hp_core._issue``). The compiled
 graph is therefore whole (``fullgraph=True`` works) and holds only local ops
-and collectives. The metadata passed to those calls (the mesh, placements and
-layouts) is registered as pytree *constants*: immutable, hashable values that
-dynamo guards on by equality and never traces into.
+and collectives; the metadata is closed over by those calls, so only tensors
+cross into them.
+
+Placements are registered as opaque *value* types (as torch registers its
+own), so model code may read ``dt.placements`` inside a compiled region:
+dynamo bakes them into the graph as constants (``__fx_repr__``) and guards
+on their equality. That registration uses a private torch API; should it
+move, compile still works, only reading placements inside a graph breaks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch.utils._pytree as pytree
-from hp_core import DeviceMesh
-
-from hp_dtensor.layout import Layout
 from hp_dtensor.placements import Partial, Replicate, Shard
 
-__all__ = ["register_constant_types"]
-
-_REGISTERED: set[type] = set()
+__all__ = ["register_placements"]
 
 
-def register_constant_types(*types: type[Any]) -> None:
-    """Register metadata types as pytree constants once (idempotent: pytree refuses a second time)."""
-    for cls in types:
-        if cls not in _REGISTERED:
-            pytree.register_constant(cls)
-            _REGISTERED.add(cls)
+def register_placements() -> None:
+    """Make the placement classes opaque value types for torch.compile (once; best effort)."""
+    try:
+        from torch._library.opaque_object import MemberType, is_opaque_type, register_opaque_type
+    except ImportError:  # a torch without opaque objects: placements are only read outside graphs
+        return
+    members: dict[str, Any] = {
+        name: MemberType.USE_REAL for name in ("is_shard", "is_partial", "is_replicate", "__eq__")
+    }
+    extra: dict[type, dict[str, Any]] = {
+        Shard: {"dim": MemberType.USE_REAL},
+        Partial: {"reduce_op": MemberType.USE_REAL},
+    }
+    for cls in (Shard, Replicate, Partial):
+        if not is_opaque_type(cls):
+            register_opaque_type(cls, typ="value", members=members | extra.get(cls, {}))
 
 
-register_constant_types(DeviceMesh, Layout, Shard, Replicate, Partial)
+register_placements()
