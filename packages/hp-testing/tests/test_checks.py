@@ -288,6 +288,14 @@ def test_ok_async_done_right(rank):
                                hp_core.P2POp("irecv", got, 1 - rank)]).wait()
     assert got.item() == 1.0
 
+@pytest.mark.distributed(world_size=2, strict=True, backend="nccl-emu")
+def test_ok_in_place_all_gather(rank):
+    # the input is this rank's chunk of the output, as FSDP's fused gathers pass it
+    out = torch.zeros(4)
+    out[2 * rank : 2 * rank + 2] = float(rank + 1)
+    hp_core.all_gather_into_tensor(out, out[2 * rank : 2 * rank + 2], async_op=True).wait()
+    assert out.tolist() == [1.0, 1.0, 2.0, 2.0], out
+
 @pytest.mark.distributed(world_size=2)
 def test_ok_not_strict_by_default(rank):
     dist.all_reduce(torch.ones(2), async_op=True).wait()
@@ -334,7 +342,7 @@ def test_async_collectives_are_checked_without_false_deadlocks(pytester: pytest.
 
 def test_strict_mode_catches_async_hazards(pytester: pytest.Pytester) -> None:
     result, sections = _run(pytester, STRICT)
-    result.assert_outcomes(passed=2, failed=3)
+    result.assert_outcomes(passed=3, failed=3)
     assert "read nan before wait()" in sections["test_bug_read_before_wait"]
     text = sections["test_bug_input_modified_before_wait"]
     assert "all_gather_single(in 2 out 4 torch.float32) issued with async_op=True at" in text

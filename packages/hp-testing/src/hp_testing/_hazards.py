@@ -81,6 +81,26 @@ class Shadows:
         self.outputs.append((label, tensor, shadow))
         return shadow
 
+    def alias_in_shadow(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The shadow's view of ``tensor`` when it is a piece of a shadowed output, else None.
+
+        An in-place all-gather passes its input as this rank's chunk of the
+        output (FSDP's gathers do): poisoning the output poisons that input
+        too, so the collective must read the chunk from the shadow, and the
+        input is covered by the output's check instead of a snapshot of its own.
+        """
+        for _, user, shadow in self.outputs:
+            if tensor.untyped_storage().data_ptr() != user.untyped_storage().data_ptr():
+                continue
+            offset = tensor.storage_offset() - user.storage_offset()
+            if (
+                tensor.is_contiguous()
+                and user.is_contiguous()
+                and 0 <= offset <= user.numel() - tensor.numel()
+            ):
+                return shadow.view(-1)[offset : offset + tensor.numel()].view(tensor.shape)
+        return None
+
     def snapshot_input(self, label: str, tensor: torch.Tensor) -> None:
         if any(user is tensor for _, user, _ in self.outputs):
             return

@@ -362,6 +362,10 @@ class Layer:
                 for i, t in enumerate(args["output_tensor_list"])
             ]
         for label, tensor in call.inputs:
+            aliased = shadows.alias_in_shadow(tensor)
+            if aliased is not None and label in args:
+                args[label] = aliased  # an in-place collective's input: read it from the shadow
+                continue
             shadows.snapshot_input(label, tensor)
         return shadows
 
