@@ -34,6 +34,13 @@ def _mlp(mesh: Any) -> tuple[nn.Module, nn.Module, Callable[[int], Any]]:
     return model, ref, lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
 
 
+def _mlp_uneven(mesh: Any) -> tuple[nn.Module, nn.Module, Callable[[int], Any]]:
+    """Hidden 7 over 2 ranks (4, 3): the row-wise input's global size comes from its weight."""
+    ref = MLP(8, 7)
+    model = parallelize_module(copy.deepcopy(ref), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model, ref, lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+
+
 def _attention(mesh: Any) -> tuple[nn.Module, nn.Module, Callable[[int], Any]]:
     ref = Attention()
     plan = {
@@ -58,10 +65,17 @@ def _sequence_parallel(mesh: Any) -> tuple[nn.Module, nn.Module, Callable[[int],
     return model, ref, lambda step: torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(step))
 
 
-BUILDERS = {"mlp": _mlp, "attention": _attention, "sequence_parallel": _sequence_parallel}
+BUILDERS = {
+    "mlp": _mlp,
+    "mlp_uneven": _mlp_uneven,
+    "attention": _attention,
+    "sequence_parallel": _sequence_parallel,
+}
 CASES = [
     ("mlp", "aot_eager"),
     ("mlp", "inductor"),
+    ("mlp_uneven", "aot_eager"),
+    ("mlp_uneven", "inductor"),
     ("attention", "aot_eager"),
     ("sequence_parallel", "aot_eager"),
 ]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hp_core import DeviceMesh
 from hp_dtensor import (
     ColwiseParallel,
     DTensor,
@@ -21,12 +22,13 @@ from hp_dtensor import (
     RowwiseParallel,
     SequenceParallel,
     Shard,
+    chunk_sizes,
     parallelize_module,
 )
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tp_models import MLP, Attention, SequenceParallelBlock, TinyLM
+from tp_models import MLP, Attention, ColwiseEmbeddingLM, SequenceParallelBlock, TinyLM
 
 
 def _train(
@@ -151,3 +153,105 @@ def test_vocab_parallel_embedding_and_loss_tp4(rank, device_mesh_factory) -> Non
         ref_opt.zero_grad()
         for p, r in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.full_tensor(), r, rtol=1e-5, atol=1e-6)
+
+
+# -- uneven TP dims: torch.chunk cuts, some with an empty rank ([Note: uneven TP boundaries]) --------
+
+
+def _tp_meshes(device_mesh_factory: Callable[..., DeviceMesh]) -> dict[int, DeviceMesh]:
+    return {4: device_mesh_factory((4,), ("tp",)), 2: device_mesh_factory((2, 2), ("dp", "tp"))["tp"]}
+
+
+def _train_lm(model: nn.Module, ref: nn.Module, vocab: int) -> None:
+    """5 AdamW steps of next-token cross-entropy; logits may be vocab-sharded (vocab-parallel loss)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(5):
+        torch.manual_seed(300 + step)
+        ids = torch.randint(0, vocab, (2, 5))
+        targets = ids.roll(1, 1).flatten()
+        loss = F.cross_entropy(model(ids).flatten(0, 1), targets)
+        ref_loss = F.cross_entropy(ref(ids).flatten(0, 1), targets)
+        torch.testing.assert_close(
+            loss.full_tensor() if isinstance(loss, DTensor) else loss, ref_loss, rtol=1e-5, atol=1e-6
+        )
+        loss.backward()
+        ref_loss.backward()
+        for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert p.grad.placements == p.placements, name
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-6, msg=name)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.full_tensor(), r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_uneven_mlp(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """Hidden 18 over 4 (5, 5, 5, 3), 3 over 4 (1, 1, 1, 0: a rank with no columns), 7 over 2 (4, 3)."""
+    for tp, mesh in _tp_meshes(device_mesh_factory).items():
+        for hidden in (18, 3) if tp == 4 else (7,):
+            torch.manual_seed(0)
+            ref = MLP(8, hidden)
+            model = parallelize_module(
+                copy.deepcopy(ref), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            )
+            me = mesh.get_local_rank()
+            assert model.up.weight.to_local().shape[0] == chunk_sizes(hidden, tp)[me]
+            _train(model, ref, 8, foreach=hidden != 7)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_uneven_sequence_parallel_block(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """Sequence 7 over 4 (2, 2, 2, 1), 5 over 4 (2, 2, 1, 0), 7 over 2 (4, 3); hidden 18, uneven too."""
+    for tp, mesh in _tp_meshes(device_mesh_factory).items():
+        for seq in (7, 5) if tp == 4 else (7,):
+            torch.manual_seed(0)
+            ref = SequenceParallelBlock(8, hidden=18)
+            plan = {
+                "norm": SequenceParallel(),
+                "up": ColwiseParallel(input_layouts=Shard(1)),
+                "down": RowwiseParallel(output_layouts=Shard(1)),
+                "out_norm": SequenceParallel(use_local_output=True),
+            }
+            model = parallelize_module(copy.deepcopy(ref), mesh, plan)
+            me = mesh.get_local_rank()
+            sizes = chunk_sizes(seq, tp)
+            start, mine = sum(sizes[:me]), sizes[me]
+
+            def shard_input(x: torch.Tensor) -> torch.Tensor:
+                return x[:, start : start + mine].contiguous()  # noqa: B023
+
+            def gather_output(out: torch.Tensor) -> torch.Tensor:
+                assert not isinstance(out, DTensor) and out.shape == (2, mine, 8), out.shape  # noqa: B023
+                return DTensor.from_local(out, mesh, [Shard(1)], shape=(2, seq, 8)).full_tensor()  # noqa: B023
+
+            _train(
+                model, ref, 8, foreach=tp == 4, seq=seq, shard_input=shard_input, gather_output=gather_output
+            )
+
+
+@pytest.mark.distributed(world_size=4)
+def test_uneven_vocab_parallel_embedding_and_loss(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """Row-wise embedding, column-wise head: vocab 7 (4 ranks: 2, 2, 2, 1; 2 ranks: 4, 3), 3 (1, 1, 1, 0)."""
+    for tp, mesh in _tp_meshes(device_mesh_factory).items():
+        for vocab in (7, 3) if tp == 4 else (7,):
+            torch.manual_seed(0)
+            ref = TinyLM(vocab=vocab, dim=6)
+            plan = {"embed": RowwiseParallel(), "head": ColwiseParallel(use_local_output=False)}
+            model = parallelize_module(copy.deepcopy(ref), mesh, plan)
+            _train_lm(model, ref, vocab)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_uneven_colwise_embedding(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """Column-wise embedding of 7 features (4 ranks: 2, 2, 2, 1; 2 ranks: 4, 3) or 3 into a row-wise head."""
+    for tp, mesh in _tp_meshes(device_mesh_factory).items():
+        for dim in (7, 3) if tp == 4 else (7,):
+            torch.manual_seed(0)
+            ref = ColwiseEmbeddingLM(vocab=10, dim=dim)
+            plan = {"embed": ColwiseParallel(), "head": RowwiseParallel()}
+            model = parallelize_module(copy.deepcopy(ref), mesh, plan)
+            _train_lm(model, ref, 10)

@@ -8,10 +8,10 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
         super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
@@ -44,11 +44,12 @@ class SequenceParallelBlock(nn.Module):
     gradients of rounding-noise size, which Adam's first step turns into lr-sized steps.)
     """
 
-    def __init__(self, dim: int = 8) -> None:
+    def __init__(self, dim: int = 8, hidden: int | None = None) -> None:
         super().__init__()
+        hidden = 4 * dim if hidden is None else hidden
         self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
         self.out_norm = nn.RMSNorm(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,6 +62,18 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.embed(ids)))
+
+
+class ColwiseEmbeddingLM(nn.Module):
+    """A column-wise embedding (features cut) feeding a row-wise head: the features are the TP dim."""
+
+    def __init__(self, vocab: int = 12, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(F.gelu(self.embed(ids)))

@@ -26,25 +26,104 @@ import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
+import hp_core.collectives as hc
 import torch
+import torch._guards
 from hp_core import DeviceMesh
+from hp_core.distributed import mesh_group
 from torch import nn
 
 import hp_dtensor.tracing  # noqa: F401  (registers the metadata types for torch.compile)
-from hp_dtensor.dtensor import DTensor, distribute_tensor
+from hp_dtensor.dtensor import DTensor, _FromLocal, distribute_tensor
+from hp_dtensor.layout import Layout, chunk_sizes, global_stride_like
 from hp_dtensor.placements import Placement, Replicate, Shard
 
 __all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel", "SequenceParallel", "parallelize_module"]
 
 
-def _convert_input(value: Any, mesh: DeviceMesh, given: Placement | None, desired: Placement | None) -> Any:
+def _convert_input(
+    value: Any,
+    mesh: DeviceMesh,
+    given: Placement | None,
+    desired: Placement | None,
+    known_sizes: dict[int, int],
+) -> Any:
     if given is None or desired is None or not hasattr(value, "dim"):
         return value
     if not isinstance(value, DTensor):
-        value = DTensor.from_local(value, mesh, [given])
+        value = _from_local_input(value, mesh, given, known_sizes)
     if value.placements != (desired,):
         value = value.redistribute(placements=[desired])
     return value
+
+
+def _from_local_input(
+    local: torch.Tensor, mesh: DeviceMesh, given: Placement, known_sizes: dict[int, int]
+) -> DTensor:
+    """Wrap a plain input as a DTensor placed ``given``, with the right global size when it is uneven.
+
+    [Note: uneven TP boundaries]
+    ``DTensor.from_local`` without ``shape`` takes the global size of a sharded
+    dim as local size x mesh size, which is wrong for a ``torch.chunk`` cut of
+    a dim that the TP degree does not divide (hidden 18 over 4 ranks is cut
+    5, 5, 5, 3: rank 0 would take 20, rank 3 twelve). So the size is found
+    in this order:
+
+    1. from the module, with no communication: an ``nn.Linear``'s input
+       features are its weight's global ``in_features`` (a row-wise linear's
+       ``Shard(-1)`` input, the usual output of a column-wise one handed on as
+       a plain tensor);
+    2. otherwise (a sequence-sharded plain tensor: ``SequenceParallel``, or a
+       column-wise linear with ``input_layouts=Shard(1)``) the ranks' sizes of
+       that dim are gathered once per call (one all-gather of one integer per
+       rank), which also accepts a ragged cut. Pass a DTensor instead (keep
+       ``use_local_output=False`` upstream) and no sizes are gathered;
+    3. under ``torch.compile`` case 2 cannot gather (the sizes would be graph
+       data, not shapes), so there the even cut is assumed as torch's
+       ``DTensor.from_local`` does; uneven sequence shards must come in as
+       DTensors there.
+    """
+    if not isinstance(given, Shard):
+        return DTensor.from_local(local, mesh, [given])
+    dim = given.dim % local.dim() if local.dim() else 0
+    parts = mesh.size(0)
+    me = mesh.get_local_rank()
+    size = known_sizes.get(dim - local.dim())
+    if size is None:
+        if _tracing(local):
+            return DTensor.from_local(local, mesh, [given])
+        sizes = _gather_sizes(local, dim, mesh)
+        size = sum(sizes)
+        if sizes != chunk_sizes(size, parts):  # a ragged cut: from_local keeps the per-rank table
+            shape = list(local.shape)
+            shape[dim] = size
+            return DTensor.from_local(local, mesh, [given], shape=shape)
+    expected = chunk_sizes(size, parts)[me]
+    if local.shape[dim] != expected:
+        raise ValueError(
+            f"tensor parallel input: dim {dim} of the local input has {local.shape[dim]} entries on TP rank "
+            f"{me}, but the module needs {size} in all, which torch.chunk cuts into "
+            f"{chunk_sizes(size, parts)} over {parts} ranks; shard the input with "
+            f"torch.chunk(x, {parts}, dim={dim})[{me}] or pass a DTensor."
+        )
+    shape = list(local.shape)
+    shape[dim] = size
+    layout = Layout(mesh, (Shard(dim),), shape, global_stride_like(local, shape))
+    result: DTensor = _FromLocal.apply(local, layout)
+    return result
+
+
+def _tracing(value: torch.Tensor) -> bool:
+    """Whether ``value`` is being traced by torch.compile (a fake tensor), where no sizes can be gathered."""
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode(value) is not None
+
+
+def _gather_sizes(local: torch.Tensor, dim: int, mesh: DeviceMesh) -> list[int]:
+    """Every TP rank's size of ``dim`` of its local input, in rank order (one small all-gather)."""
+    mine = torch.tensor([local.shape[dim]], dtype=torch.int64, device=local.device)
+    out = torch.empty(mesh.size(0), dtype=torch.int64, device=local.device)
+    hc.all_gather_into_tensor(out, mine, mesh_group(mesh, 0))
+    return [int(n) for n in out.tolist()]
 
 
 def _convert_output(value: Any, output: Placement, use_local: bool) -> Any:
@@ -102,6 +181,18 @@ class ParallelStyle:
     def _params(self, module: nn.Module, mesh: DeviceMesh) -> None:
         raise NotImplementedError
 
+    def _known_input_sizes(self, module: nn.Module) -> dict[int, int]:
+        """Global sizes of input dims (negative: from the end) that the module fixes.
+
+        See [Note: uneven TP boundaries].
+
+        An ``nn.Linear`` takes ``in_features`` on its last dim; its (possibly
+        sharded) weight's global shape says how many, with no communication.
+        """
+        if isinstance(module, nn.Linear):
+            return {-1: int(module.weight.shape[1])}
+        return {}
+
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         """Shard ``module``'s parameters over the 1-D ``mesh`` and hook its forward."""
         if mesh.ndim != 1:
@@ -112,12 +203,13 @@ class ParallelStyle:
         self._params(module, mesh)
         given, desired = self.input_layouts, self.desired_input_layouts
         output_layout, use_local = self.output_layouts, self.use_local_output
+        known_sizes = self._known_input_sizes(module)
 
         # One opaque call each under torch.compile ([Note: TP boundaries under torch.compile]); the
         # metadata is closed over, so only the tensor crosses into the traced call.
         @torch._dynamo.nonstrict_trace
         def convert_input(value: torch.Tensor) -> torch.Tensor:
-            return _convert_input(value, mesh, given, desired)
+            return _convert_input(value, mesh, given, desired, known_sizes)
 
         @torch._dynamo.nonstrict_trace
         def convert_output(value: torch.Tensor) -> torch.Tensor:
