@@ -101,3 +101,30 @@ def _state_dict_round_trip(model: nn.Module) -> None:
     model.load_state_dict(sharded)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(full(value), state[key], rtol=0, atol=0, msg=key)
+
+
+def _build_uneven(hidden: int) -> nn.Module:
+    """The FSDP x TP model with ``hidden`` MLP features: uneven over tp, then again over dp."""
+    model = _build()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for block in model.blocks:  # type: ignore[union-attr]
+            dim = block.up.in_features
+            block.up = nn.Linear(dim, hidden).double()
+            block.down = nn.Linear(hidden, dim).double()
+    return model
+
+
+@pytest.mark.distributed(world_size=4)
+def test_fsdp_x_tp_uneven_tp_dim_2x2(rank: int, world_size: int, device_mesh_factory: Any) -> None:
+    """Hidden 7 over tp=2 (4 and 3 features), each TP piece cut again over dp=2 (2 / 2 and 2 / 1)."""
+    mesh = device_mesh_factory((2, 2), ("dp", "tp"))
+    model = _build_uneven(7)
+    ref = ref_copy(model)
+    _tp_then_fsdp(model, mesh["tp"], mesh["dp"])
+    dp, tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    up = model.blocks[0].up
+    assert up.weight.to_local().shape[0] == [[2, 2], [2, 1]][tp][dp]
+    torch.testing.assert_close(up.weight.full_tensor(), ref.blocks[0].up.weight.detach(), rtol=0, atol=0)
+    parity(model, ref, dp_rank=dp, dp_world=mesh.size("dp"), steps=4)
+    _state_dict_round_trip(model)
