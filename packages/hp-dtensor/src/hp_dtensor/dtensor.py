@@ -262,8 +262,9 @@ class DTensor(torch.Tensor):
 def _gather_table(mesh: DeviceMesh, value: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Every mesh coordinate's ``value``, in row-major coordinate order (one gather per mesh dim)."""
     data: Any = value
-    for mesh_dim in reversed(range(mesh.ndim)):
-        data = hc.all_gather_object(data, mesh_group(mesh, mesh_dim))
+    with torch.profiler.record_function("hp_dtensor::from_local_gather_shapes"):  # not a hot path
+        for mesh_dim in reversed(range(mesh.ndim)):
+            data = hc.all_gather_object(data, mesh_group(mesh, mesh_dim))
     flat: list[tuple[int, ...]] = []
 
     def walk(node: Any, depth: int) -> None:

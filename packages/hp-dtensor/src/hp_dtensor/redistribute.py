@@ -24,6 +24,7 @@ from typing import Any
 
 import hp_core.collectives as hc
 import torch
+import torch.autograd.profiler as _profiler
 from hp_core.distributed import mesh_group
 
 from hp_dtensor.layout import Layout, chunk_sizes
@@ -177,7 +178,21 @@ def redistribute_local(
 
     ``dst`` as placements means the default chunk sizes; a ragged target
     Layout (used for gradients of ragged inputs) is reached through Replicate.
+
+    Under an active profiler the work shows as ``hp_dtensor::redistribute``
+    (forward and backward), so a profile tells redistribution apart from the
+    model's own ops; without one only a module attribute is read (no
+    ``record_function`` object per call on this hot path).
     """
+    if _profiler._is_profiler_enabled:
+        with torch.profiler.record_function("hp_dtensor::redistribute"):
+            return _redistribute_local(local, src, dst)
+    return _redistribute_local(local, src, dst)
+
+
+def _redistribute_local(
+    local: torch.Tensor, src: Layout, dst: Sequence[Placement] | Layout
+) -> tuple[torch.Tensor, Layout]:
     if isinstance(dst, Layout):
         target_layout: Layout | None = dst
         placements = dst.placements

@@ -33,6 +33,7 @@ from typing import Any
 import hp_core.collectives as hc
 import torch
 
+from hp_fsdp._profiling import labelled
 from hp_fsdp.param import FSDPParam
 from hp_fsdp.post_forward import PostForwardMesh
 
@@ -71,6 +72,7 @@ class AllGatherHandle:
     done: bool = False
     versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
+    @labelled("FSDP::all_gather_copy_out")
     def finish(self) -> None:
         """Wait for the data and make every parameter's gathered view valid."""
         if self.done:
@@ -97,6 +99,7 @@ class AllGatherHandle:
         self.done = True
 
 
+@labelled("FSDP::all_gather")
 def all_gather_params(
     params: Sequence[FSDPParam],
     group: Any,
@@ -197,6 +200,7 @@ class ReduceHandle:
     done: bool = field(default=False)
     inputs: list[torch.Tensor] = field(default_factory=list)  # send buffers, freed once waited
 
+    @labelled("FSDP::post_backward_rs_wait")
     def finish(self) -> None:
         """Complete the reduction and accumulate every shard's gradient."""
         if self.done:
@@ -268,6 +272,7 @@ def _padded_chunks(p: FSDPParam, grad: torch.Tensor, out: torch.Tensor) -> None:
         start += step
 
 
+@labelled("FSDP::post_backward_reduce")
 def reduce_grads(
     params: Sequence[FSDPParam],
     grads: list[torch.Tensor | None],

@@ -38,6 +38,7 @@ from hp_core import get_platform
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from hp_fsdp._profiling import label, labelled
 from hp_fsdp.collectives import ReduceHandle
 from hp_fsdp.param_group import FSDPParamGroup
 from hp_fsdp.policies import MixedPrecisionPolicy
@@ -291,6 +292,7 @@ class FSDPState:
     # -- forward ------------------------------------------------------------------------------
 
     @_eager
+    @labelled("FSDP::pre_forward")
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         context = self._root_context()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
@@ -298,9 +300,10 @@ class FSDPState:
         if _in_backward():
             return self._pre_forward_in_backward(args, kwargs)
         if self.is_root and torch.is_grad_enabled():
-            if context.forward_order:
-                context.prefetch_order = context.forward_order
-            context.forward_order = []
+            with label("FSDP::root_pre_forward"):
+                if context.forward_order:
+                    context.prefetch_order = context.forward_order
+                context.forward_order = []
         first = not self._ran
         self._ran.add(id(module))
         if first and context.prefetched and self in context.prefetched:
@@ -354,6 +357,7 @@ class FSDPState:
         return pytree.tree_unflatten(flat, spec)
 
     @_eager
+    @labelled("FSDP::post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if _in_backward():  # see [Note: forward in backward]: keep the parameters for this backward
             if self.mp_policy.output_dtype is not None:
@@ -384,6 +388,7 @@ class FSDPState:
     # -- backward -----------------------------------------------------------------------------
 
     @_eager
+    @labelled("FSDP::pre_backward")
     def _pre_backward(self, grad: Any) -> None:
         context = self._root_context()
         if not context.callback_queued:
@@ -412,6 +417,7 @@ class FSDPState:
         return []
 
     @_eager
+    @labelled("FSDP::post_backward")
     def post_backward(self, *, final: bool = False) -> None:
         """Reduce this unit's gradients and reshard (once per forward call of the unit).
 
@@ -445,6 +451,7 @@ class FSDPState:
             group.reshard()
 
     @_eager
+    @labelled("FSDP::root_post_backward_callback")
     def _final_callback(self) -> None:
         context = self._root_context()
         for state in reversed(context.states):

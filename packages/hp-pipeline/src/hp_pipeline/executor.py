@@ -139,6 +139,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.autograd.profiler as _profiler
 import torch.distributed as dist
 from hp_core import capabilities_for
 
@@ -344,6 +345,18 @@ class StepRunner:
             units.begin_step(self.training)
 
     def _act(self, step: MetaStep) -> None:
+        """Run one step; under an active profiler it shows as ``PP:<step>`` (e.g. ``PP:0F1``), as in torch.
+
+        The label's text is built only while profiling: this runs for every
+        step of every schedule, so without a profiler it costs one attribute read.
+        """
+        if _profiler._is_profiler_enabled:
+            with torch.profiler.record_function(f"PP:{step}"):
+                self._act_step(step)
+            return
+        self._act_step(step)
+
+    def _act_step(self, step: MetaStep) -> None:
         if step.type.is_fsdp:
             # Run even while draining: data-parallel peers of this stage wait in these collectives.
             try:
