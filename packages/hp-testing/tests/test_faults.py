@@ -81,7 +81,7 @@ def test_faults_are_reported_and_the_pool_recovers(
     assert "rank 1 failed while rank 0 waited for it in all_reduce" in out
     # the kill: rank 0 dies with its code, rank 1 stops waiting at once with that news
     assert "rank(s) [0] died" in out and "the process exited with code 77" in out
-    assert "rank 0 died while rank 1 waited for it in all_reduce" in out
+    assert "rank 0 exited (code 77) while rank 1 waits for it in all_reduce" in out
     assert "message #0 from rank 0 to rank 1 (send(2 torch.float32 to rank 1)" in out
     assert "was dropped by fault injection" in out
     assert "did NOT fire: fail rank 1 at collective #5" in out

@@ -24,6 +24,11 @@ from types import TracebackType
 from typing import Any
 
 
+def channel_prefix() -> str:
+    """The store prefix of the checks in an ``hp-run`` run (the launcher posts rank exits under it)."""
+    return f"hp-check/hp-run-{os.environ.get('TORCHELASTIC_RUN_ID', 'hp-run')}"
+
+
 def _channel_factory() -> Any:
     import torch.distributed as dist
 
@@ -39,10 +44,9 @@ def _channel_factory() -> Any:
         is_master=False,
         timeout=datetime.timedelta(seconds=300),
     )
-    prefix = f"hp-check/hp-run-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
     return SideChannel(
         store,
-        prefix,
+        channel_prefix(),
         dist.get_rank(),
         dist.get_world_size(),
         stream_ordered=layer.profile.stream_ordered_p2p,

@@ -57,6 +57,7 @@ __all__ = [
     "SideChannel",
     "Ticket",
     "UnmatchedError",
+    "announce_exit",
 ]
 
 _POLLS = (0.2, 0.3, 0.5, 1.0)
@@ -114,6 +115,20 @@ def _put(store: Any, key: str, record: Record) -> None:
     store.set(key, encode(record))
 
 
+def announce_exit(store: Any, prefix: str, rank: int, code: int | None, how: str) -> None:
+    """Tell the checks of the ranks still running that ``rank``'s process has ended.
+
+    Posted by whoever watches the processes (the pytest pool, ``hp-run``),
+    since a process that has ended cannot post anything itself. A status the
+    rank posted before it ended (its traceback) is kept: it says more.
+    ``how`` is one sentence for the peers' error, e.g. how the launcher saw it end.
+    """
+    channel = dist.PrefixStore(prefix + "/", store)
+    key = status_key(rank)
+    if not channel.check([key]):
+        _put(channel, key, Status("exited", how, code))
+
+
 def _line(rank: int, posted: Fingerprint | None, width: int) -> str:
     if posted is None:
         return f"  rank {rank}: (nothing posted)"
@@ -166,9 +181,9 @@ class SideChannel:
         """``key`` as the store holds it, for errors: with this run's prefix."""
         return f"{self.prefix}/{key}"
 
-    def post_status(self, kind: str, text: str) -> None:
-        """Tell the peers this rank failed (``"failed"``) so their waits end now."""
-        _put(self.store, status_key(self.rank), Status(kind, text))
+    def post_status(self, kind: str, text: str, code: int | None = None) -> None:
+        """Tell the peers this rank failed (``"failed"``) or ends (``"exited"``) so their waits end now."""
+        _put(self.store, status_key(self.rank), Status(kind, text, code))
 
     def _await(
         self,
@@ -213,6 +228,14 @@ class SideChannel:
     def _check_missing(self, missing: list[tuple[str, int]], what: str, site: str, group: str | None) -> None:
         for _, owner in missing:
             status = self._get(status_key(owner), Status)
+            if status is not None and status.kind == "exited":
+                raise PeerFailedError(
+                    f"rank {owner} exited (code {status.code}) while rank {self.rank} waits for it in {what} "
+                    f"at {site}; stopped waiting. {status.text} A rank must issue every collective and "
+                    "point-to-point op its peers issue before it ends (NCCL and HCCL would hang here until "
+                    "the watchdog timeout): if one rank's data runs out first, agree on the number of steps "
+                    "(e.g. all_reduce a 'has data' flag each step) so every rank stops at the same one."
+                )
             if status is not None:
                 raise PeerFailedError(
                     f"rank {owner} {status.kind} while rank {self.rank} waited for it in {what} at {site}; "

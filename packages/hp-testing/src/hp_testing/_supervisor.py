@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -130,14 +131,30 @@ def _stop_on_signal(procs: Procs, catcher: SignalCatcher, grace_s: float) -> int
     return 128 + signum
 
 
-def supervise(procs: Procs, grace_s: float, catcher: SignalCatcher) -> int:
-    """Wait for the ranks; returns hp-run's exit status (see the module docstring and the README)."""
+def supervise(
+    procs: Procs,
+    grace_s: float,
+    catcher: SignalCatcher,
+    on_exit: Callable[[int, int], None] | None = None,
+) -> int:
+    """Wait for the ranks; returns hp-run's exit status (see the module docstring and the README).
+
+    ``on_exit(rank, code)`` is called once for each rank whose process ends
+    while another is still running: the checks of the others learn of it
+    there ([Note: a rank that exits early] in :mod:`hp_testing.launcher`).
+    """
     first_failure: tuple[int, int] | None = None
     stop_at: float | None = None
+    announced: set[int] = set()
     while True:
         if catcher.received:
             return _stop_on_signal(procs, catcher, grace_s)
         codes = [p.poll() for p in procs]
+        if on_exit is not None and any(code is None for code in codes):
+            for rank, code in enumerate(codes):
+                if code is not None and rank not in announced:
+                    announced.add(rank)
+                    on_exit(rank, exit_status(code))
         if first_failure is None:
             for rank, code in enumerate(codes):
                 if code is not None and code != 0:

@@ -178,25 +178,34 @@ class P2PEnd:
         )
 
 
-_STATUS_KINDS = ("failed", "died")
+_STATUS_KINDS = ("failed", "died", "exited")
 
 
 @dataclass(frozen=True)
 class Status:
-    """A rank that failed (posted by its worker) or died (posted by the pool): ``status/<rank>``."""
+    """A rank that failed (posted by its worker), or whose process ended (posted by the pool or hp-run).
 
-    kind: str  # "failed" or "died"
+    ``exited`` carries the exit ``code`` (0 included): a rank that returns
+    early, e.g. because its data loader ran out, leaves its peers waiting
+    just as a crashed one does, and the peers' error must say which it was.
+    """
+
+    kind: str  # "failed", "died" or "exited"
     text: str  # the rank's traceback, or how the process ended
+    code: int | None = None  # the exit code, for "exited"
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "text": self.text}
+        return {"kind": self.kind, "text": self.text, "code": self.code}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Status:
         kind = _str(obj, "kind")
         if kind not in _STATUS_KINDS:
             raise _Invalid(f"field 'kind' is {kind!r}, not one of {list(_STATUS_KINDS)}")
-        return cls(kind, _str(obj, "text"))
+        code = obj.get("code")
+        if code is not None and (not isinstance(code, int) or isinstance(code, bool)):
+            raise _Invalid(f"field 'code' is {code!r}, not an integer or null")
+        return cls(kind, _str(obj, "text"), code)
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,13 @@ def _import_test_module(name: str, path: str) -> ModuleType:
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _exit_code(exc: SystemExit) -> int:
+    """The status ``sys.exit(value)`` gives a process: 0 for None, 1 for a message, else the int."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
+
+
 def _format_error(exc: BaseException) -> str:
     """The traceback from the test's own frames on, without the harness's (the checks' included)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_PACKAGE_DIR)]
@@ -285,7 +292,9 @@ def _run_task(
         except BaseException as exc:
             result.ok = False
             result.error = _format_error(exc)
-            if layer is not None:
+            if layer is not None and isinstance(exc, SystemExit):
+                layer.post_exit(_exit_code(exc))  # sys.exit() in a test body: the peers hear "exited"
+            elif layer is not None:
                 layer.post_failure(result.error)
         finally:
             for value in kwargs.values():

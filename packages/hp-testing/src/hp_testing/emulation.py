@@ -218,6 +218,15 @@ class Layer:
             except Exception:  # the store is gone: the pool reports the failure anyway
                 pass
 
+    def post_exit(self, code: int) -> None:
+        """Tell the peers this rank ends now (``sys.exit`` in a test), so their waits end with its code."""
+        channel = self.channel
+        if channel is not None:
+            try:
+                channel.post_status("exited", "It called sys.exit() in the middle of the test.", code)
+            except Exception:  # the store is gone: the pool reports the failure anyway
+                pass
+
     def _unfired(self) -> list[Fault]:
         rank = dist.get_rank() if dist.is_initialized() else -1
         fired = set(self.fired)

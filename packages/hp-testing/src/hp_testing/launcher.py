@@ -11,6 +11,21 @@ stopped, and the launcher names the rank that failed first, so a crash never
 turns into a silent hang. SIGINT, SIGTERM and SIGHUP are forwarded to every
 rank, and the ranks die with the launcher even if it is killed hard
 ([Note: signals reach every rank] in :mod:`hp_testing._supervisor`).
+
+[Note: a rank that exits early]
+A rank that ends (with any code, 0 included: its data ran out and it
+returned) while a peer waits for it in a collective leaves that peer waiting
+until gloo notices the closed socket, or forever in the checks' store polls,
+and nothing names the rank that left. Only the launcher sees every process
+end, so it posts an ``exited`` status for the rank, with its exit code, where
+the cross-rank checks of the others already look for failed peers
+(:func:`hp_testing._sidechannel.announce_exit`, the pool's mechanism): their
+wait ends within a poll with ``rank R exited (code C) while rank S waits for it
+in all_reduce(...) (collective #k ...) at file:line``. For that the store must
+outlive every rank, so with the checks on ``hp-run`` hosts the rendezvous
+TCPStore itself, as torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE``),
+instead of rank 0; and the checks are on by default, under gloo's own rules
+when there is no ``--emulate`` (``--no-checks`` gives the bare launcher).
 """
 
 from __future__ import annotations
@@ -21,7 +36,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from hp_testing._lifetime import preexec_die_with_parent
@@ -119,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-checks",
         action="store_true",
-        help="with --emulate or --strict: skip the cross-rank checks (rules stay)",
+        help="skip the cross-rank checks (under --emulate or --strict the rules stay; otherwise the "
+        "ranks run bare, as under torchrun, and a rank that exits early is not reported to its peers)",
     )
     strict = parser.add_mutually_exclusive_group()
     strict.add_argument(
@@ -148,26 +164,91 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(f"-n must be at least 1, got {args.nproc}")
     if not args.module and not os.path.exists(args.script):
         _parser().error(f"script {args.script!r} does not exist (use -m to run a module)")
-    port = args.master_port or _free_port()
     target = ["-m", args.script] if args.module else [args.script]
     strict = _strict(args.strict, args.emulate, parser)
-    if args.emulate is not None or strict:
-        # The layer of the pytest harness; with --strict alone, under gloo's own rules.
+    checks = not args.no_checks
+    if args.emulate is not None or strict or checks:
+        # The layer of the pytest harness; without --emulate, under gloo's own rules.
         profile = f"{args.emulate}-emu" if args.emulate is not None else "gloo"
-        checks = "no-checks" if args.no_checks else "checks"
         mode = "strict" if strict else "no-strict"
-        target = ["-m", "hp_testing._emulated_main", profile, checks, mode, *target]
+        target = [
+            "-m",
+            "hp_testing._emulated_main",
+            profile,
+            "checks" if checks else "no-checks",
+            mode,
+            *target,
+        ]
     command = [sys.executable, "-u", *target, *args.script_args]
-    return launch(command, args.nproc, port, grace_s=args.grace, tag_output=args.tag_output)
+    if not checks:
+        port = args.master_port or _free_port()
+        return launch(command, args.nproc, port, grace_s=args.grace, tag_output=args.tag_output)
+    with _AgentStore(args.master_port) as agent:
+        return launch(
+            command,
+            args.nproc,
+            agent.port,
+            grace_s=args.grace,
+            tag_output=args.tag_output,
+            extra_env={"TORCHELASTIC_USE_AGENT_STORE": "True"},
+            on_exit=agent.announce,
+        )
+
+
+class _AgentStore:
+    """The rendezvous TCPStore, hosted by hp-run to outlive every rank ([Note: a rank that exits early])."""
+
+    def __init__(self, port: int) -> None:
+        self._want = port
+        self.port = port
+        self._store: object | None = None
+
+    def __enter__(self) -> _AgentStore:
+        import datetime
+
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            self._want,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=300),
+        )
+        self.port = int(self._store.port)  # the one the OS picked when asked for 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._store = None
+
+    def announce(self, rank: int, code: int) -> None:
+        """Post that ``rank`` ended with ``code``, for the checks of the ranks still running."""
+        from hp_testing._emulated_main import channel_prefix
+        from hp_testing._sidechannel import announce_exit
+
+        if self._store is None:
+            return
+        try:
+            announce_exit(self._store, channel_prefix(), rank, code, "hp-run saw its process end.")
+        except Exception as exc:  # the report is a courtesy: never let it stop the supervision
+            print(f"[hp-run] could not tell the other ranks that rank {rank} exited: {exc}", file=sys.stderr)
 
 
 def launch(
-    command: list[str], nproc: int, master_port: int, *, grace_s: float = 5.0, tag_output: bool = False
+    command: list[str],
+    nproc: int,
+    master_port: int,
+    *,
+    grace_s: float = 5.0,
+    tag_output: bool = False,
+    extra_env: dict[str, str] | None = None,
+    on_exit: Callable[[int, int], None] | None = None,
 ) -> int:
     """Start ``nproc`` copies of ``command`` and supervise them until all exit.
 
     Returns hp-run's exit status: 0, the first failing rank's, or ``128 + signum``
-    when a signal stopped the run ([Note: signals reach every rank]).
+    when a signal stopped the run ([Note: signals reach every rank]). ``extra_env``
+    is added to every rank's environment; ``on_exit`` is :func:`supervise`'s.
     """
     pipe = subprocess.PIPE if tag_output else None
     procs: list[subprocess.Popen[bytes]] = []
@@ -182,7 +263,7 @@ def launch(
                 procs.append(
                     subprocess.Popen(
                         command,
-                        env=rank_env(rank, nproc, master_port),
+                        env={**rank_env(rank, nproc, master_port), **(extra_env or {})},
                         stdout=pipe,
                         stderr=subprocess.STDOUT if pipe else None,
                         start_new_session=True,  # a terminal's Ctrl-C reaches a rank once, through us
@@ -197,7 +278,7 @@ def launch(
             ]
             for pump in pumps:
                 pump.start()
-            code = supervise(procs, grace_s, catcher)
+            code = supervise(procs, grace_s, catcher, on_exit)
         except BaseException:
             stop_after_failure(procs)  # never leave ranks behind, whatever went wrong here
             raise

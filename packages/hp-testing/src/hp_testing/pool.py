@@ -372,14 +372,10 @@ def _post_death(prefix: str, rank: int, code: int | None) -> None:
     A JSON record, as every value the checks read from the store
     ([Note: nothing read from the store is executed] in :mod:`hp_testing._wire`).
     """
-    import torch.distributed as dist
-
-    from hp_testing._wire import Status, encode, status_key
+    from hp_testing._sidechannel import announce_exit
 
     with contextlib.suppress(Exception):
-        store = dist.PrefixStore(prefix + "/", _store())
-        value: Any = encode(Status("died", f"the process exited with code {code}"))  # bytes (stub: str)
-        store.set(status_key(rank), value)
+        announce_exit(_store(), prefix, rank, code, "Its process ended in the middle of the test.")
 
 
 def _trim_stack(text: str) -> str:
