@@ -3,10 +3,13 @@
 Run on 4 CPU ranks over gloo:
 
     hp-run -n 4 benchmarks/pipeline_step.py [--width 256] [--microbatches 8] [--rounds 40] [--steps 1]
+        [--schedules 1F1B,Interleaved1F1B,LoopedBFS,InterleavedZeroBubble,ZBVZeroBubble,DualPipeV]
 
 Both libraries train the same MLP (same weights, the same batch cut into the
 same micro-batches) with the same schedule, in one run and in one process
-group. Each library first runs ``--warmup`` untimed steps (the first step of
+group. Each schedule is named as torch names it and taken from each library's
+``get_schedule_class``; the multi-stage ones run two stages per rank (loop or
+V placement, as the class requires). Each library first runs ``--warmup`` untimed steps (the first step of
 each learns shapes); then one step of each is checked against the other
 (losses and every gradient, the largest difference is printed). The timed
 part is ``--rounds`` rounds of ``--steps`` steps per library, the order of the
@@ -112,22 +115,35 @@ def check_same(schedules: dict[str, Any], first: bool, last: bool, x: torch.Tens
     return float(local.item())
 
 
+# Schedule name -> placement of its two stages per rank; the others run one stage per rank.
+MULTI_STAGE = {
+    "Interleaved1F1B": "loop",
+    "LoopedBFS": "loop",
+    "InterleavedZeroBubble": "loop",
+    "ZBVZeroBubble": "v",
+    "DualPipeV": "v",
+}
+KINDS = ("1F1B", *MULTI_STAGE)
+
+
 def build(lib: str, kind: str, layers: list[nn.Module], m: int) -> tuple[Any, bool, bool]:
     rank, p = dist.get_rank(), dist.get_world_size()
-    v = 2 if kind == "Interleaved1F1B" else 1
+    style = MULTI_STAGE.get(kind)
+    v = 1 if style is None else 2
     num_stages = v * p
-    mine = [rank + j * p for j in range(v)]
+    mine = [rank, 2 * p - 1 - rank] if style == "v" else [rank + j * p for j in range(v)]
     if lib == "ours":
         import hp_pipeline as hp
 
         stages: Any = [hp.PipelineStage(chunk(layers, s, num_stages), s, num_stages) for s in mine]
-        cls: Any = hp.Schedule1F1B if kind == "1F1B" else hp.ScheduleInterleaved1F1B
+        cls: Any = hp.get_schedule_class(kind)
     else:
         from torch.distributed import pipelining as tp
+        from torch.distributed.pipelining.schedules import get_schedule_class
 
         device = torch.device("cpu")
         stages = [tp.PipelineStage(chunk(layers, s, num_stages), s, num_stages, device) for s in mine]
-        cls = tp.Schedule1F1B if kind == "1F1B" else tp.ScheduleInterleaved1F1B
+        cls = get_schedule_class(kind)
     schedule = cls(stages[0] if v == 1 else stages, m, loss_fn)
     return schedule, 0 in mine, num_stages - 1 in mine
 
@@ -137,7 +153,7 @@ def bubbles(p: int, m: int) -> list[dict[str, Any]]:
 
     rows = []
     unit = hp.StepCosts(forward=1, backward=1)
-    split = hp.StepCosts(forward=1, backward_input=1, backward_weight=1)
+    split = hp.StepCosts(forward=1, backward=2, backward_input=1, backward_weight=1)
     cases: list[tuple[str, Any, Any, Any, str]] = [
         ("GPipe", hp.build_gpipe_order(p, m), unit, Fraction(p - 1, m + p - 1), "ratio (p-1)/(m+p-1)"),
         ("1F1B", hp.build_1f1b_order(p, m), unit, Fraction(p - 1, m + p - 1), "ratio (p-1)/(m+p-1)"),
@@ -163,6 +179,35 @@ def bubbles(p: int, m: int) -> list[dict[str, Any]]:
             "label": "bubble / 1F1B's bubble",
         }
     )
+    # The schedules named after torch's (one chunk per step cost; formulas in the README).
+    rows.append(
+        {
+            "schedule": "LoopedBFS v=2",
+            "simulated": hp.simulate(hp.build_looped_bfs_order(p, m, 2), unit).bubble_overhead[0],
+            "formula": Fraction(p - 1, 2 * m),
+            "label": "overhead (p-1)/(v*m)",
+        }
+    )
+    izb = hp.simulate(hp.build_interleaved_zero_bubble_order(p, m, 2), split)
+    rows.append(
+        {
+            "schedule": "InterleavedZB (F=I=W)",
+            "simulated": izb.idle_time[0],
+            "formula": Fraction(p - 1),
+            "label": "idle (p-1)(F+I-W)",
+        }
+    )
+    if m >= 2 * p:
+        joint = hp.StepCosts(forward=1, backward=2, backward_input=1, backward_weight=1, overlap_f_b=3)
+        dpv = hp.simulate(hp.build_dualpipev_order(p, m), joint)
+        rows.append(
+            {
+                "schedule": "DualPipeV (F&B=F+B)",
+                "simulated": dpv.idle_time[0],
+                "formula": Fraction((p - 1) * (3 + 2 - 3)),
+                "label": "idle (PP/2-1)(F&B+B-3W)",
+            }
+        )
     return rows
 
 
@@ -220,14 +265,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per library")
     parser.add_argument("--rounds", type=int, default=40, help="alternating rounds")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per library and round")
+    parser.add_argument(
+        "--schedules",
+        default=",".join(KINDS),
+        help=f"comma-separated torch schedule names, from {','.join(KINDS)}",
+    )
     args = parser.parse_args()
+    kinds = [k.strip() for k in args.schedules.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        parser.error(f"--schedules: unknown {unknown}; choose from {list(KINDS)}")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, p = dist.get_rank(), dist.get_world_size()
     layers = make_layers(2 * p, args.width)
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(1))
     y = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(2))
-    results = {kind: measure(kind, layers, x, y, args) for kind in ("1F1B", "Interleaved1F1B")}
+    results = {kind: measure(kind, layers, x, y, args) for kind in kinds}
     if rank == 0:
         n = args.rounds * args.steps
         print(f"pipeline step, {p} ranks (gloo, CPU), MLP {2 * p} x Linear({args.width}), ")
@@ -238,7 +292,7 @@ def main() -> None:
         print("step ms: slowest rank, each step from a barrier; CPU ms: all ranks' CPU time per step;")
         print("paired: median over rounds of ours/torch within the round")
         print(
-            f"{'schedule':<18}{'torch ms':>10}{'ours ms':>10}{'ours/torch':>12}{'paired':>8}"
+            f"{'schedule':<22}{'torch ms':>10}{'ours ms':>10}{'ours/torch':>12}{'paired':>8}"
             f"{'torch CPU':>11}{'ours CPU':>10}{'CPU ratio':>11}{'paired':>8}{'max |diff|':>12}"
         )
         ratios, cpu_ratios, paired, paired_cpu = {}, {}, {}, {}
@@ -250,7 +304,7 @@ def main() -> None:
             paired[f"Schedule{kind}"] = round(row["paired"], 4)
             paired_cpu[f"Schedule{kind}"] = round(row["paired_cpu"], 4)
             print(
-                f"{kind:<18}{row['torch'] * 1e3:>10.2f}{row['ours'] * 1e3:>10.2f}{ratio:>12.3f}"
+                f"{kind:<22}{row['torch'] * 1e3:>10.2f}{row['ours'] * 1e3:>10.2f}{ratio:>12.3f}"
                 f"{row['paired']:>8.3f}{row['torch_cpu'] * 1e3:>11.2f}{row['ours_cpu'] * 1e3:>10.2f}"
                 f"{cpu_ratio:>11.3f}{row['paired_cpu']:>8.3f}"
                 f"{row['max_abs_diff']:>12.2e}"
