@@ -211,10 +211,10 @@ def test_uneven_sequence_parallel_block(rank, device_mesh_factory) -> None:  # t
             torch.manual_seed(0)
             ref = SequenceParallelBlock(8, hidden=18)
             plan = {
-                "norm": SequenceParallel(),
-                "up": ColwiseParallel(input_layouts=Shard(1)),
+                "norm": SequenceParallel(gather_input_sizes=True),
+                "up": ColwiseParallel(input_layouts=Shard(1), gather_input_sizes=True),
                 "down": RowwiseParallel(output_layouts=Shard(1)),
-                "out_norm": SequenceParallel(use_local_output=True),
+                "out_norm": SequenceParallel(use_local_output=True, gather_input_sizes=True),
             }
             model = parallelize_module(copy.deepcopy(ref), mesh, plan)
             me = mesh.get_local_rank()

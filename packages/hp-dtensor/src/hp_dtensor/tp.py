@@ -47,18 +47,19 @@ def _convert_input(
     given: Placement | None,
     desired: Placement | None,
     known_sizes: dict[int, int],
+    gather_sizes: bool,
 ) -> Any:
     if given is None or desired is None or not hasattr(value, "dim"):
         return value
     if not isinstance(value, DTensor):
-        value = _from_local_input(value, mesh, given, known_sizes)
+        value = _from_local_input(value, mesh, given, known_sizes, gather_sizes)
     if value.placements != (desired,):
         value = value.redistribute(placements=[desired])
     return value
 
 
 def _from_local_input(
-    local: torch.Tensor, mesh: DeviceMesh, given: Placement, known_sizes: dict[int, int]
+    local: torch.Tensor, mesh: DeviceMesh, given: Placement, known_sizes: dict[int, int], gather_sizes: bool
 ) -> DTensor:
     """Wrap a plain input as a DTensor placed ``given``, with the right global size when it is uneven.
 
@@ -74,14 +75,18 @@ def _from_local_input(
        ``Shard(-1)`` input, the usual output of a column-wise one handed on as
        a plain tensor);
     2. otherwise (a sequence-sharded plain tensor: ``SequenceParallel``, or a
-       column-wise linear with ``input_layouts=Shard(1)``) the ranks' sizes of
-       that dim are gathered once per call (one all-gather of one integer per
-       rank), which also accepts a ragged cut. Pass a DTensor instead (keep
-       ``use_local_output=False`` upstream) and no sizes are gathered;
+       column-wise linear with ``input_layouts=Shard(1)``) nothing local tells
+       the size, so by default the even cut is assumed, as torch's
+       ``DTensor.from_local`` does: no communication, and no host
+       synchronisation on an accelerator, at every boundary of every step.
+       A style built with ``gather_input_sizes=True`` gathers the ranks'
+       sizes of that dim once per call instead (one all-gather of one
+       integer per rank, then a read on the host), which also accepts a
+       ragged cut; a DTensor input (``use_local_output=False`` upstream)
+       needs neither;
     3. under ``torch.compile`` case 2 cannot gather (the sizes would be graph
-       data, not shapes), so there the even cut is assumed as torch's
-       ``DTensor.from_local`` does; uneven sequence shards must come in as
-       DTensors there.
+       data, not shapes), so there the even cut is always assumed; uneven
+       sequence shards must come in as DTensors there.
     """
     if not isinstance(given, Shard):
         return DTensor.from_local(local, mesh, [given])
@@ -90,7 +95,7 @@ def _from_local_input(
     me = mesh.get_local_rank()
     size = known_sizes.get(dim - local.dim())
     if size is None:
-        if _tracing(local):
+        if not gather_sizes or _tracing(local):
             return DTensor.from_local(local, mesh, [given])
         sizes = _gather_sizes(local, dim, mesh)
         size = sum(sizes)
@@ -178,6 +183,8 @@ class ParallelStyle:
     desired_input_layouts: Placement | None
     output_layouts: Placement
     use_local_output: bool
+    #: gather the ranks' sizes of a sequence-sharded plain input per call ([Note: uneven TP boundaries])
+    gather_input_sizes: bool = False
 
     def _params(self, module: nn.Module, mesh: DeviceMesh) -> None:
         raise NotImplementedError
@@ -205,12 +212,13 @@ class ParallelStyle:
         given, desired = self.input_layouts, self.desired_input_layouts
         output_layout, use_local = self.output_layouts, self.use_local_output
         known_sizes = self._known_input_sizes(module)
+        gather_sizes = self.gather_input_sizes
 
         # One opaque call each under torch.compile ([Note: TP boundaries under torch.compile]); the
         # metadata is closed over, so only the tensor crosses into the traced call.
         @torch._dynamo.nonstrict_trace
         def convert_input(value: torch.Tensor) -> torch.Tensor:
-            return _convert_input(value, mesh, given, desired, known_sizes)
+            return _convert_input(value, mesh, given, desired, known_sizes, gather_sizes)
 
         @torch._dynamo.nonstrict_trace
         def convert_output(value: torch.Tensor) -> torch.Tensor:
@@ -240,9 +248,11 @@ class ColwiseParallel(ParallelStyle):
         input_layouts: Placement | None = None,
         output_layouts: Placement | None = None,
         use_local_output: bool = True,
+        gather_input_sizes: bool = False,
     ) -> None:
         self.input_layouts = input_layouts or Replicate()
         self.desired_input_layouts = Replicate()
+        self.gather_input_sizes = gather_input_sizes
         self.output_layouts = output_layouts or Shard(-1)
         self.use_local_output = use_local_output
 
@@ -291,7 +301,10 @@ class RowwiseParallel(ParallelStyle):
 class SequenceParallel(ParallelStyle):
     """Replicated parameters, activations sharded on ``sequence_dim`` (for norms and dropout)."""
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+    def __init__(
+        self, *, sequence_dim: int = 1, use_local_output: bool = False, gather_input_sizes: bool = False
+    ) -> None:
+        self.gather_input_sizes = gather_input_sizes
         self.input_layouts = Shard(sequence_dim)
         self.desired_input_layouts = Shard(sequence_dim)
         self.output_layouts = Shard(sequence_dim)
