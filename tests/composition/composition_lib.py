@@ -35,6 +35,9 @@ SCHEDULES: dict[str, tuple[str, int, str]] = {
     "interleaved": ("ScheduleInterleaved1F1B", 2, "loop"),
     "zb-h1": ("ScheduleZeroBubble", 1, "loop"),
     "zbv": ("ScheduleZBV", 2, "v"),
+    "looped-bfs": ("ScheduleLoopedBFS", 2, "loop"),
+    "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),  # needs MICRO >= 2 * pp
 }
 
 

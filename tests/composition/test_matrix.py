@@ -1,7 +1,8 @@
 """The composition matrix: the combinations users write, each against one process on the same data.
 
 {FSDP, HSDP} x {per-block, per-stage, nested} wrapping x {no TP, TP inside the
-blocks} x {no pipeline, GPipe, 1F1B, interleaved, ZB-H1, ZB-V} x {fp32, bf16
+blocks} x {no pipeline, GPipe, 1F1B, interleaved, ZB-H1, ZB-V, LoopedBFS,
+InterleavedZeroBubble, DualPipeV} x {fp32, bf16
 mixed precision} x {activation checkpointing off, on}, each on the smallest
 mesh that holds it (``Case.mesh_dims``). By default a covering subset runs
 (every value of every dimension, the pairs most likely to interact, and a few
