@@ -13,8 +13,9 @@ and unchanged on a cluster with ``torchrun``. What it composes, on a mesh
   attention heads (grouped-query: fewer k / v heads) are split over ``tp``;
 - ``fully_shard`` on ``dp`` (hp_fsdp) for each block and each pipeline stage
   module, nested, bf16 compute with fp32 gradient reduction;
-- pipeline stages on ``pp`` (hp_pipeline), the interleaved 1F1B schedule with
-  two stages per rank;
+- pipeline stages on ``pp`` (hp_pipeline), two stages per rank, under
+  ``--schedule``: Interleaved1F1B (default), InterleavedZeroBubble, LoopedBFS,
+  ZBVZeroBubble or DualPipeV (torch's names, through ``get_schedule_class``);
 - global gradient-norm clipping over every parameter of every stage, AdamW;
 - a ``torch.distributed.checkpoint`` save (model and optimizer, sharded) and a
   resume on another layout that continues with the same losses;
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from hp_core import DeviceMesh, get_platform, init_device_mesh, init_distributed
 from hp_dtensor import ColwiseParallel, DTensor, RowwiseParallel, parallelize_module
 from hp_fsdp import MixedPrecisionPolicy, fully_shard
-from hp_pipeline import PipelineStage, ScheduleInterleaved1F1B, render_order, stages_on_rank
+from hp_pipeline import PipelineStage, get_schedule_class, render_order, stages_on_rank
 from hp_testing import record_collectives
 from torch import nn
 
@@ -157,6 +158,9 @@ def batches(c: Config, global_batch: int, seed: int = 7) -> Iterator[tuple[torch
 
 # -- the parallel job -----------------------------------------------------------------------
 
+SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS", "ZBVZeroBubble", "DualPipeV")
+V_SHAPED = {"ZBVZeroBubble", "DualPipeV"}
+
 TP_PLAN = {
     "attn.q": ColwiseParallel(),
     "attn.k": ColwiseParallel(),
@@ -256,6 +260,7 @@ class Args:
     resume: str | None
     out: str
     reference: bool
+    schedule: str = "Interleaved1F1B"
 
 
 def train(args: Args, c: Config = Config()) -> dict[str, Any]:  # noqa: B008 - frozen config
@@ -271,7 +276,8 @@ def train(args: Args, c: Config = Config()) -> dict[str, Any]:  # noqa: B008 - f
         )
     mesh = init_device_mesh(get_platform().device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     num_stages = 2 * pp
-    local = stages_on_rank(mesh.get_local_rank("pp"), pp, 2)
+    style = "v" if args.schedule in V_SHAPED else "loop"  # rank r holds stages r and 2p-1-r
+    local = stages_on_rank(mesh.get_local_rank("pp"), pp, 2, style=style)
     model = build(c, num_stages)
     reference = Reference(model, args.lr, args.max_norm) if args.reference and rank == 0 else None
     stage_modules = parallelize(model, mesh, local)
@@ -280,7 +286,7 @@ def train(args: Args, c: Config = Config()) -> dict[str, Any]:  # noqa: B008 - f
         PipelineStage(m, s, num_stages, group=pp_group) for m, s in zip(stage_modules, local, strict=True)
     ]
     micro = args.global_batch // (dp * args.per_micro)
-    schedule = ScheduleInterleaved1F1B(pipe, micro, loss_fn)
+    schedule = get_schedule_class(args.schedule)(pipe, micro, loss_fn)
     params = [p for m in stage_modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr)
     first_step = 0
@@ -293,7 +299,7 @@ def train(args: Args, c: Config = Config()) -> dict[str, Any]:  # noqa: B008 - f
     out = Path(args.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        render_order(schedule.order, out / f"timeline-pp{pp}.svg", title=f"interleaved 1F1B, pp={pp}")
+        render_order(schedule.order, out / f"timeline-pp{pp}.svg", title=f"{args.schedule}, pp={pp}")
     replica = mesh.get_local_rank("dp")
     share = args.global_batch // dp  # sequences per dp replica and step: the global batch is fixed
     data = batches(c, args.global_batch)
@@ -388,6 +394,9 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="a checkpoint directory to continue from")
     parser.add_argument("--out", default="demo-out", help="where the timeline, losses and checkpoint go")
     parser.add_argument("--no-reference", action="store_true", help="skip the single-process run")
+    parser.add_argument(
+        "--schedule", default="Interleaved1F1B", choices=SCHEDULES, help="two stages per rank"
+    )
     ns = parser.parse_args()
     layout = tuple(int(v) for v in ns.layout.split(","))
     if len(layout) != 3:
@@ -403,6 +412,7 @@ def main() -> None:
         resume=ns.resume,
         out=ns.out,
         reference=not ns.no_reference,
+        schedule=ns.schedule,
     )
     init_distributed()
     history = train(args)

@@ -7,17 +7,18 @@ set -euo pipefail
 usage() {
   cat <<'TXT'
 usage: bash scripts/demo.sh [--backend nccl-emu|hccl-emu|gloo] [--layout PP,DP,TP] [--resume-layout PP,DP,TP]
-                            [--steps N] [--save-at N] [--out DIR]
+                            [--schedule NAME] [--steps N] [--save-at N] [--out DIR]
   --backend        what hp-run emulates (default nccl-emu; gloo: no emulation checks)
   --layout         the first run's mesh (default 2,2,2: 8 ranks)
   --resume-layout  the layout that resumes from the checkpoint (default 2,1,2: 4 ranks)
+  --schedule       Interleaved1F1B (default), InterleavedZeroBubble, LoopedBFS, ZBVZeroBubble, DualPipeV
   --steps          optimizer steps in all (default 6)
   --save-at        the step after which the checkpoint is saved (default 3)
   --out            where the timeline, losses, loss.png and checkpoint go (default demo-out)
 Everything else: python examples/llama_3d.py --help
 TXT
 }
-backend=nccl-emu layout=2,2,2 resume_layout=2,1,2 steps=6 save_at=3 out=demo-out
+backend=nccl-emu layout=2,2,2 resume_layout=2,1,2 steps=6 save_at=3 out=demo-out schedule=Interleaved1F1B
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -25,6 +26,7 @@ while [ $# -gt 0 ]; do
     --layout) layout="$2"; shift 2 ;;
     --resume-layout) resume_layout="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
+    --schedule) schedule="$2"; shift 2 ;;
     --save-at) save_at="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     *) echo "demo.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
@@ -42,10 +44,10 @@ ranks() { local IFS=,; set -- $1; echo $(( $1 * $2 * $3 )); }
 rm -rf "$out/checkpoint"
 echo "== pipeline x FSDP x TP on $(ranks "$layout") ranks (pp,dp,tp = $layout), $backend, against one process"
 hp-run -n "$(ranks "$layout")" "${emulate[@]}" examples/llama_3d.py \
-  --layout "$layout" --steps "$steps" --save-at "$save_at" --out "$out"
+  --layout "$layout" --steps "$steps" --save-at "$save_at" --out "$out" --schedule "$schedule"
 echo "== resume from the checkpoint on $(ranks "$resume_layout") ranks (pp,dp,tp = $resume_layout)"
 hp-run -n "$(ranks "$resume_layout")" "${emulate[@]}" examples/llama_3d.py \
-  --layout "$resume_layout" --steps "$steps" --resume "$out/checkpoint" --out "$out"
+  --layout "$resume_layout" --steps "$steps" --resume "$out/checkpoint" --out "$out" --schedule "$schedule"
 echo "== summary"
 python examples/demo_report.py "$out"
 echo "files: $out/timeline-pp*.svg (the schedule), $out/loss.png, $out/checkpoint/, $out/losses-*.json"
