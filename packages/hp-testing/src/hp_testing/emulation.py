@@ -66,6 +66,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from hp_testing._calls import Call, call_site, describe, describe_p2p, object_p2p
 from hp_testing._funcol import install_functional, uninstall_functional
+from hp_testing._funcol_ops import install_functional_ops, uninstall_functional_ops
 from hp_testing._hazards import AsyncHazardError, CheckedWork, DoneWork, Shadows
 from hp_testing._sidechannel import SideChannel
 from hp_testing.faults import Fault, InjectedFault
@@ -617,6 +618,7 @@ def install(profile_name: str, *, checks: bool = True, strict: bool = False) -> 
     _patch_p2pop()
     _LAYER = Layer(profile, checks=checks, strict=strict)
     install_functional(_LAYER.check_collective)
+    install_functional_ops()  # a compiled graph's collectives, at every run ([Note: compiled graphs ...])
     _inject(profile)
     return _LAYER
 
@@ -672,6 +674,7 @@ def uninstall() -> None:
             setattr(dist, name, orig)
     _ORIGINALS.clear()
     uninstall_functional()
+    uninstall_functional_ops()
     _LAYER = None
     import hp_core
     from hp_core.capabilities import set_backend_semantics
