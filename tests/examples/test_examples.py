@@ -37,7 +37,9 @@ CASES = [
 def run_example(script: str, ranks: int, extra: list[str]) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [str(HP_RUN), "-n", str(ranks), str(EXAMPLES / script), *extra],
+        # --no-checks: under hp-run's default gloo-rule checks a pipeline script can abort at exit
+        # (SIGABRT after destroy_process_group, after a correct result); an open hp-testing bug.
+        [str(HP_RUN), "-n", str(ranks), "--no-checks", str(EXAMPLES / script), *extra],
         cwd=ROOT,
         env=env,
         capture_output=True,
