@@ -71,7 +71,7 @@ def _core_cases() -> list[Case]:
         Case(dp="hsdp", wrap="stage", bf16=True, ac=True, pipeline="zbv"),
     ]
     # compiled blocks: a pipeline stage whose blocks are compiled, under each kind of schedule
-    cases += [Case(compile=True, pipeline=p) for p in (None, "1f1b", "interleaved", "zb-h1", "zbv")]
+    cases += [Case(compile=True, pipeline=p) for p in PIPELINES]
     cases += [Case(wrap="block", bf16=True, ac=True, compile=True, pipeline="1f1b")]
     cases += [Case(tp=True, compile=True), Case(tp=True, compile=True, pipeline="zbv")]  # FSDP x TP compiled
     cases += [Case(dp="hsdp", compile=True)]
@@ -141,10 +141,15 @@ def _sum_over(value: torch.Tensor, groups: list[Any]) -> torch.Tensor:
     ],
 )
 def test_composition_matches_single_process(
-    rank: int, world_size: int, device_mesh_factory: Any, case: Case
+    rank: int, world_size: int, device_mesh_factory: Any, case: Case, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if case.compile:
         torch._dynamo.reset()  # the pooled ranks are reused: start from empty caches
+        if case.pipeline == "dualpipev":
+            # DualPipeV's split backward runs a compiled graph's backward with retain_graph=True,
+            # which AOTAutograd's donated buffers refuse (torch's error names this switch); an open
+            # item of the DualPipeV schedule, tested here with the documented workaround.
+            monkeypatch.setattr(torch._functorch.config, "donated_buffer", False)
     shape, names = case.mesh_dims
     mesh = device_mesh_factory(shape, names)
     dp_names = ("rep", "dp") if case.dp == "hsdp" else ("dp",)
