@@ -18,27 +18,10 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from example_common import build, finish
 from hp_core import get_platform, init_device_mesh, init_distributed
 from hp_dtensor import DTensor
 from hp_fsdp import fully_shard
-from torch import nn
-
-
-class Block(nn.Module):
-    """A residual MLP block: the unit ``fully_shard`` gathers and frees as one."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
-
-
-def build(dim: int, layers: int) -> nn.Module:
-    torch.manual_seed(0)  # the same initial weights on every rank
-    return nn.Sequential(*(Block(dim) for _ in range(layers)), nn.Linear(dim, 1))
 
 
 def full(p: torch.Tensor) -> torch.Tensor:
@@ -100,20 +83,6 @@ def main() -> None:
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             worst = max(worst, float((full(p) - q).abs().max()))
     finish(worst, args.tolerance, f"FSDP over {world} ranks")
-
-
-def finish(worst: float, tolerance: float, what: str) -> None:
-    """Print the parity line on rank 0; every rank exits non-zero when it fails."""
-    report = torch.tensor([worst])
-    dist.all_reduce(report, op=dist.ReduceOp.MAX)  # every rank decides on the same number
-    worst = float(report)
-    ok = worst <= tolerance  # False for NaN too
-    if dist.get_rank() == 0:
-        print(f"parity ({what}): largest difference to one process {worst:.2e} (tolerance {tolerance:g})")
-        print("parity: OK" if ok else "parity: FAILED")
-    dist.destroy_process_group()
-    if not ok:
-        raise SystemExit(1)
 
 
 if __name__ == "__main__":

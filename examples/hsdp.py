@@ -19,25 +19,10 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from example_common import build, finish
 from hp_core import get_platform, init_device_mesh, init_distributed
 from hp_dtensor import DTensor
 from hp_fsdp import fully_shard
-from torch import nn
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
-
-
-def build(dim: int, layers: int) -> nn.Module:
-    torch.manual_seed(0)  # the same initial weights on every rank
-    return nn.Sequential(*(Block(dim) for _ in range(layers)), nn.Linear(dim, 1))
 
 
 def main() -> None:
@@ -96,20 +81,6 @@ def main() -> None:
             whole = p.full_tensor() if isinstance(p, DTensor) else p  # gathers the shards (collective)
             worst = max(worst, float((whole - q).abs().max()))
     finish(worst, args.tolerance, f"HSDP on a 2 x {world // 2} mesh")
-
-
-def finish(worst: float, tolerance: float, what: str) -> None:
-    """Print the parity line on rank 0; every rank exits non-zero when it fails."""
-    report = torch.tensor([worst])
-    dist.all_reduce(report, op=dist.ReduceOp.MAX)
-    worst = float(report)
-    ok = worst <= tolerance  # False for NaN too
-    if dist.get_rank() == 0:
-        print(f"parity ({what}): largest difference to one process {worst:.2e} (tolerance {tolerance:g})")
-        print("parity: OK" if ok else "parity: FAILED")
-    dist.destroy_process_group()
-    if not ok:
-        raise SystemExit(1)
 
 
 if __name__ == "__main__":

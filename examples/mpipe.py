@@ -22,6 +22,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from example_common import finish
 from hp_core import init_distributed
 from hp_pipeline import PipelineStage, ScheduleMPipe
 from torch import nn
@@ -143,20 +144,6 @@ def main() -> None:
         for a, b in pairs:
             worst = max(worst, float((a - b).abs().max()))
     finish(worst, args.tolerance, f"MPipe over {p} ranks")
-
-
-def finish(worst: float, tolerance: float, what: str) -> None:
-    """Print the parity line on rank 0; every rank exits non-zero when it fails."""
-    report = torch.tensor([worst])
-    dist.all_reduce(report, op=dist.ReduceOp.MAX)
-    worst = float(report)
-    ok = worst <= tolerance  # False for NaN too
-    if dist.get_rank() == 0:
-        print(f"parity ({what}): largest difference to one process {worst:.2e} (tolerance {tolerance:g})")
-        print("parity: OK" if ok else "parity: FAILED")
-    dist.destroy_process_group()
-    if not ok:
-        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from example_common import Block, finish
 from hp_core import init_distributed
 from hp_pipeline import (
     PipelineStage,
@@ -32,16 +33,6 @@ from hp_pipeline import (
     stages_on_rank,
 )
 from torch import nn
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
 
 
 def build(dim: int, num_stages: int) -> nn.Sequential:
@@ -116,20 +107,6 @@ def main() -> None:
     names = args.schedule.split(",")
     worst = max(train(name, args) for name in names)
     finish(worst, args.tolerance, f"{args.schedule} over {dist.get_world_size()} ranks")
-
-
-def finish(worst: float, tolerance: float, what: str) -> None:
-    """Print the parity line on rank 0; every rank exits non-zero when it fails."""
-    report = torch.tensor([worst])
-    dist.all_reduce(report, op=dist.ReduceOp.MAX)
-    worst = float(report)
-    ok = worst <= tolerance  # False for NaN too
-    if dist.get_rank() == 0:
-        print(f"parity ({what}): largest difference to one process {worst:.2e} (tolerance {tolerance:g})")
-        print("parity: OK" if ok else "parity: FAILED")
-    dist.destroy_process_group()
-    if not ok:
-        raise SystemExit(1)
 
 
 if __name__ == "__main__":
