@@ -54,7 +54,10 @@ def test_text_form_round_trips(step: MetaStep, text: str) -> None:
 
 def test_every_type_has_a_distinct_code() -> None:
     codes = [t.code for t in MetaStepType]
-    assert len(set(codes)) == len(codes) == 22  # 14 base types + 7 MPipe types + OVERLAP_F_B
+    assert len(set(codes)) == len(codes)
+    # 14 base types + OVERLAP_F_B + 7 MPipe types; plug-ins registered by other tests come on top.
+    ours = [t for t in MetaStepType if t.group in ("pipeline", "data", "fsdp", "mpipe")]
+    assert len(ours) == 22
     assert all(MetaStepType(t.code) is t for t in MetaStepType)
 
 

@@ -32,6 +32,7 @@ from hp_pipeline import (
     mpipe_owned_micros,
     stages_on_rank,
 )
+from hp_pipeline.mpipe import is_mpipe_kind
 from hp_pipeline.mpipe.runner import MPipeRunner
 from hp_testing import record_collectives
 from torch import nn
@@ -354,7 +355,7 @@ def test_forward_only_and_global_clip(rank, world_size):
     stage = PipelineStage(copy.deepcopy(modules[rank]), rank, 2)
     infer = ScheduleMPipe(stage, 4, preprocess=copy.deepcopy(tower), loss_fn=None)
     assert not any(
-        s.type.is_preprocess and s.type.name.endswith(("BWD", "REDUCE")) for s in infer.order[rank]
+        is_mpipe_kind(s.type) and s.type.name.endswith(("BWD", "REDUCE")) for s in infer.order[rank]
     )
     out = infer.step(ids, preprocess_inputs=pixels)
     if rank == 1:

@@ -26,7 +26,7 @@ from hp_pipeline import (
     strip_mpipe,
     validate_order,
 )
-from hp_pipeline.mpipe import PLACEMENT_COSTS, mpipe_receives_lead
+from hp_pipeline.mpipe import PLACEMENT_COSTS, is_mpipe_kind, mpipe_receives_lead
 from torch.utils.data import RandomSampler, SequentialSampler
 
 T = MetaStepType
@@ -278,7 +278,7 @@ def test_simulate_spreads_the_tower_over_the_ranks() -> None:
     mpipe = simulate(mpipe_order(p, m), costs)
     # The tower on stage 0 alone: PF before every F(0, i), PB right after every B(0, i).
     on_stage0 = build_mpipe_order(p, m, overflow_mode="full")
-    stacked = {r: [s for s in row if not s.type.is_preprocess] for r, row in on_stage0.items()}
+    stacked = {r: [s for s in row if not is_mpipe_kind(s.type)] for r, row in on_stage0.items()}
     row0 = []
     for s in stacked[0]:
         if s.type is T.FWD:

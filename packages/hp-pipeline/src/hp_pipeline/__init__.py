@@ -3,7 +3,8 @@
 A schedule is an *order*: for each rank, the list of :class:`MetaStep` it runs.
 Builders make compute-only orders; :func:`insert_comms` adds the point-to-point
 steps; :func:`validate_order` proves an order complete and deadlock-free;
-:func:`simulate` times it; :func:`render_order` draws it. The schedule
+:func:`simulate` times it; :func:`render_order` draws it. Every step kind,
+built-in or plug-in, is declared once with :func:`register_step_kind`. The schedule
 classes (:class:`Schedule1F1B`, ...) run an order over :class:`PipelineStage`\\ s.
 """
 
@@ -33,6 +34,7 @@ from hp_pipeline.ir import (
     read_order_csv,
     write_order_csv,
 )
+from hp_pipeline.kinds import Edge, StepKind, register_step_handler, register_step_kind, step_kinds
 from hp_pipeline.microbatch import REPLICATE, TensorChunkSpec, merge_chunks, split_args_kwargs
 from hp_pipeline.mpipe import (
     PPRankOwnedSampler,
@@ -65,6 +67,7 @@ from hp_pipeline.validate import validate_order
 
 __all__ = [
     "REPLICATE",
+    "Edge",
     "MetaStep",
     "MetaStepType",
     "Order",
@@ -90,6 +93,7 @@ __all__ = [
     "SimulationResult",
     "StageFailure",
     "StepCosts",
+    "StepKind",
     "TensorChunkSpec",
     "TensorMeta",
     "TiedGroup",
@@ -117,12 +121,15 @@ __all__ = [
     "mpipe_owned_micros",
     "mpipe_owner",
     "read_order_csv",
+    "register_step_handler",
+    "register_step_kind",
     "render_order",
     "sharded_units",
     "simulate",
     "split_args_kwargs",
     "stage_to_rank",
     "stages_on_rank",
+    "step_kinds",
     "strip_mpipe",
     "validate_order",
     "write_order_csv",

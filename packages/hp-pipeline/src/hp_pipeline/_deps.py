@@ -1,7 +1,10 @@
 """The data-flow model every pass shares: which step needs which, and over which wire.
 
 [Note: dependency model]
-A step on stage ``s`` for micro-batch ``i`` depends on:
+Each step kind declares its own rules ([Note: step-kind registry] in
+:mod:`hp_pipeline.kinds`); :class:`OrderView` only indexes an order and asks
+them. For the built-in kinds (:mod:`hp_pipeline._builtin_kinds`) a step on
+stage ``s`` for micro-batch ``i`` depends on:
 
 * ``F(s, i)`` on ``F(s-1, i)`` (the activation), and on the loaded micro-batch
   when ``s`` is the loading stage or receives the data (``RECV_D``);
@@ -11,17 +14,14 @@ A step on stage ``s`` for micro-batch ``i`` depends on:
 * a send on the step that produced its payload, and the consumer of a payload
   on the receive that brought it.
 
-The loaded micro-batch comes from the stage whose ``LOAD`` names it; a plain
-order loads everything on stage 0, an MPipe order loads each micro-batch on
-its owning rank. MPipe adds (see :mod:`hp_pipeline.mpipe.order`):
-
-* ``F(0, i)`` on ``PF(o, i)``, the tower's features of micro-batch ``i`` made
-  on its owner stage ``o`` (``SEND_P``/``RECV_P`` when ``o`` is on another rank);
-* ``PF(o, i)`` on ``LOAD(o, i)`` when the owner loads the micro-batch;
-* ``PB(s, i)`` on the input-gradient backward of stage 0 (the gradient of the
-  features, ``SEND_PG``/``RECV_PG`` when ``s`` is on another rank) and on
-  ``PF(s, i)`` when the same stage ran the tower forward;
-* ``REDUCE_P`` (a collective over every rank) on every ``PB`` of its rank.
+The rules come in four shapes: ``needs`` (same-stage steps that come earlier
+in the rank's list), ``edges`` (edges from other stages into the step),
+``feeds`` (edges *out of* a step into another kind's step: how a plug-in
+adds an input to a built-in step, e.g. MPipe's tower forward feeding stage
+0's ``F``, see :mod:`hp_pipeline.mpipe.kinds`) and, for a receive,
+``consumer``. The loaded micro-batch comes from the stage whose ``LOAD``
+names it; a plain order loads everything on stage 0, an MPipe order loads
+each micro-batch on its owning rank.
 
 An edge between stages on different ranks is carried by a SEND/RECV pair once
 communication is inserted; an edge within a rank is a local hand-off, ordered
@@ -31,32 +31,26 @@ An ``OVERLAP_F_B`` step is a *node* of its rank's list that holds two steps
 (its ``parts``). The index places both halves at the pair's position, so every
 question about a half (where it runs, what it needs) has its usual answer;
 the pair itself needs what its halves need (:meth:`OrderView.node_edges`).
+
+[Note: order walk]
+``validate_order`` (does the order deadlock?) and ``simulate`` (when does each
+step run?) execute an order the same way: every rank runs its list in order,
+round robin, each as far as it can go; a step of a ``collective`` kind runs
+when every rank stands at one, on all of them together. :func:`walk_order` is
+that loop; the two passes differ only in what a rank's step waits for (a
+rendezvous with its peer's matching step, or the arrival of its inputs) and in
+what they record, which they pass in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 
 from hp_pipeline.errors import ScheduleError
-from hp_pipeline.ir import MATCHING_TYPE, MetaStep, MetaStepType
+from hp_pipeline.ir import MetaStep, MetaStepType
+from hp_pipeline.kinds import Edge
 
-F = MetaStepType.FWD
-B = MetaStepType.BWD
-I = MetaStepType.BWD_INPUT  # noqa: E741 - the torch-pipelining name of the step
-W = MetaStepType.BWD_WEIGHT
-PF = MetaStepType.PREPROCESS_FWD
-PB = MetaStepType.PREPROCESS_BWD
-
-
-@dataclass(frozen=True)
-class Edge:
-    """``consumer`` needs what ``producer`` made; ``send``/``recv`` would carry it across ranks."""
-
-    producer: MetaStep
-    consumer: MetaStep
-    send: MetaStep
-    recv: MetaStep
+__all__ = ["Edge", "OrderView", "matching", "walk_order"]
 
 
 class OrderView:
@@ -126,19 +120,16 @@ class OrderView:
         loaders = sorted({s.stage_index for s in self.position if s.type is MetaStepType.DATA_LOAD})
         self.loader_stage = loaders[0] if len(loaders) == 1 else None
         self.loader_stages = loaders
-        # micro-batch -> the stage that loads it / runs its tower forward (first one found).
+        # micro-batch -> the stage that loads it (first one found).
         self.loader_of: dict[int, int] = {}
-        self.preprocess_of: dict[int, int] = {}
-        self.preprocess_bwd_of_rank: dict[int, list[MetaStep]] = {}
-        for step, (rank, _) in self.position.items():
-            i = step.micro_index
-            if step.type is MetaStepType.DATA_LOAD and i is not None:
-                self.loader_of.setdefault(i, step.stage_index)
-            elif step.type is PF and i is not None:
-                self.preprocess_of.setdefault(i, step.stage_index)
-            elif step.type is PB:
-                self.preprocess_bwd_of_rank.setdefault(rank, []).append(step)
+        #: kind -> its steps, in the order of ``position`` (halves of pairs included).
+        self.of_type: dict[MetaStepType, list[MetaStep]] = {}
+        for step in self.position:
+            self.of_type.setdefault(step.type, []).append(step)
+            if step.type is MetaStepType.DATA_LOAD and step.micro_index is not None:
+                self.loader_of.setdefault(step.micro_index, step.stage_index)
         self._edges: dict[MetaStep, list[Edge]] = {}
+        self._fed: dict[MetaStep, list[Edge]] | None = None
 
     # -- lookups --------------------------------------------------------------
 
@@ -150,8 +141,8 @@ class OrderView:
 
     def backward_input(self, stage: int, micro: int) -> MetaStep:
         """The step that makes stage's input gradient: ``I`` when the order splits backward."""
-        split = MetaStep(micro, I, stage)
-        return split if split in self.position else MetaStep(micro, B, stage)
+        split = MetaStep(micro, MetaStepType.BWD_INPUT, stage)
+        return split if split in self.position else MetaStep(micro, MetaStepType.BWD, stage)
 
     def node(self, step: MetaStep) -> MetaStep:
         """The entry of a rank's list that runs ``step``: its pair, or the step itself."""
@@ -181,109 +172,88 @@ class OrderView:
         return [edge for part in node.sub_steps for edge in self.edges_into(part)]
 
     def _find_edges(self, step: MetaStep) -> list[Edge]:
-        i, s = step.micro_index, step.stage_index
-        if i is None:
-            return []
-        edges = []
-        if step.type is F:
-            if s > 0:
-                edges.append(
-                    Edge(
-                        MetaStep(i, F, s - 1),
-                        step,
-                        MetaStep(i, MetaStepType.FWD_SEND, s - 1),
-                        MetaStep(i, MetaStepType.FWD_RECV, s),
-                    )
-                )
-            loader = self.loader_of.get(i)
-            if loader is not None and loader != s:
-                recv = MetaStep(i, MetaStepType.DATA_RECV, s, loader)
-                if recv in self.position:
-                    edges.append(
-                        Edge(
-                            MetaStep(i, MetaStepType.DATA_LOAD, loader),
-                            step,
-                            MetaStep(i, MetaStepType.DATA_SEND, loader, s),
-                            recv,
-                        )
-                    )
-            owner = self.preprocess_of.get(i)
-            if s == 0 and owner is not None:
-                edges.append(
-                    Edge(
-                        MetaStep(i, PF, owner),
-                        step,
-                        MetaStep(i, MetaStepType.PREPROCESS_SEND, owner, 0) if owner else MetaStep(i, PF, 0),
-                        MetaStep(i, MetaStepType.PREPROCESS_RECV, 0, owner) if owner else MetaStep(i, PF, 0),
-                    )
-                )
-        elif step.type is PB and 0 in self.stage_rank:
-            edges.append(
-                Edge(
-                    self.backward_input(0, i),
-                    step,
-                    MetaStep(i, MetaStepType.PREPROCESS_GRAD_SEND, 0, s) if s else step,
-                    MetaStep(i, MetaStepType.PREPROCESS_GRAD_RECV, s, 0) if s else step,
-                )
-            )
-        elif step.type.is_backward and s + 1 < self.num_stages:
-            edges.append(
-                Edge(
-                    self.backward_input(s + 1, i),
-                    step,
-                    MetaStep(i, MetaStepType.BWD_SEND, s + 1),
-                    MetaStep(i, MetaStepType.BWD_RECV, s),
-                )
-            )
-        return edges
+        rule = step.type.spec.edges
+        edges = list(rule(self, step)) if rule is not None else []
+        return edges + self._fed_into().get(step, [])
+
+    def _fed_into(self) -> dict[MetaStep, list[Edge]]:
+        """The edges the ``feeds`` rules of the order's steps send into other steps, by consumer."""
+        if self._fed is None:
+            self._fed = {}
+            for kind, steps in self.of_type.items():
+                rule = kind.spec.feeds
+                if rule is None:
+                    continue
+                for step in steps:
+                    for edge in rule(self, step):
+                        self._fed.setdefault(edge.consumer, []).append(edge)
+        return self._fed
 
     def local_inputs(self, step: MetaStep) -> list[MetaStep]:
         """Same-stage steps that must come earlier in the same rank's list."""
-        i, s, t = step.micro_index, step.stage_index, step.type
-        if t is MetaStepType.PREPROCESS_REDUCE:
-            where = self.position.get(step)
-            return list(self.preprocess_bwd_of_rank.get(where[0], ())) if where else []
-        if i is None:
-            return []
-        if t is PF:
-            return [MetaStep(i, MetaStepType.DATA_LOAD, s)] if self.loader_of.get(i) == s else []
-        if t is PB:
-            fwd = MetaStep(i, PF, s)
-            return [fwd] if fwd in self.position else []
-        if t is MetaStepType.PREPROCESS_SEND:
-            return [MetaStep(i, PF, s)]
-        if t is MetaStepType.PREPROCESS_GRAD_SEND:
-            return [self.backward_input(s, i)]
-        if t.is_backward:
-            return [MetaStep(i, F, s)]
-        if t is W:
-            return [MetaStep(i, I, s)]
-        if t is F and s == self.loader_of.get(i):
-            return [MetaStep(i, MetaStepType.DATA_LOAD, s)]
-        if t is MetaStepType.FWD_SEND:
-            return [MetaStep(i, F, s)]
-        if t is MetaStepType.BWD_SEND:
-            return [self.backward_input(s, i)]
-        if t is MetaStepType.DATA_SEND:
-            return [MetaStep(i, MetaStepType.DATA_LOAD, s)]
-        return []
+        rule = step.type.spec.needs
+        return list(rule(self, step)) if rule is not None else []
 
     def local_consumer(self, step: MetaStep) -> MetaStep | None:
         """For a RECV: the same-stage step that uses what it received."""
-        i, s, t = step.micro_index, step.stage_index, step.type
-        assert i is not None
-        if t is MetaStepType.FWD_RECV or t is MetaStepType.DATA_RECV:
-            return MetaStep(i, F, s)
-        if t is MetaStepType.BWD_RECV:
-            return self.backward_input(s, i)
-        if t is MetaStepType.PREPROCESS_RECV:
-            return MetaStep(i, F, s)
-        if t is MetaStepType.PREPROCESS_GRAD_RECV:
-            return MetaStep(i, PB, s)
-        return None
+        rule = step.type.spec.consumer
+        return rule(self, step) if rule is not None else None
 
 
 def matching(step: MetaStep) -> MetaStep:
     """The other half of a SEND/RECV pair: same micro-batch, stage and peer swapped."""
     assert step.peer_stage is not None
-    return MetaStep(step.micro_index, MATCHING_TYPE[step.type], step.peer_stage, step.stage_index)
+    return MetaStep(step.micro_index, step.type.matching, step.peer_stage, step.stage_index)
+
+
+def walk_order(
+    view: OrderView,
+    run: Callable[[int, MetaStep], bool],
+    *,
+    rendezvous: Callable[[MetaStep, MetaStep], None] | None = None,
+    collective: Callable[[dict[int, MetaStep]], None],
+) -> dict[int, int]:
+    """Execute ``view.order`` round robin ([Note: order walk]); return where each rank stopped.
+
+    ``run(rank, step)`` runs the step at a rank's head and says whether it
+    could (``False`` leaves the rank waiting there). With ``rendezvous`` given,
+    a SEND or RECV runs only together with its peer's matching step, which must
+    be at the peer's head: ``rendezvous(step, other)`` is told and both ranks
+    advance (blocking point-to-point); without it transfers go to ``run``.
+    A step of a collective kind runs when every rank's head is one:
+    ``collective({rank: step})``. A rank that finished stops at ``len(steps)``.
+    """
+    order = view.order
+    head = {rank: 0 for rank in order}
+
+    def at(rank: int) -> MetaStep | None:
+        return order[rank][head[rank]] if head[rank] < len(order[rank]) else None
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, steps in order.items():
+            while head[rank] < len(steps):
+                step = steps[head[rank]]
+                if step.type.is_collective:
+                    heads = {r: at(r) for r in order}
+                    if not all(s is not None and s.type.is_collective for s in heads.values()):
+                        break
+                    collective(heads)  # type: ignore[arg-type]
+                    for r in order:
+                        head[r] += 1
+                elif rendezvous is not None and step.type.is_comm:
+                    other = matching(step)
+                    peer = view.rank_of(other.stage_index)
+                    assert peer is not None
+                    if at(peer) != other:
+                        break
+                    rendezvous(step, other)
+                    head[peer] += 1
+                    head[rank] += 1
+                elif run(rank, step):
+                    head[rank] += 1
+                else:
+                    break
+                progress = True
+    return head

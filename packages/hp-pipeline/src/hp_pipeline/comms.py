@@ -59,7 +59,8 @@ def insert_comms(
 
     Args:
         order: a compute-only order (``F``/``B``/``I``/``W``, optionally FSDP
-            steps and MPipe's ``PF``/``PB``/``REDUCE_P`` and ``LOAD`` steps),
+            steps and any plug-in kind's steps, such as MPipe's
+            ``PF``/``PB``/``REDUCE_P`` and ``LOAD``),
             e.g. from a builder. It is validated first.
         data_stages: when given, the micro-batches are loaded on stage 0's rank
             (a ``LOAD`` step before each ``F`` of stage 0) and sent to each of

@@ -153,7 +153,6 @@ from hp_pipeline.vote import FailureVote
 __all__: list[str] = []
 
 T = MetaStepType
-_BACKWARD_TYPES = frozenset({T.BWD, T.BWD_INPUT, T.BWD_WEIGHT, T.BWD_SEND, T.BWD_RECV, T.REDUCE_GRAD})
 _OK = "ok"
 
 
@@ -255,7 +254,8 @@ class StepRunner:
         self.training = training
         # An OVERLAP_F_B runs as its forward, the forward's sends, then its backward
         # ([Note: running overlapped steps] in hp_pipeline.overlap).
-        self.steps = [s for s in split_overlaps(steps) if training or s.type not in _BACKWARD_TYPES]
+        # Forward-only runs leave out the kinds declared training_only ([Note: step-kind registry]).
+        self.steps = [s for s in split_overlaps(steps) if training or not s.type.training_only]
         self.blocks = _blocks(self.steps)
         self.peer_rank = peer_rank
         self.group = group

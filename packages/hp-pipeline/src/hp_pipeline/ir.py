@@ -10,6 +10,10 @@ tests, look at a schedule without running a model.
 [Note: text form]
 Every step prints as ``{stage}{code}{micro}``, the torch.distributed.pipelining
 convention, so ``"2F0"`` is "stage 2 runs the forward of micro-batch 0".
+The codes below are those hp_pipeline registers (the built-in kinds and
+MPipe's); a plug-in adds its own with :func:`~hp_pipeline.register_step_kind`
+([Note: step-kind registry] in :mod:`hp_pipeline.kinds`), and its steps
+print, parse and round-trip through CSV the same way.
 
 ============  ===============  ==================================================
 code          type             meaning
@@ -68,12 +72,13 @@ says how they run and are timed).
 from __future__ import annotations
 
 import csv
-import enum
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
+
+from hp_pipeline.kinds import MetaStepType
 
 __all__ = [
     "MetaStep",
@@ -84,116 +89,6 @@ __all__ = [
     "write_order_csv",
 ]
 
-
-class MetaStepType(enum.Enum):
-    """What a :class:`MetaStep` does; the value is the step's text code."""
-
-    FWD = "F"
-    BWD = "B"
-    BWD_INPUT = "I"
-    BWD_WEIGHT = "W"
-    FWD_SEND = "SEND_F"
-    FWD_RECV = "RECV_F"
-    BWD_SEND = "SEND_B"
-    BWD_RECV = "RECV_B"
-    DATA_LOAD = "LOAD"
-    DATA_SEND = "SEND_D"
-    DATA_RECV = "RECV_D"
-    UNSHARD = "UNSHARD"
-    RESHARD = "RESHARD"
-    REDUCE_GRAD = "REDUCE_GRAD"
-    # MPipe (hp_pipeline.mpipe): the preprocess tower, run on the rank that owns a micro-batch.
-    PREPROCESS_FWD = "PF"
-    PREPROCESS_BWD = "PB"
-    PREPROCESS_SEND = "SEND_P"
-    PREPROCESS_RECV = "RECV_P"
-    PREPROCESS_GRAD_SEND = "SEND_PG"
-    PREPROCESS_GRAD_RECV = "RECV_PG"
-    PREPROCESS_REDUCE = "REDUCE_P"
-    # A forward and another micro-batch's backward as one step ([Note: overlapped steps]).
-    OVERLAP_F_B = "OVERLAP_F_B"
-
-    @property
-    def code(self) -> str:
-        """The short code used in the text form (``"F"``, ``"SEND_B"``, ...)."""
-        return self.value
-
-    @property
-    def is_compute(self) -> bool:
-        """Forward or any kind of backward: the work the bubble is measured against."""
-        return self._value_ in _COMPUTE
-
-    @property
-    def is_backward(self) -> bool:
-        """A backward that produces the input gradient (``B`` or ``I``)."""
-        return self._value_ in _INPUT_GRAD
-
-    @property
-    def is_send(self) -> bool:
-        return self._value_ in _SENDS
-
-    @property
-    def is_recv(self) -> bool:
-        return self._value_ in _RECVS
-
-    @property
-    def is_comm(self) -> bool:
-        """A point-to-point step; it always has a peer stage."""
-        return self._value_ in _COMMS
-
-    @property
-    def is_fsdp(self) -> bool:
-        return self._value_ in _FSDP
-
-    @property
-    def is_preprocess(self) -> bool:
-        """An MPipe step (the tower's compute, its transfers and its gradient reduction)."""
-        return self._value_ in _PREPROCESS
-
-    @property
-    def is_overlap(self) -> bool:
-        """A pair of steps run as one (``OVERLAP_F_B``); its halves are the step's ``sub_steps``."""
-        return self._value_ == "OVERLAP_F_B"
-
-    @property
-    def whole_stage(self) -> bool:
-        """A step that may leave ``micro_index`` as ``None`` (FSDP steps, ``REDUCE_P``)."""
-        return self._value_ in _WHOLE_STAGE
-
-
-# Sets of codes (plain strings hash faster than enum members, and these are hot).
-_COMPUTE = frozenset({"F", "B", "I", "W", "OVERLAP_F_B"})
-_INPUT_GRAD = frozenset({"B", "I"})
-_SENDS = frozenset({"SEND_F", "SEND_B", "SEND_D", "SEND_P", "SEND_PG"})
-_RECVS = frozenset({"RECV_F", "RECV_B", "RECV_D", "RECV_P", "RECV_PG"})
-_COMMS = _SENDS | _RECVS
-_FSDP = frozenset({"UNSHARD", "RESHARD", "REDUCE_GRAD"})
-_PREPROCESS = frozenset({"PF", "PB", "SEND_P", "RECV_P", "SEND_PG", "RECV_PG", "REDUCE_P"})
-_WHOLE_STAGE = _FSDP | {"REDUCE_P"}
-
-_ORDINAL = {kind: index for index, kind in enumerate(MetaStepType)}
-
-# Send/recv type pairs; the matching step of a send sits on the peer stage.
-MATCHING_TYPE: dict[MetaStepType, MetaStepType] = {
-    MetaStepType.FWD_SEND: MetaStepType.FWD_RECV,
-    MetaStepType.FWD_RECV: MetaStepType.FWD_SEND,
-    MetaStepType.BWD_SEND: MetaStepType.BWD_RECV,
-    MetaStepType.BWD_RECV: MetaStepType.BWD_SEND,
-    MetaStepType.DATA_SEND: MetaStepType.DATA_RECV,
-    MetaStepType.DATA_RECV: MetaStepType.DATA_SEND,
-    MetaStepType.PREPROCESS_SEND: MetaStepType.PREPROCESS_RECV,
-    MetaStepType.PREPROCESS_RECV: MetaStepType.PREPROCESS_SEND,
-    MetaStepType.PREPROCESS_GRAD_SEND: MetaStepType.PREPROCESS_GRAD_RECV,
-    MetaStepType.PREPROCESS_GRAD_RECV: MetaStepType.PREPROCESS_GRAD_SEND,
-}
-
-# Offset of the default peer for activation and gradient traffic.
-_DEFAULT_PEER_OFFSET = {
-    MetaStepType.FWD_SEND: +1,
-    MetaStepType.BWD_RECV: +1,
-    MetaStepType.FWD_RECV: -1,
-    MetaStepType.BWD_SEND: -1,
-}
 
 _TEXT = re.compile(r"^(\d+)([A-Z_]+?)(\d*)(?:(->|<-)(\d+))?$")
 _OVERLAP_TEXT = re.compile(r"^\(([^()]*)\)([A-Z_]+)$")
@@ -237,14 +132,15 @@ class MetaStep:
         # Steps are hashed constantly by the passes, so the hash is computed once.
         # Only ints go in (None -> -1, the type -> its ordinal): unlike str and,
         # before Python 3.12, None, their hashes are the same in every process,
-        # so a pickled step stays a valid dict key on another rank.
+        # so a pickled step stays a valid dict key on another rank (a kind hashes
+        # by a checksum of its code, not by when it was registered).
         object.__setattr__(
             self,
             "_hash",
             hash(
                 (
                     -1 if self.micro_index is None else self.micro_index,
-                    _ORDINAL[self.type],
+                    self.type.stable_id,
                     self.stage_index,
                     -1 if self.peer_stage is None else self.peer_stage,
                     *(part._hash for part in self.sub_steps or ()),
@@ -268,9 +164,10 @@ class MetaStep:
             return
         if self.micro_index is None:
             if not self.type.whole_stage:
+                whole = [k.name for k in MetaStepType if k.whole_stage]
                 raise ValueError(
                     f"MetaStep of type {self.type.name} needs a micro_index (an int >= 0); "
-                    "only UNSHARD, RESHARD, REDUCE_GRAD and REDUCE_P may leave it None"
+                    f"only the whole-stage kinds {whole} may leave it None"
                 )
         elif not _is_index(self.micro_index):
             raise ValueError(f"MetaStep micro_index must be an int >= 0 or None, got {self.micro_index!r}")
@@ -282,7 +179,7 @@ class MetaStep:
                 )
             return
         if self.peer_stage is None:
-            offset = _DEFAULT_PEER_OFFSET.get(self.type)
+            offset = self.type.peer_offset
             if offset is None:
                 raise ValueError(
                     f"MetaStep of type {self.type.name} must name its peer_stage "
@@ -357,7 +254,7 @@ class MetaStep:
     @property
     def default_peer(self) -> int | None:
         """The peer implied by the type (the adjacent stage), or ``None`` for data steps."""
-        offset = _DEFAULT_PEER_OFFSET.get(self.type)
+        offset = self.type.peer_offset
         return None if offset is None else self.stage_index + offset
 
     def __str__(self) -> str:
@@ -393,7 +290,10 @@ class MetaStep:
             step_type = MetaStepType(code)
         except ValueError:
             codes = ", ".join(t.code for t in MetaStepType)
-            raise ValueError(f"unknown step code {code!r} in {text!r}; known codes: {codes}") from None
+            raise ValueError(
+                f"unknown step code {code!r} in {text!r}; known codes: {codes} (a plug-in kind "
+                "parses once the module that registers it is imported)"
+            ) from None
         if arrow is not None and (not step_type.is_comm or (arrow == "->") != step_type.is_send):
             raise ValueError(f"{text!r}: '->peer' belongs to SEND steps and '<-peer' to RECV steps")
         if step_type.is_overlap:
@@ -514,3 +414,7 @@ def read_order_csv(file: str | os.PathLike[str] | TextIO) -> Order:
                 raise ValueError(f"order CSV line {line}, column {col}: {exc}") from None
         order[rank] = steps
     return order
+
+
+# The built-in kinds register on import of the IR, so every pass sees them ([Note: step-kind registry]).
+from hp_pipeline import _builtin_kinds  # noqa: E402, F401

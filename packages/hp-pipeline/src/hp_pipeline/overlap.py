@@ -42,9 +42,6 @@ from hp_pipeline.ir import MetaStep, MetaStepType, Order
 
 __all__ = ["add_fsdp_steps_with_overlaps", "has_overlaps", "split_order", "split_overlaps"]
 
-# Sends whose payload is a backward's result: the input gradient (and, in MPipe, dL/dfeatures).
-_BACKWARD_PAYLOAD = (MetaStepType.BWD_SEND, MetaStepType.PREPROCESS_GRAD_SEND)
-
 
 def has_overlaps(order: Mapping[int, Sequence[MetaStep]]) -> bool:
     """Whether any rank of ``order`` runs an ``OVERLAP_F_B`` step."""
@@ -53,8 +50,9 @@ def has_overlaps(order: Mapping[int, Sequence[MetaStep]]) -> bool:
 
 def _carries(step: MetaStep, backward: MetaStep) -> bool:
     """Whether ``step`` sends what ``backward`` produces (so it must stay after the backward)."""
+    # Kinds declare it: the input gradient's SEND_B, MPipe's SEND_PG ([Note: step-kind registry]).
     return (
-        step.type in _BACKWARD_PAYLOAD
+        step.type.spec.carries_backward
         and step.stage_index == backward.stage_index
         and step.micro_index == backward.micro_index
     )

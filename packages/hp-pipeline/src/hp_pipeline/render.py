@@ -3,7 +3,8 @@
 Both pictures use the simulator's timing (``simulate.py`` [Note: timing model]):
 a text timeline, returned as a string and easy to paste into a review or an
 issue, and optionally an SVG, written directly (no plotting dependency), with
-one row per rank, one colour per step type and a line per transfer.
+one row per rank, one colour per step kind (the one it declares, see
+[Note: step-kind registry] in :mod:`hp_pipeline.kinds`) and a line per transfer.
 """
 
 from __future__ import annotations
@@ -23,20 +24,7 @@ __all__ = ["render_order"]
 
 _MAX_TEXT_CELLS = 400
 
-COLOURS: dict[MetaStepType, str] = {
-    MetaStepType.FWD: "#4e79a7",
-    MetaStepType.BWD: "#59a14f",
-    MetaStepType.BWD_INPUT: "#f28e2b",
-    MetaStepType.BWD_WEIGHT: "#76b7b2",
-    MetaStepType.DATA_LOAD: "#bab0ac",
-    MetaStepType.UNSHARD: "#b07aa1",
-    MetaStepType.RESHARD: "#ff9da7",
-    MetaStepType.REDUCE_GRAD: "#9c755f",
-    MetaStepType.PREPROCESS_FWD: "#edc948",
-    MetaStepType.PREPROCESS_BWD: "#e15759",
-    MetaStepType.PREPROCESS_REDUCE: "#af7aa1",
-    MetaStepType.OVERLAP_F_B: "#8cd17d",
-}
+_DEFAULT_COLOUR = "#cccccc"  # a kind that declares no colour ([Note: step-kind registry])
 _COMM_COLOUR = "#555555"
 
 
@@ -77,6 +65,11 @@ def render_order(
         costs = StepCosts() if costs is None else costs
         Path(path).write_text(_svg(result, Fraction(costs.comm), title), encoding="utf-8")
     return text
+
+
+def _colour(kind: MetaStepType) -> str:
+    """The fill a kind declares for itself."""
+    return kind.spec.colour or _DEFAULT_COLOUR
 
 
 def _summary(result: SimulationResult) -> str:
@@ -161,7 +154,7 @@ def _svg(result: SimulationResult, comm: Fraction, title: str | None) -> str:
             if t.end <= t.start:
                 continue
             x, w = left + float(t.start) * scale, float(t.end - t.start) * scale
-            colour = COLOURS.get(t.step.type, "#cccccc")
+            colour = _colour(t.step.type)
             label = escape(_label(t.step))
             out.append(
                 f'<rect x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{row:.2f}" '
@@ -202,9 +195,7 @@ def _svg(result: SimulationResult, comm: Fraction, title: str | None) -> str:
     )
     x, y = left, height - 22.0
     for kind in present:
-        out.append(
-            f'<rect x="{x:.2f}" y="{y:.2f}" width="12" height="12" fill="{COLOURS.get(kind, "#cccccc")}"/>'
-        )
+        out.append(f'<rect x="{x:.2f}" y="{y:.2f}" width="12" height="12" fill="{_colour(kind)}"/>')
         out.append(f'<text x="{x + 16:.2f}" y="{y + 10:.2f}">{kind.code} {kind.name}</text>')
         x += 24 + 7 * (len(kind.code) + len(kind.name))
     out.append("</svg>")

@@ -7,8 +7,10 @@ the simulator gives both without a cluster, in exact arithmetic
 
 [Note: timing model]
 * Every rank starts at time 0 and runs its list in order, one step at a time.
-* A compute step (and ``LOAD``, ``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) takes
-  its cost from :class:`StepCosts`. It starts when the rank is free and every
+* A compute step (and ``LOAD``, ``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``, and
+  any other kind that is not a transfer) takes the cost its kind declares
+  ([Note: step-kind registry] in :mod:`hp_pipeline.kinds`), read from
+  :class:`StepCosts`. It starts when the rank is free and every
   input from another rank has arrived (see ``_deps.py`` [Note: dependency model]).
 * An input from another rank arrives ``comm`` after it was sent. In an order with
   communication steps it is sent when the sender reaches the ``SEND`` step; in
@@ -26,10 +28,13 @@ the simulator gives both without a cluster, in exact arithmetic
   pair is instead one step of that cost (two streams on an accelerator): it
   starts when both halves' inputs are there and both halves end with it,
   which is how DualPipe's bubble formula counts.
+* A step of a ``collective`` kind (MPipe's ``REDUCE_P``) starts on every rank
+  when the last rank reaches it and ends after its cost ([Note: order walk]
+  in :mod:`hp_pipeline._deps`).
 
 [Note: bubble definitions]
 With ``compute[r]`` the time rank ``r`` spends in ``F``/``B``/``I``/``W`` (and
-MPipe's tower steps ``PF``/``PB``) and
+in the steps of any kind declared ``busy``, e.g. MPipe's tower steps ``PF``/``PB``) and
 ``idle[r] = makespan - compute[r]``:
 
 * ``bubble_ratio[r] = idle[r] / makespan``, the share of the step rank ``r``
@@ -53,11 +58,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import NamedTuple
 
-from hp_pipeline._deps import OrderView
+from hp_pipeline._deps import OrderView, walk_order
 from hp_pipeline.errors import ScheduleError
 from hp_pipeline.ir import MetaStep, MetaStepType
 from hp_pipeline.overlap import split_order
@@ -81,15 +86,18 @@ class StepCosts:
         comm: latency from a SEND (or, in a compute-only order, from the
             producing step) to the data being usable on the other rank.
         data_load, unshard, reshard, reduce_grad: the remaining local steps.
-        preprocess_forward, preprocess_backward, preprocess_reduce: MPipe's
-            ``PF``, ``PB`` and ``REDUCE_P`` (the tower's forward, backward and
-            gradient reduction).
+        preprocess_forward, preprocess_backward, preprocess_reduce: the costs
+            MPipe's kinds ``PF``, ``PB`` and ``REDUCE_P`` declare they take (the
+            tower's forward, backward and gradient reduction).
         overlap_f_b: the time of an ``OVERLAP_F_B`` whose halves share the
             device at once (DualPipe's ``F&B``: two streams on an
             accelerator). The pair then starts when the inputs of both halves
             are there and both halves' results leave at its end. ``None``
             (the default) times the pair the way hp-pipeline's executor runs
             it, one half after the other ([Note: timing model]).
+        by_code: costs by step code (``{"SWAP_OUT": 2}``) that take precedence
+            over what a kind declares: how a plug-in kind is timed differently in
+            one run ([Note: step-kind registry] in :mod:`hp_pipeline.kinds`).
     """
 
     forward: Fraction | float = 1
@@ -105,47 +113,45 @@ class StepCosts:
     preprocess_backward: Fraction | float = 2
     preprocess_reduce: Fraction | float = 0
     overlap_f_b: Fraction | float | None = None
+    by_code: Mapping[str, Fraction | float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if value is None and field.name == "overlap_f_b":
+        for spec in fields(self):
+            if spec.name == "by_code" or (spec.name == "overlap_f_b" and self.overlap_f_b is None):
                 continue
-            try:
-                exact = Fraction(value)
-            except (TypeError, ValueError):
-                raise TypeError(f"StepCosts.{field.name} must be a number, got {value!r}") from None
-            if exact < 0:
-                raise ValueError(f"StepCosts.{field.name} must be >= 0, got {value!r}")
-            object.__setattr__(self, field.name, exact)
+            object.__setattr__(self, spec.name, _cost(f"StepCosts.{spec.name}", getattr(self, spec.name)))
+        if not isinstance(self.by_code, Mapping):
+            raise TypeError(f"StepCosts.by_code must map step codes to numbers, got {self.by_code!r}")
+        exact = {code: _cost(f"StepCosts.by_code[{code!r}]", value) for code, value in self.by_code.items()}
+        object.__setattr__(self, "by_code", exact)
+
+    def __hash__(self) -> int:
+        values = tuple(getattr(self, spec.name) for spec in fields(self) if spec.name != "by_code")
+        return hash((values, tuple(sorted(self.by_code.items()))))
 
     def of(self, step_type: MetaStepType) -> Fraction:
-        """The cost of one step of ``step_type`` (0 for SEND/RECV, see the timing note)."""
-        if step_type is MetaStepType.OVERLAP_F_B:
-            if self.overlap_f_b is None:
-                raise ValueError(
-                    "StepCosts.overlap_f_b is None: an OVERLAP_F_B then costs its halves, timed one "
-                    "after the other; set overlap_f_b to time the pair as one step"
-                )
-            return Fraction(self.overlap_f_b)
-        name = _COST_FIELD.get(step_type)
-        return Fraction(0) if name is None else Fraction(getattr(self, name))
+        """The cost of a ``step_type`` step: ``by_code``, else what its kind declares (0 for SEND/RECV)."""
+        if step_type.code in self.by_code:
+            return Fraction(self.by_code[step_type.code])
+        if step_type.is_comm:
+            return Fraction(0)
+        declared = step_type.spec.cost
+        if isinstance(declared, str):
+            return Fraction(getattr(self, declared))
+        if callable(declared):
+            return _cost(f"the cost of {step_type.name}", declared(self))
+        return Fraction(declared)
 
 
-_COST_FIELD = {
-    MetaStepType.FWD: "forward",
-    MetaStepType.BWD: "backward",
-    MetaStepType.BWD_INPUT: "backward_input",
-    MetaStepType.BWD_WEIGHT: "backward_weight",
-    MetaStepType.DATA_LOAD: "data_load",
-    MetaStepType.UNSHARD: "unshard",
-    MetaStepType.RESHARD: "reshard",
-    MetaStepType.REDUCE_GRAD: "reduce_grad",
-    MetaStepType.PREPROCESS_FWD: "preprocess_forward",
-    MetaStepType.PREPROCESS_BWD: "preprocess_backward",
-    MetaStepType.PREPROCESS_REDUCE: "preprocess_reduce",
-}
-_TOWER_COMPUTE = (MetaStepType.PREPROCESS_FWD, MetaStepType.PREPROCESS_BWD)
+def _cost(what: str, value: object) -> Fraction:
+    """``value`` as an exact, non-negative Fraction, or an error naming ``what``."""
+    try:
+        exact = Fraction(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a number, got {value!r}") from None
+    if exact < 0:
+        raise ValueError(f"{what} must be >= 0, got {value!r}")
+    return exact
 
 
 class TimedStep(NamedTuple):
@@ -222,7 +228,7 @@ def simulate(
     makespan = max((t.end for steps in timeline.values() for t in steps), default=Fraction(0))
     compute = {
         rank: sum(
-            (t.end - t.start for t in steps if t.step.type.is_compute or t.step.type in _TOWER_COMPUTE),
+            (t.end - t.start for t in steps if t.step.type.busy),
             Fraction(0),
         )
         for rank, steps in flat.items()
@@ -274,7 +280,6 @@ def _timelines(
 def _run(view: OrderView, costs: StepCosts) -> dict[int, list[TimedStep]]:
     """Start and end of every step; a pair is one step of ``costs.overlap_f_b``."""
     order = view.order
-    head = {rank: 0 for rank in order}
     clock = {rank: Fraction(0) for rank in order}
     finished: dict[MetaStep, Fraction] = {}
     sent: dict[MetaStep, Fraction] = {}
@@ -293,45 +298,33 @@ def _run(view: OrderView, costs: StepCosts) -> dict[int, list[TimedStep]]:
             latest = max(latest, source + comm)
         return latest
 
-    progress = True
-    while progress:
-        progress = False
-        for rank, steps in order.items():
-            while head[rank] < len(steps):
-                step = steps[head[rank]]
-                now = clock[rank]
-                if step.type is MetaStepType.PREPROCESS_REDUCE:
-                    # A collective: it starts when the last rank reaches it, on every rank.
-                    at = {r: order[r][head[r]] for r in order if head[r] < len(order[r])}
-                    if len(at) < len(order) or any(
-                        s.type is not MetaStepType.PREPROCESS_REDUCE for s in at.values()
-                    ):
-                        break
-                    start = max(clock.values())
-                    for r, s in at.items():
-                        end = start + costs.of(s.type)
-                        finished[s] = clock[r] = end
-                        timeline[r].append(TimedStep(s, start, end))
-                        head[r] += 1
-                    progress = True
-                    continue
-                if step.type.is_comm:
-                    if step.type.is_send:
-                        sent[step] = now
-                    timeline[rank].append(TimedStep(step, now, now))
-                else:
-                    ready = arrival(step)
-                    if ready is None:
-                        break
-                    start = max(now, ready)
-                    end = start + costs.of(step.type)
-                    for part in step.parts:
-                        finished[part] = end
-                    finished[step] = end
-                    clock[rank] = end
-                    timeline[rank].append(TimedStep(step, start, end))
-                head[rank] += 1
-                progress = True
+    def run(rank: int, step: MetaStep) -> bool:
+        now = clock[rank]
+        if step.type.is_comm:
+            if step.type.is_send:
+                sent[step] = now
+            timeline[rank].append(TimedStep(step, now, now))
+            return True
+        ready = arrival(step)
+        if ready is None:
+            return False
+        start = max(now, ready)
+        end = start + costs.of(step.type)
+        for part in step.parts:
+            finished[part] = end
+        finished[step] = clock[rank] = end
+        timeline[rank].append(TimedStep(step, start, end))
+        return True
+
+    def collective(steps: dict[int, MetaStep]) -> None:
+        # It starts when the last rank reaches it, on every rank.
+        start = max(clock.values())
+        for r, s in steps.items():
+            end = start + costs.of(s.type)
+            finished[s] = clock[r] = end
+            timeline[r].append(TimedStep(s, start, end))
+
+    head = walk_order(view, run, collective=collective)
     stuck = [(rank, head[rank]) for rank in sorted(order) if head[rank] < len(order[rank])]
     if stuck:
         raise ScheduleError(

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from hp_pipeline._deps import OrderView, matching
+from hp_pipeline._deps import OrderView, matching, walk_order
 from hp_pipeline.errors import ScheduleError
 from hp_pipeline.ir import MetaStep, MetaStepType
 
@@ -57,9 +57,9 @@ def validate_order(
        a need through the rank's other stage (it would come after the pair),
        rule 7 a need through other ranks (the pair waits for all its inputs);
        FSDP steps, if any: a stage computes only while unsharded, and
-       ``REDUCE_GRAD`` follows the stage's last backward; MPipe steps, if any:
-       one ``PF`` (and, if any, one ``PB``) per micro-batch, one ``REDUCE_P``
-       per rank after its ``PB`` steps, each micro-batch loaded once;
+       ``REDUCE_GRAD`` follows the stage's last backward; each micro-batch is
+       loaded once; a plug-in kind's own ``check`` (MPipe's: one ``PF``, and
+       if any one ``PB``, per micro-batch, one ``REDUCE_P`` per rank);
     7. executing the order with blocking point-to-point never deadlocks (see
        [Note: blocking semantics]); for a compute-only order, a step simply
        waits for its producers on other ranks.
@@ -220,56 +220,11 @@ def _check_counts(view: OrderView, n_microbatches: int | None) -> None:
                 [],
             )
         )
-    problems += _preprocess_count_problems(view, expected)
+    # Plug-in kinds' order-wide rules ([Note: step-kind registry]), each function once.
+    checks = {kind.spec.check: None for kind in view.of_type if kind.spec.check is not None}
+    for check in checks:
+        problems += check(view, expected)
     _fail(view, f"the order does not run every stage once per micro-batch (m={m})", problems)
-
-
-def _preprocess_count_problems(view: OrderView, expected: set[int]) -> Problems:
-    """MPipe: one ``PF`` per micro-batch, one ``PB`` per micro-batch if any, one ``REDUCE_P`` per rank."""
-    problems: Problems = []
-    by_type: dict[MetaStepType, dict[int | None, list[int]]] = defaultdict(lambda: defaultdict(list))
-    reduces: dict[int, int] = defaultdict(int)
-    for step, (rank, _) in view.position.items():
-        if step.type is MetaStepType.PREPROCESS_REDUCE:
-            reduces[rank] += 1
-        elif step.type in (MetaStepType.PREPROCESS_FWD, MetaStepType.PREPROCESS_BWD):
-            by_type[step.type][step.micro_index].append(step.stage_index)
-    forwards = by_type[MetaStepType.PREPROCESS_FWD]
-    backwards = by_type[MetaStepType.PREPROCESS_BWD]
-    if not forwards and (backwards or reduces):
-        problems.append(("the order has PB/REDUCE_P steps but no preprocess forward (PF)", []))
-        return problems
-    for name, found in (("PF", forwards), ("PB", backwards)):
-        if not found:
-            continue
-        twice = sorted((i, st) for i, st in found.items() if len(st) > 1 and i is not None)
-        if twice:
-            problems.append(
-                (
-                    f"the preprocess {name} of micro-batches {[i for i, _ in twice]} runs more than once "
-                    f"(stages {[st for _, st in twice]}); each micro-batch has exactly one owner",
-                    [],
-                )
-            )
-        if set(found) != expected:
-            problems.append(
-                (
-                    f"{name} steps cover micro-batches {_ranges(set(found) & expected)}, expected every "
-                    f"micro-batch 0 .. {max(expected, default=-1)}; missing {_ranges(expected - set(found))}",
-                    [],
-                )
-            )
-    if reduces:
-        bad = sorted(r for r in view.order if reduces.get(r, 0) != 1)
-        if bad:
-            problems.append(
-                (
-                    f"REDUCE_P is a collective over every rank: each rank needs exactly one, but ranks "
-                    f"{bad} have {[reduces.get(r, 0) for r in bad]}",
-                    [],
-                )
-            )
-    return problems
 
 
 def _check_local_order(view: OrderView) -> None:
@@ -381,81 +336,55 @@ def _check_fsdp(view: OrderView) -> None:
 
 
 def _check_deadlock(view: OrderView) -> None:
+    """Run the order with rendezvous point-to-point ([Note: blocking semantics], [Note: order walk])."""
     order = view.order
-    head = {rank: 0 for rank in order}
     done: set[MetaStep] = set()
 
-    def ready(step: MetaStep) -> bool:
-        if view.has_comms:
-            return True  # cross-rank inputs arrive through RECVs that precede the step
-        return all(e.producer in done for e in view.node_edges(step))
+    def run(rank: int, step: MetaStep) -> bool:
+        # With communication steps, cross-rank inputs arrive through RECVs that precede the step.
+        if not view.has_comms and not all(e.producer in done for e in view.node_edges(step)):
+            return False
+        done.update(step.parts)
+        return True
 
-    progress = True
-    while progress:
-        progress = False
-        for rank, steps in order.items():
-            while head[rank] < len(steps):
-                step = steps[head[rank]]
-                if step.type is MetaStepType.PREPROCESS_REDUCE:
-                    # A collective: every rank must stand at its REDUCE_P before any passes it.
-                    if all(
-                        head[r] < len(order[r]) and order[r][head[r]].type is MetaStepType.PREPROCESS_REDUCE
-                        for r in order
-                    ):
-                        for r in order:
-                            done.add(order[r][head[r]])
-                            head[r] += 1
-                        progress = True
-                        continue
-                    break
-                if step.type.is_comm:
-                    other = matching(step)
-                    peer = view.rank_of(other.stage_index)
-                    assert peer is not None
-                    peer_steps = order[peer]
-                    if head[peer] < len(peer_steps) and peer_steps[head[peer]] == other:
-                        done.update((step, other))
-                        head[rank] += 1
-                        head[peer] += 1
-                        progress = True
-                        continue
-                    break
-                if not ready(step):
-                    break
-                done.update(step.parts)
-                head[rank] += 1
-                progress = True
+    head = walk_order(
+        view,
+        run,
+        rendezvous=lambda step, other: done.update((step, other)),
+        collective=lambda steps: done.update(steps.values()),
+    )
     stuck = [(rank, head[rank]) for rank in sorted(order) if head[rank] < len(order[rank])]
     if not stuck:
         return
+
+    def at(rank: int) -> MetaStep | None:
+        return order[rank][head[rank]] if head[rank] < len(order[rank]) else None
+
     problems: Problems = []
     for rank, pos in stuck:
         step = order[rank][pos]
-        if step.type.is_comm:
-            other = matching(step)
-            peer = view.rank_of(other.stage_index)
-            assert peer is not None
-            at = (
-                f"is at {order[peer][head[peer]]} (position {head[peer]})"
-                if head[peer] < len(order[peer])
-                else "has finished"
-            )
-            problems.append(
-                (
-                    f"rank {rank} waits in {step} for rank {peer} to reach {other}; rank {peer} {at}",
-                    [(rank, pos)],
-                )
-            )
-        elif step.type is MetaStepType.PREPROCESS_REDUCE:
+        if step.type.is_collective:
             others = [
                 r
                 for r in sorted(order)
-                if r != rank
-                and not (head[r] < len(order[r]) and order[r][head[r]].type is MetaStepType.PREPROCESS_REDUCE)
+                if r != rank and not ((now := at(r)) is not None and now.type.is_collective)
             ]
             problems.append(
                 (
-                    f"rank {rank} waits in the collective {step} for ranks {others} to reach their REDUCE_P",
+                    f"rank {rank} waits in the collective {step} for ranks {others} to reach "
+                    f"their {step.type.code}",
+                    [(rank, pos)],
+                )
+            )
+        elif step.type.is_comm:
+            other = matching(step)
+            peer = view.rank_of(other.stage_index)
+            assert peer is not None
+            now = at(peer)
+            where = f"is at {now} (position {head[peer]})" if now is not None else "has finished"
+            problems.append(
+                (
+                    f"rank {rank} waits in {step} for rank {peer} to reach {other}; rank {peer} {where}",
                     [(rank, pos)],
                 )
             )

@@ -6,8 +6,10 @@
 * :mod:`~hp_pipeline.mpipe.runner`: how the MPipe steps run;
 * :mod:`~hp_pipeline.mpipe.schedule`: :class:`ScheduleMPipe`;
 * :mod:`~hp_pipeline.mpipe.sampler`: :class:`PPRankOwnedSampler`.
+* :mod:`~hp_pipeline.mpipe.kinds`: MPipe's step kinds, registered on import (first, so the rest sees them).
 """
 
+from hp_pipeline.mpipe.kinds import MPIPE_GROUP, is_mpipe_kind  # registers PREPROCESS_* first
 from hp_pipeline.mpipe.order import (
     MPIPE_BASES,
     MPipeBase,
@@ -24,12 +26,14 @@ from hp_pipeline.mpipe.schedule import ScheduleMPipe
 
 __all__ = [
     "MPIPE_BASES",
+    "MPIPE_GROUP",
     "PLACEMENT_COSTS",
     "MPipeBase",
     "OverflowMode",
     "PPRankOwnedSampler",
     "ScheduleMPipe",
     "build_mpipe_order",
+    "is_mpipe_kind",
     "mpipe_base_layout",
     "mpipe_order",
     "mpipe_owned_micros",

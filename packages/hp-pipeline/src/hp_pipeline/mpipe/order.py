@@ -89,6 +89,7 @@ from hp_pipeline.builders import (
 from hp_pipeline.builders.placement import Style
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.ir import MetaStep, MetaStepType, Order
+from hp_pipeline.mpipe.kinds import is_mpipe_kind
 from hp_pipeline.mpipe.ownership import OverflowMode, mpipe_owned_micros, mpipe_owner
 from hp_pipeline.mpipe.placement import place_tower_backward, place_tower_forward
 from hp_pipeline.validate import validate_order
@@ -268,7 +269,7 @@ def mpipe_order(
 def strip_mpipe(order: Mapping[int, Sequence[MetaStep]]) -> Order:
     """``order`` without the MPipe steps and the data-loading steps (``LOAD``, ``SEND_D``, ``RECV_D``)."""
     return {
-        rank: [s for s in steps if not s.type.is_preprocess and s.type not in _DATA]
+        rank: [s for s in steps if not is_mpipe_kind(s.type) and s.type not in _DATA]
         for rank, steps in order.items()
     }
 

@@ -1,0 +1,259 @@
+"""The built-in step kinds, declared through the same registry as any plug-in.
+
+See [Note: step-kind registry] in :mod:`hp_pipeline.kinds` for what each field
+means and [Note: dependency model] in :mod:`hp_pipeline._deps` for the rules
+below. The executor attaches the handlers (:mod:`hp_pipeline.executor`), so
+this module, like the rest of the IR, needs no torch.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+from hp_pipeline.ir import MetaStep
+from hp_pipeline.kinds import Edge, MetaStepType, StepKind, register_step_kind
+
+if TYPE_CHECKING:
+    from hp_pipeline._deps import OrderView
+
+__all__: list[str] = []
+
+
+# -- dependency rules ------------------------------------------------------------------
+
+
+def _forward_edges(view: OrderView, step: MetaStep) -> list[Edge]:
+    """``F(s, i)`` needs ``F(s-1, i)``, and the loaded micro-batch when it receives the data."""
+    T = MetaStepType
+    i, s = step.micro_index, step.stage_index
+    edges = []
+    if s > 0:
+        edges.append(
+            Edge(MetaStep(i, T.FWD, s - 1), step, MetaStep(i, T.FWD_SEND, s - 1), MetaStep(i, T.FWD_RECV, s))
+        )
+    loader = view.loader_of.get(i) if i is not None else None
+    if loader is not None and loader != s:
+        recv = MetaStep(i, T.DATA_RECV, s, loader)
+        if recv in view.position:
+            edges.append(
+                Edge(MetaStep(i, T.DATA_LOAD, loader), step, MetaStep(i, T.DATA_SEND, loader, s), recv)
+            )
+    return edges
+
+
+def _forward_needs(view: OrderView, step: MetaStep) -> list[MetaStep]:
+    i, s = step.micro_index, step.stage_index
+    return [MetaStep(i, MetaStepType.DATA_LOAD, s)] if i is not None and view.loader_of.get(i) == s else []
+
+
+def _backward_edges(view: OrderView, step: MetaStep) -> list[Edge]:
+    """``B``/``I`` of stage ``s`` need the input-gradient backward of ``s+1`` (the output gradient)."""
+    i, s = step.micro_index, step.stage_index
+    if i is None or s + 1 >= view.num_stages:
+        return []
+    T = MetaStepType
+    return [
+        Edge(view.backward_input(s + 1, i), step, MetaStep(i, T.BWD_SEND, s + 1), MetaStep(i, T.BWD_RECV, s))
+    ]
+
+
+def _same_forward(view: OrderView, step: MetaStep) -> list[MetaStep]:
+    return [MetaStep(step.micro_index, MetaStepType.FWD, step.stage_index)]
+
+
+def _same_input_grad(view: OrderView, step: MetaStep) -> list[MetaStep]:
+    assert step.micro_index is not None
+    return [view.backward_input(step.stage_index, step.micro_index)]
+
+
+def _same_load(view: OrderView, step: MetaStep) -> list[MetaStep]:
+    return [MetaStep(step.micro_index, MetaStepType.DATA_LOAD, step.stage_index)]
+
+
+def _weight_needs(view: OrderView, step: MetaStep) -> list[MetaStep]:
+    return [MetaStep(step.micro_index, MetaStepType.BWD_INPUT, step.stage_index)]
+
+
+def _forward_consumer(view: OrderView, step: MetaStep) -> MetaStep:
+    return _same_forward(view, step)[0]
+
+
+def _input_grad_consumer(view: OrderView, step: MetaStep) -> MetaStep:
+    return _same_input_grad(view, step)[0]
+
+
+def _overlap_cost(costs: Any) -> Fraction:
+    if costs.overlap_f_b is None:
+        raise ValueError(
+            "StepCosts.overlap_f_b is None: an OVERLAP_F_B then costs its halves, timed one "
+            "after the other; set overlap_f_b to time the pair as one step"
+        )
+    return Fraction(costs.overlap_f_b)
+
+
+# -- the kinds, in the order the enum listed them ------------------------------------------
+
+_PIPELINE = "pipeline"
+_BACKWARD: dict[str, Any] = {
+    "input_grad": True,
+    "training_only": True,
+    "compute": True,
+    "edges": _backward_edges,
+}
+
+for _kind in (
+    StepKind(
+        "FWD",
+        "F",
+        "forward of one micro-batch through one stage",
+        _PIPELINE,
+        compute=True,
+        edges=_forward_edges,
+        needs=_forward_needs,
+        cost="forward",
+        colour="#4e79a7",
+    ),
+    StepKind(
+        "BWD",
+        "B",
+        "full backward (input and weight gradients)",
+        _PIPELINE,
+        needs=_same_forward,
+        cost="backward",
+        colour="#59a14f",
+        **_BACKWARD,
+    ),
+    StepKind(
+        "BWD_INPUT",
+        "I",
+        "backward for the input gradient only",
+        _PIPELINE,
+        needs=_same_forward,
+        cost="backward_input",
+        colour="#f28e2b",
+        **_BACKWARD,
+    ),
+    StepKind(
+        "BWD_WEIGHT",
+        "W",
+        "backward for the weight gradient only",
+        _PIPELINE,
+        compute=True,
+        training_only=True,
+        needs=_weight_needs,
+        cost="backward_weight",
+        colour="#76b7b2",
+    ),
+    StepKind(
+        "FWD_SEND",
+        "SEND_F",
+        "send the stage's output activation downstream",
+        _PIPELINE,
+        transfer="send",
+        matching="RECV_F",
+        peer_offset=+1,
+        needs=_same_forward,
+    ),
+    StepKind(
+        "FWD_RECV",
+        "RECV_F",
+        "receive the stage's input activation",
+        _PIPELINE,
+        transfer="recv",
+        matching="SEND_F",
+        peer_offset=-1,
+        consumer=_forward_consumer,
+    ),
+    StepKind(
+        "BWD_SEND",
+        "SEND_B",
+        "send the gradient of the stage's input upstream",
+        _PIPELINE,
+        transfer="send",
+        matching="RECV_B",
+        peer_offset=-1,
+        needs=_same_input_grad,
+        training_only=True,
+        carries_backward=True,
+    ),
+    StepKind(
+        "BWD_RECV",
+        "RECV_B",
+        "receive the gradient of the stage's output",
+        _PIPELINE,
+        transfer="recv",
+        matching="SEND_B",
+        peer_offset=+1,
+        consumer=_input_grad_consumer,
+        training_only=True,
+    ),
+    StepKind(
+        "DATA_LOAD",
+        "LOAD",
+        "take the micro-batch from the data loader",
+        "data",
+        cost="data_load",
+        colour="#bab0ac",
+    ),
+    StepKind(
+        "DATA_SEND",
+        "SEND_D",
+        "send the micro-batch (inputs, targets) to a stage",
+        "data",
+        transfer="send",
+        matching="RECV_D",
+        needs=_same_load,
+    ),
+    StepKind(
+        "DATA_RECV",
+        "RECV_D",
+        "receive the micro-batch from the loading stage",
+        "data",
+        transfer="recv",
+        matching="SEND_D",
+        consumer=_forward_consumer,
+    ),
+    StepKind(
+        "UNSHARD",
+        "UNSHARD",
+        "FSDP: all-gather the stage's parameters",
+        "fsdp",
+        whole_stage=True,
+        runs_while_draining=True,
+        cost="unshard",
+        colour="#b07aa1",
+    ),
+    StepKind(
+        "RESHARD",
+        "RESHARD",
+        "FSDP: free the gathered parameters",
+        "fsdp",
+        whole_stage=True,
+        runs_while_draining=True,
+        cost="reshard",
+        colour="#ff9da7",
+    ),
+    StepKind(
+        "REDUCE_GRAD",
+        "REDUCE_GRAD",
+        "FSDP: reduce-scatter the stage's gradients",
+        "fsdp",
+        whole_stage=True,
+        runs_while_draining=True,
+        training_only=True,
+        cost="reduce_grad",
+        colour="#9c755f",
+    ),
+    # Structural: its halves are steps of their own ([Note: overlapped steps] in hp_pipeline.ir).
+    StepKind(
+        "OVERLAP_F_B",
+        "OVERLAP_F_B",
+        "a forward and another micro-batch's backward, run as one",
+        _PIPELINE,
+        compute=True,
+        cost=_overlap_cost,
+        colour="#8cd17d",
+    ),
+):
+    register_step_kind(_kind)
