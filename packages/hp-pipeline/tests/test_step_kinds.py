@@ -114,7 +114,7 @@ def test_registration_is_checked_and_idempotent() -> None:
         MetaStepType("NOPE")
     with pytest.raises(AttributeError, match="has no kind 'NOPE'"):
         _ = MetaStepType.NOPE
-    with pytest.raises(TypeError, match="handler needs payload"):
+    with pytest.raises(TypeError, match="its handler is a Transfer with payload="):
         register_step_handler(T.TEST_SEND, lambda runner, step: None)
 
 

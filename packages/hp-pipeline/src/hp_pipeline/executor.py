@@ -134,7 +134,8 @@ from __future__ import annotations
 
 import datetime
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,11 +147,12 @@ from hp_core import capabilities_for
 from hp_pipeline.errors import PipelineStepError, StageFailure
 from hp_pipeline.fsdp import ShardedUnits, sharded_units
 from hp_pipeline.ir import MetaStep, MetaStepType
+from hp_pipeline.kinds import Transfer, register_step_handler
 from hp_pipeline.overlap import split_overlaps
 from hp_pipeline.stage import PipelineStage, TensorMeta
 from hp_pipeline.vote import FailureVote
 
-__all__: list[str] = []
+__all__ = ["CommError", "StepRunner"]
 
 T = MetaStepType
 _OK = "ok"
@@ -198,8 +200,16 @@ def _coalesced_batches(blocks: Sequence[_Block]) -> list[list[MetaStep]]:
     return batches
 
 
-class _CommError(Exception):
-    """Communication failed; the step cannot be drained (see [Note: failures])."""
+class CommError(Exception):
+    """Communication failed; the step cannot be drained (see [Note: failures]).
+
+    A step handler raises it (``raise CommError(str(exc)) from exc``) when a
+    transfer or collective it started fails; any other exception marks the
+    step failed and the rank drains.
+    """
+
+
+StepContext = Callable[["StepRunner", MetaStep], "AbstractContextManager[Any] | None"]
 
 
 class _Works:
@@ -237,7 +247,18 @@ def _check_p2p_setup(steps: Sequence[MetaStep], peer_rank: Callable[[int], int],
 
 
 class StepRunner:
-    """Runs one rank's steps; one instance per schedule, reused across steps."""
+    """Runs one rank's steps; one instance per schedule, reused across steps.
+
+    Each step runs through its kind's handler ([Note: running a kind] in
+    :mod:`hp_pipeline.kinds`); ``handlers`` overrides the registered handler
+    of a kind for this runner only (how a schedule gives a built-in kind such as
+    ``LOAD`` a meaning of its own). The public surface a handler may use:
+    ``stages``, ``training``, ``draining``, ``scale``, ``loss_fn``, ``rank``,
+    ``group``, ``first_step``, ``state`` (a dict for plug-ins' per-runner
+    state), :meth:`take_recv`, :meth:`add_step_context`,
+    :meth:`set_early_receives`, and the hooks a subclass overrides:
+    :meth:`begin_step`, :meth:`forward_inputs`, :meth:`target_of`.
+    """
 
     def __init__(
         self,
@@ -248,8 +269,10 @@ class StepRunner:
         *,
         training: bool,
         abort_timeout: float = 10.0,
+        handlers: Mapping[MetaStepType, Any] | None = None,
     ) -> None:
         self.stages = stages
+        self.state: dict[str, Any] = {}
         self._units_of: dict[int, ShardedUnits] = {}  # per stage, found once ([Note: FSDP protocol])
         self.training = training
         # An OVERLAP_F_B runs as its forward, the forward's sends, then its backward
@@ -267,7 +290,74 @@ class StepRunner:
         # The backend whose rules apply: under NCCL/HCCL emulation gloo carries NCCL semantics.
         self._coalesce = capabilities_for(pg).backend != "gloo"
         self.vote = FailureVote(group, self._vote_device)
+        self._bind_kinds(handlers or {})
+        self._early: list[MetaStep] = []
+        self._lean_blocks = self.blocks
         self._reset()
+
+    # -- step kinds ([Note: running a kind]) -------------------------------------------
+
+    def _bind_kinds(self, overrides: Mapping[MetaStepType, Any]) -> None:
+        """Find every kind's handler once, so a missing one fails at construction, naming the fix."""
+        kinds = {step.type: None for step in self.steps}
+        self._handler: dict[MetaStepType, Any] = {}
+        missing = []
+        for kind in kinds:
+            handler = overrides.get(kind, kind.spec.handler)
+            if handler is None:
+                missing.append(kind.name)
+            self._handler[kind] = handler
+        if missing:
+            raise ValueError(
+                f"no executor handler for the step kinds {missing} of this rank's order; attach one with "
+                "hp_pipeline.register_step_handler(kind, handler) (or import the module that does), or "
+                "pass handlers={kind: handler} to the runner"
+            )
+        self._contexts: dict[MetaStepType, list[StepContext]] = {}
+        self._begins = [kind.spec.begin for kind in kinds if kind.spec.begin is not None]
+        for kind in kinds:
+            if kind.spec.around is not None:
+                self.add_step_context([MetaStepType(code) for code in kind.spec.wraps], kind.spec.around)
+
+    def add_step_context(self, kinds: Iterable[MetaStepType], factory: StepContext) -> None:
+        """Run every step of ``kinds`` inside ``factory(runner, step)`` (a context manager, or ``None``).
+
+        Contexts nest in the order they were added, around the kind's handler
+        (for ``F``: the whole forward of that micro-batch, receive included). A
+        kind declared with ``wraps``/``around`` adds its own when its steps are
+        in the runner's list.
+        """
+        for kind in kinds:
+            self._contexts.setdefault(kind, []).append(factory)
+
+    def set_early_receives(self, steps: Sequence[MetaStep]) -> bool:
+        """Post these receives of the list at the start of every step after the first, at once.
+
+        Receives posted early never block, and on gloo each operation runs on
+        its own, so this is safe when each of them precedes every other receive
+        from the same peer rank in the list (the caller checks that: it knows
+        why its receives lead). Backends that coalesce (NCCL, HCCL) keep the list
+        order ([Note: coalesced batches]): returns ``False`` and changes nothing.
+        """
+        if self._coalesce or not steps:
+            return False
+        early = set(steps)
+        self._early = list(steps)
+        self._lean_blocks = _blocks([s for s in self.steps if s not in early])
+        return True
+
+    @property
+    def first_step(self) -> bool:
+        """Whether this is the schedule's first step (transfers blocking, shapes learned)."""
+        return self._first_step
+
+    def begin_step(self) -> None:
+        """Called at the start of every step, after the per-step state is reset; override to add to it.
+
+        The base runs the ``begin`` of every kind in the list.
+        """
+        for begin in self._begins:
+            begin(self)
 
     def _vote_device(self) -> torch.device:
         return next(iter(self.stages.values())).device
@@ -302,6 +392,8 @@ class StepRunner:
         self.loss_fn, self.scale = loss_fn, scale
         if pre_failure is not None:
             self.failure, self.draining = pre_failure, True
+        self._first_step = first_step
+        self.begin_step()
         for stage in self.stages.values():
             stage._begin_step()
             self._prepare_sharded(stage)
@@ -310,7 +402,7 @@ class StepRunner:
                 self._run_blocking()
             else:
                 self._run_overlapped()
-        except _CommError as exc:
+        except CommError as exc:
             self._abort(exc)
         finally:
             for stage in self.stages.values():
@@ -357,74 +449,65 @@ class StepRunner:
         self._act_step(step)
 
     def _act_step(self, step: MetaStep) -> None:
-        if step.type.is_fsdp:
-            # Run even while draining: data-parallel peers of this stage wait in these collectives.
-            try:
-                self._fsdp(step)
-            except Exception as exc:
-                self._fail(step, exc)
-            return
-        if self.draining:
-            return
+        kind = step.type
+        if self.draining and not kind.spec.runs_while_draining:
+            return  # (FSDP steps and other collectives run on: their peers wait in them)
         try:
-            self._compute(step)
-        except _CommError:
+            if kind.is_compute:
+                for handle in self._unsharded.pop(step.stage_index, ()):
+                    handle.wait()
+            contexts = self._contexts.get(kind)
+            if contexts is None:
+                self._handler[kind](self, step)
+                return
+            with ExitStack() as stack:
+                for factory in contexts:
+                    context = factory(self, step)
+                    if context is not None:
+                        stack.enter_context(context)
+                self._handler[kind](self, step)
+        except CommError:
             raise
         except Exception as exc:
             self._fail(step, exc)
 
-    def _fsdp(self, step: MetaStep) -> None:
-        units = self._units(step.stage_index)
-        if not units:
-            return
-        if step.type is T.UNSHARD:
-            self._unsharded[step.stage_index] = units.unshard()
-        elif step.type is T.RESHARD:
-            units.reshard(self.training)
-        else:
-            units.reduce_grad()
+    # -- hooks for subclasses ----------------------------------------------------------
 
-    def _compute(self, step: MetaStep) -> None:
-        stage = self.stages[step.stage_index]
-        s, i = step.stage_index, step.micro_index
-        assert i is not None
-        for handle in self._unsharded.pop(s, ()):
-            handle.wait()
-        if step.type is T.FWD:
-            self._forward(stage, i)
-            return
-        if step.type in (T.BWD, T.BWD_INPUT) and not stage.is_last:
-            self._fetch_output_grads(stage, i)
-        if step.type is T.BWD:
-            stage.backward_one_chunk(i, self.scale)
-        elif step.type is T.BWD_INPUT:
-            stage.backward_input(i, self.scale)
-        else:
-            stage.backward_weight(i, self.scale)
+    def forward_inputs(self, stage: PipelineStage, i: int) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+        """The positional and keyword inputs of ``stage``'s forward of micro-batch ``i``.
 
-    def _forward(self, stage: PipelineStage, i: int) -> None:
+        Stage 0 reads the step's inputs; another stage takes the previous stage's
+        output, from this rank or from its ``RECV_F``.
+        """
         s = stage.stage_index
-        kwargs = None
         if stage.is_first:
             if self.arg_mbs is None or self.kwarg_mbs is None:
                 raise RuntimeError(f"stage 0 runs on rank {self.rank} but step() received no inputs here")
-            args: tuple[Any, ...] = self.arg_mbs[i]
-            kwargs = self.kwarg_mbs[i]
-        elif (s - 1) in self.stages:
-            args = self._outputs.pop((s - 1, i))
+            return self.arg_mbs[i], self.kwarg_mbs[i]
+        if (s - 1) in self.stages:
             stage.inputs_meta[i] = self.stages[s - 1].outputs_meta[i]
-        else:
-            args = tuple(self._take_recv((T.FWD_RECV, s, i)))
+            return self._outputs.pop((s - 1, i)), None
+        return tuple(self._take_recv((T.FWD_RECV, s, i))), None
+
+    def target_of(self, stage: PipelineStage, i: int) -> Any:
+        """The target the last stage's loss compares micro-batch ``i``'s output with."""
+        if self.targets is None:
+            raise ValueError(
+                f"stage {stage.stage_index} is the last stage and the schedule has a loss_fn, but step() "
+                "got no target on this rank; pass step(..., target=labels) here"
+            )
+        return self.targets[i]
+
+    # -- the built-in kinds' work ---------------------------------------------------------
+
+    def _forward(self, stage: PipelineStage, i: int) -> None:
+        s = stage.stage_index
+        args, kwargs = self.forward_inputs(stage, i)
         with torch.set_grad_enabled(self.training):
             outputs = stage.forward_one_chunk(i, args, kwargs, keep_for_backward=self.training)
             if stage.is_last:
                 if self.training:
-                    if self.targets is None:
-                        raise ValueError(
-                            f"stage {s} is the last stage and the schedule has a loss_fn, but step() "
-                            "got no target on this rank; pass step(..., target=labels) here"
-                        )
-                    stage.compute_loss(i, self.loss_fn, self.targets[i])
+                    stage.compute_loss(i, self.loss_fn, self.target_of(stage, i))
                 return
         metas = tuple(TensorMeta.of(t) for t in outputs)
         cached = stage.outputs_meta.get(i)
@@ -459,31 +542,15 @@ class StepRunner:
     # -- payloads -----------------------------------------------------------------
 
     def _send_tensors(self, step: MetaStep) -> list[torch.Tensor]:
-        s, i = step.stage_index, step.micro_index
-        assert i is not None
-        stage = self.stages[s]
-        if step.type is T.FWD_SEND:
-            if not self.draining:
-                return list(self._outputs.pop((s, i)))
-            return [m.zeros(stage.device) for m in stage.outputs_meta[i]]
-        metas = [m for m in stage.inputs_meta[i] if m.requires_grad]
-        state = stage._micro.get(i)
-        grads = None if (self.draining or state is None) else state.input_grads
-        if grads is None:
-            return [m.zeros(stage.device) for m in metas]
-        if state is not None:
-            state.input_grads = None
-        return [
-            (m.zeros(stage.device) if g is None else g.contiguous())
-            for g, m in zip(grads, metas, strict=True)
-        ]
+        return self._handler[step.type].payload(self, step)
 
-    def _recv_metas(self, step: MetaStep) -> list[TensorMeta]:
-        stage = self.stages[step.stage_index]
-        assert step.micro_index is not None
-        if step.type is T.FWD_RECV:
-            return list(stage.inputs_meta[step.micro_index])
-        return [m for m in stage.outputs_meta[step.micro_index] if m.requires_grad]
+    def _recv_metas(self, step: MetaStep, header: Any = None) -> list[TensorMeta]:
+        return self._handler[step.type].metas(self, step, header)
+
+    def take_recv(self, step: MetaStep) -> list[torch.Tensor]:
+        """The tensors a receive step of this rank's list brought, waited for (each once)."""
+        assert step.micro_index is not None, f"{step} names no micro-batch"
+        return self._take_recv((step.type, step.stage_index, step.micro_index))
 
     def _take_recv(self, key: tuple[T, int, int]) -> list[torch.Tensor]:
         work = self._recv_work.pop(key, None)
@@ -501,25 +568,26 @@ class StepRunner:
         try:
             work.wait()
         except Exception as exc:
-            raise _CommError(str(exc)) from exc
+            raise CommError(str(exc)) from exc
+
+    def _post(self, sends: Sequence[MetaStep], recvs: Sequence[MetaStep]) -> None:
+        """Post these sends (their payloads) and receives (fresh buffers) of the list."""
+        peer_rank = self.peer_rank
+        out = [(t, peer_rank(step.peer_stage)) for step in sends for t in self._send_tensors(step)]  # type: ignore[arg-type]
+        into = []
+        for step in recvs:
+            stage = self.stages[step.stage_index]
+            bufs = [m.empty(stage.device) for m in self._recv_metas(step)]
+            key = (step.type, step.stage_index, step.micro_index)
+            self._recv_bufs[key] = bufs  # type: ignore[index]
+            into.append((key, bufs, peer_rank(step.peer_stage)))  # type: ignore[arg-type]
+        self._post_p2p(out, into)
 
     def _run_overlapped(self) -> None:
         """Later steps: posted one compute step early ([Note: posting and waiting])."""
         self._first_step = False
         blocks = self.blocks
-        peer_rank = self.peer_rank
-
-        def post(sends: list[MetaStep], recvs: list[MetaStep]) -> None:
-            out = [(t, peer_rank(step.peer_stage)) for step in sends for t in self._send_tensors(step)]  # type: ignore[arg-type]
-            into = []
-            for step in recvs:
-                stage = self.stages[step.stage_index]
-                bufs = [m.empty(stage.device) for m in self._recv_metas(step)]
-                key = (step.type, step.stage_index, step.micro_index)
-                self._recv_bufs[key] = bufs  # type: ignore[index]
-                into.append((key, bufs, peer_rank(step.peer_stage)))  # type: ignore[arg-type]
-            self._post_p2p(out, into)
-
+        post = self._post
         if self._coalesce:
             # [Note: coalesced batches]: one batch per compute step, in list order.
             try:
@@ -530,10 +598,12 @@ class StepRunner:
             finally:
                 self._drain_handles()
             return
-        # [Note: receive lookahead]
+        # [Note: receive lookahead], after the receives a runner posts first (set_early_receives).
+        if self._early:
+            blocks = self._lean_blocks
         ahead = self.recv_lookahead or len(blocks)
         try:
-            post([], [s for block in blocks[:ahead] for s in block.comms if s.type.is_recv])
+            post([], [*self._early, *(s for block in blocks[:ahead] for s in block.comms if s.type.is_recv)])
             for k, block in enumerate(blocks):
                 following = blocks[k + ahead].comms if k + ahead < len(blocks) else []
                 post([s for s in block.comms if s.type.is_send], [s for s in following if s.type.is_recv])
@@ -566,7 +636,7 @@ class StepRunner:
             for t, peer in sends:
                 self._send_work.append(dist.isend(t, peer, group=group))
         except Exception as exc:
-            raise _CommError(str(exc)) from exc
+            raise CommError(str(exc)) from exc
 
     def _drain_handles(self) -> None:
         """Wait every posted handle (sends and receives nobody consumed)."""
@@ -579,7 +649,7 @@ class StepRunner:
             except Exception as exc:
                 errors.append(exc)
         if errors:
-            raise _CommError(str(errors[0])) from errors[0]
+            raise CommError(str(errors[0])) from errors[0]
 
     def _run_blocking(self) -> None:
         """The first step: every transfer blocking, with headers.
@@ -600,24 +670,22 @@ class StepRunner:
         from hp_core import send, send_object
 
         peer = self.peer_rank(step.peer_stage)  # type: ignore[arg-type]
-        s, i = step.stage_index, step.micro_index
-        assert i is not None
         if self.draining:
             header: Any = self.failure if self.failure is not None else self._peer_failure
-            self._outputs.pop((s, i), None)
             try:
                 send_object(_header_of(header), peer, self.group)
             except Exception as exc:
-                raise _CommError(str(exc)) from exc
+                raise CommError(str(exc)) from exc
             return
         tensors = self._send_tensors(step)
-        header = self.stages[s].outputs_meta[i] if step.type is T.FWD_SEND else _OK
+        transfer: Transfer = self._handler[step.type]
+        header = _OK if transfer.header is None else transfer.header(self, step)
         try:
             send_object(header, peer, self.group)
             for t in tensors:
                 send(t, peer, self.group)
         except Exception as exc:
-            raise _CommError(str(exc)) from exc
+            raise CommError(str(exc)) from exc
 
     def _blocking_recv(self, step: MetaStep) -> None:
         from hp_core import recv, recv_object
@@ -628,28 +696,31 @@ class StepRunner:
         try:
             header = recv_object(peer, self.group)
         except Exception as exc:
-            raise _CommError(str(exc)) from exc
+            raise CommError(str(exc)) from exc
         if isinstance(header, StageFailure):
             if not self.draining:
                 self._peer_failure = header
                 self.draining = True
             return
         stage = self.stages[s]
-        if step.type is T.FWD_RECV:
-            stage.inputs_meta[i] = tuple(header)
-        bufs = [m.empty(stage.device) for m in self._recv_metas(step)]
+        bufs = [m.empty(stage.device) for m in self._recv_metas(step, header)]
         try:
             for b in bufs:
                 recv(b, peer, self.group)
         except Exception as exc:
-            raise _CommError(str(exc)) from exc
+            raise CommError(str(exc)) from exc
         self._recv_bufs[(step.type, s, i)] = bufs
 
     _first_step: bool = False
+    arg_mbs: Any = None
+    kwarg_mbs: Any = None
+    targets: list[Any] | None = None
+    loss_fn: Any = None
+    scale: float = 1.0
     # [Note: receive lookahead]: None posts all of a step's receives at its start (gloo).
     recv_lookahead: int | None = None
 
-    def _abort(self, exc: _CommError) -> None:
+    def _abort(self, exc: CommError) -> None:
         pending = self._send_work + list(self._recv_work.values())
         self._send_work, self._recv_work = [], {}
         for work in pending:
@@ -675,3 +746,97 @@ def raise_step_error(failures: list[StageFailure], own: StageFailure | None) -> 
     """Raise the same :class:`PipelineStepError` on every rank, chained to the local exception."""
     error = PipelineStepError.from_failures(failures)
     raise error from (own.exception if own is not None else None)
+
+
+# -- the built-in kinds' handlers ([Note: running a kind] in hp_pipeline.kinds) ---------------
+
+
+def _run_forward(runner: StepRunner, step: MetaStep) -> None:
+    assert step.micro_index is not None
+    runner._forward(runner.stages[step.stage_index], step.micro_index)
+
+
+def _backward_pass(run: Callable[[PipelineStage, int, float], None], needs_output_grad: bool) -> Any:
+    """The handler of a backward kind: fetch the output gradient (``B``/``I``), then ``run``."""
+
+    def handler(runner: StepRunner, step: MetaStep) -> None:
+        stage, i = runner.stages[step.stage_index], step.micro_index
+        assert i is not None
+        if needs_output_grad and not stage.is_last:
+            runner._fetch_output_grads(stage, i)
+        run(stage, i, runner.scale)
+
+    return handler
+
+
+def _fsdp_pass(run: Callable[[StepRunner, ShardedUnits, int], None]) -> Any:
+    """The handler of an FSDP kind: ``run`` on the stage's sharded units, if it has any."""
+
+    def handler(runner: StepRunner, step: MetaStep) -> None:
+        units = runner._units(step.stage_index)
+        if units:
+            run(runner, units, step.stage_index)
+
+    return handler
+
+
+def _unshard(runner: StepRunner, units: ShardedUnits, stage: int) -> None:
+    runner._unsharded[stage] = units.unshard()  # waited by the stage's next compute step
+
+
+def _activation_payload(runner: StepRunner, step: MetaStep) -> list[torch.Tensor]:
+    stage, i = runner.stages[step.stage_index], step.micro_index
+    assert i is not None
+    if not runner.draining:
+        return list(runner._outputs.pop((step.stage_index, i)))
+    return [m.zeros(stage.device) for m in stage.outputs_meta[i]]
+
+
+def _activation_metas(runner: StepRunner, step: MetaStep, header: Any) -> list[TensorMeta]:
+    stage, i = runner.stages[step.stage_index], step.micro_index
+    assert i is not None
+    if header is not None:  # the first step: the sender's output metadata ([Note: first step])
+        stage.inputs_meta[i] = tuple(header)
+    return list(stage.inputs_meta[i])
+
+
+def _grad_payload(runner: StepRunner, step: MetaStep) -> list[torch.Tensor]:
+    stage, i = runner.stages[step.stage_index], step.micro_index
+    assert i is not None
+    metas = [m for m in stage.inputs_meta[i] if m.requires_grad]
+    state = stage._micro.get(i)
+    grads = None if (runner.draining or state is None) else state.input_grads
+    if grads is None:
+        return [m.zeros(stage.device) for m in metas]
+    if state is not None:
+        state.input_grads = None
+    return [
+        (m.zeros(stage.device) if g is None else g.contiguous()) for g, m in zip(grads, metas, strict=True)
+    ]
+
+
+def _grad_metas(runner: StepRunner, step: MetaStep, header: Any) -> list[TensorMeta]:
+    assert step.micro_index is not None
+    return [m for m in runner.stages[step.stage_index].outputs_meta[step.micro_index] if m.requires_grad]
+
+
+for _kind, _handler in (
+    (T.FWD, _run_forward),
+    (T.BWD, _backward_pass(PipelineStage.backward_one_chunk, True)),
+    (T.BWD_INPUT, _backward_pass(PipelineStage.backward_input, True)),
+    (T.BWD_WEIGHT, _backward_pass(PipelineStage.backward_weight, False)),
+    (T.UNSHARD, _fsdp_pass(_unshard)),
+    (T.RESHARD, _fsdp_pass(lambda runner, units, _: units.reshard(runner.training))),
+    (T.REDUCE_GRAD, _fsdp_pass(lambda runner, units, _: units.reduce_grad())),
+    (
+        T.FWD_SEND,
+        Transfer(
+            payload=_activation_payload,
+            header=lambda r, s: r.stages[s.stage_index].outputs_meta[s.micro_index],
+        ),
+    ),
+    (T.FWD_RECV, Transfer(metas=_activation_metas)),
+    (T.BWD_SEND, Transfer(payload=_grad_payload)),
+    (T.BWD_RECV, Transfer(metas=_grad_metas)),
+):
+    register_step_handler(_kind, _handler)

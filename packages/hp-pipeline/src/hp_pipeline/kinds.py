@@ -60,7 +60,7 @@ import re
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -93,21 +93,22 @@ class Edge:
     recv: MetaStep
 
 
-class Transfer(Protocol):
+@dataclass(frozen=True)
+class Transfer:
     """The executor part of a ``transfer`` kind ([Note: running a kind]).
 
-    ``payload`` gives the tensors a send carries (zeros of the same shapes while
-    the rank drains, so the peer still gets its message); ``header`` the small
-    object sent ahead of them on a schedule's first step, when peers learn the
-    shapes; ``metas`` the :class:`~hp_pipeline.stage.TensorMeta` of the buffers
-    a receive posts, given the header on the first step and ``None`` after.
+    A send kind gives ``payload(runner, step)``, the tensors the send carries
+    (zeros of the same shapes while the rank drains, so the peer still gets its
+    message), and may give ``header(runner, step)``, the small object sent
+    ahead of them on a schedule's first step, when peers learn the shapes
+    (``"ok"`` when omitted). A receive kind gives ``metas(runner, step,
+    header)``: the :class:`~hp_pipeline.stage.TensorMeta` of the buffers it
+    posts, told the peer's header on the first step and ``None`` after.
     """
 
-    def payload(self, runner: Any, step: MetaStep) -> list[Any]: ...
-
-    def header(self, runner: Any, step: MetaStep) -> Any: ...
-
-    def metas(self, runner: Any, step: MetaStep, header: Any) -> list[Any]: ...
+    payload: Callable[[Any, MetaStep], list[Any]] | None = None
+    header: Callable[[Any, MetaStep], Any] | None = None
+    metas: Callable[[Any, MetaStep, Any], list[Any]] | None = None
 
 
 NeedsRule = Callable[["OrderView", "MetaStep"], Iterable["MetaStep"]]
@@ -400,6 +401,7 @@ def register_step_kind(kind: StepKind) -> MetaStepType:
                 f"{taken.name} ({taken.code!r}); pick another {what}"
             )
     member = _new_member(kind)
+    _check_handler(member, kind.handler)
     MetaStepType._by_code[kind.code] = member
     MetaStepType._by_name[kind.name] = member
     type.__setattr__(MetaStepType, kind.name, member)
@@ -428,20 +430,25 @@ def register_step_handler(kind: MetaStepType | str, handler: Any) -> None:
     from dataclasses import replace
 
     member = kind if isinstance(kind, MetaStepType) else MetaStepType(kind)
-    if (
-        member.is_comm
-        and handler is not None
-        and not all(callable(getattr(handler, name, None)) for name in ("payload", "header", "metas"))
-    ):
-        raise TypeError(
-            f"{member.name} is a transfer kind: its handler needs payload(runner, step), "
-            f"header(runner, step) and metas(runner, step, header); got {handler!r}"
-        )
-    if not member.is_comm and handler is not None and not callable(handler):
-        raise TypeError(
-            f"the handler of {member.name} must be callable as handler(runner, step), got {handler!r}"
-        )
+    _check_handler(member, handler)
     member._set(replace(member.spec, handler=handler))
+
+
+def _check_handler(member: MetaStepType, handler: Any) -> None:
+    if handler is None:
+        return
+    if not member.is_comm:
+        if not callable(handler):
+            raise TypeError(
+                f"the handler of {member.name} must be callable as handler(runner, step), got {handler!r}"
+            )
+        return
+    need = "payload" if member.is_send else "metas"
+    if not isinstance(handler, Transfer) or getattr(handler, need) is None:
+        raise TypeError(
+            f"{member.name} is a transfer kind: its handler is a Transfer with {need}= "
+            f"(hp_pipeline.Transfer), got {handler!r}"
+        )
 
 
 def step_kinds(group: str | None = None) -> Sequence[MetaStepType]:

@@ -1,8 +1,13 @@
 """The MPipe executor: the base executor plus the tower's steps and in-schedule data.
 
-It extends :class:`~hp_pipeline.executor.StepRunner` (posting, first-step
-headers, failure draining all work the same, see [Note: posting and waiting]
-and [Note: failures] in :mod:`hp_pipeline.executor`) with:
+MPipe's kinds run through the step-kind registry ([Note: running a kind] in
+:mod:`hp_pipeline.kinds`): this module attaches their handlers, and
+:class:`MPipeRunner` gives the built-in ``LOAD``/``SEND_D``/``RECV_D`` theirs
+for its own runs and uses the runner's public hooks (``begin_step``,
+``forward_inputs``, ``target_of``, ``set_early_receives``); posting,
+first-step headers and failure draining are the base executor's ([Note:
+posting and waiting] and [Note: failures] in :mod:`hp_pipeline.executor`).
+The steps:
 
 * ``LOAD``: take this rank's next owned micro-batch (a mapping of tensors)
   from the data iterator; ``SEND_D``/``RECV_D`` carry only the tensors the
@@ -78,28 +83,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hp_pipeline.errors import StageFailure
-from hp_pipeline.executor import StepRunner, _blocks, _CommError
+from hp_pipeline.executor import CommError, StepRunner
 from hp_pipeline.ir import MetaStep, MetaStepType
+from hp_pipeline.kinds import Transfer, register_step_handler
 from hp_pipeline.mpipe.order import mpipe_receives_lead
 from hp_pipeline.stage import PipelineStage, TensorMeta
 
 __all__: list[str] = []
 
 T = MetaStepType
-_MPIPE_COMMS = frozenset(
-    {
-        T.DATA_SEND,
-        T.DATA_RECV,
-        T.PREPROCESS_SEND,
-        T.PREPROCESS_RECV,
-        T.PREPROCESS_GRAD_SEND,
-        T.PREPROCESS_GRAD_RECV,
-    }
-)
-_TOWER_BACKWARD = frozenset(
-    {T.PREPROCESS_BWD, T.PREPROCESS_GRAD_SEND, T.PREPROCESS_GRAD_RECV, T.PREPROCESS_REDUCE}
-)
 
 
 def flatten_tower_output(out: Any) -> tuple[torch.Tensor, ...]:
@@ -140,10 +132,15 @@ class MPipeRunner(StepRunner):
         ignore_index: int,
         stage_rank: Mapping[int, int],
     ) -> None:
-        super().__init__(stages, steps, peer_rank, group, training=training, abort_timeout=abort_timeout)
-        if not training:
-            self.steps = [s for s in self.steps if s.type not in _TOWER_BACKWARD]
-            self.blocks = _blocks(self.steps)
+        super().__init__(
+            stages,
+            steps,
+            peer_rank,
+            group,
+            training=training,
+            abort_timeout=abort_timeout,
+            handlers=_DATA_HANDLERS,  # [Note: data keys]: in-schedule loading is MPipe's
+        )
         self.preprocess = preprocess
         self.owner_backward = owner_backward
         self.tower_trainable = tower_trainable and training
@@ -153,22 +150,18 @@ class MPipeRunner(StepRunner):
         self.ignore_index = ignore_index
         self.num_stages = next(iter(stages.values())).num_stages
         self.device = next(iter(stages.values())).device
-        # [Note: MPipe receive posting]: batch the leading receives when the order allows it,
-        # and never on backends that coalesce (their receive groups would hold back our sends).
-        self._early = [s for s in self.steps if s.type in (T.PREPROCESS_RECV, T.DATA_RECV)]
+        # [Note: MPipe receive posting]: batch the leading receives when the order allows it;
+        # the base runner refuses on backends that coalesce (their receive groups would hold
+        # back our sends).
+        early = [s for s in self.steps if s.type in (T.PREPROCESS_RECV, T.DATA_RECV)]
         self.batched = bool(
-            batched_recv
-            and not self._coalesce
-            and self._early
-            and mpipe_receives_lead(self.steps, stage_rank)
+            batched_recv and mpipe_receives_lead(self.steps, stage_rank) and self.set_early_receives(early)
         )
-        self._lean_blocks = _blocks([s for s in self.steps if s not in set(self._early)])
         # [Note: early tower reduction]: the reduction of this rank's tower gradients is posted
         # right after its last PB, where no backend runs its operations in one queue.
         backwards = [s for s in self.steps if s.type is T.PREPROCESS_BWD]
         self._last_tower_backward = backwards[-1] if backwards and not self._coalesce else None
-        self._full_blocks = self.blocks
-        self._recv_keys = {(s.type, s.stage_index, s.micro_index) for s in self.steps if s.type.is_recv}
+        self._recv_step = {(s.type, s.stage_index, s.micro_index): s for s in self.steps if s.type.is_recv}
         self._feature_source = {
             s.micro_index: s.peer_stage
             for s in self.steps
@@ -187,11 +180,13 @@ class MPipeRunner(StepRunner):
         self.data_iter: Iterator[Any] | None = None
         self.tower_chunks: list[tuple[Any, ...]] | None = None
         self.tower_grad_start: list[torch.Tensor | None] = []
-
-    def _reset(self) -> None:
-        super()._reset()
-        self._pending_reduce: Any = None
         self.local_tokens: int | torch.Tensor = 0
+
+    def begin_step(self) -> None:
+        """The per-step state of the tower, the loaded data and the features."""
+        super().begin_step()
+        self._pending_reduce: Any = None
+        self.local_tokens = 0
         self._data: dict[int, dict[str, torch.Tensor]] = {}
         self._tower_in: dict[int, tuple[torch.Tensor, ...]] = {}
         self._tower_out: dict[int, tuple[torch.Tensor, ...]] = {}  # detached outputs
@@ -202,10 +197,6 @@ class MPipeRunner(StepRunner):
         self._feature_meta: dict[int, tuple[TensorMeta, ...]] = {}
 
     # -- helpers --------------------------------------------------------------------
-
-    def _peer(self, step: MetaStep) -> int:
-        assert step.peer_stage is not None  # every SEND/RECV names its peer
-        return self.peer_rank(step.peer_stage)
 
     def _keys_for(self, stage: int) -> tuple[str, ...]:
         """[Note: data keys]: what each data-receiving stage needs of a micro-batch."""
@@ -234,45 +225,16 @@ class MPipeRunner(StepRunner):
                 "micro-batch shape constant (pad) or build a new schedule"
             )
 
-    # -- compute --------------------------------------------------------------------
+    def _received(self, kind: MetaStepType, stage: int, i: int) -> list[torch.Tensor] | None:
+        """What this rank's receive of ``kind`` for (stage, micro-batch) brought; None without one."""
+        step = self._recv_step.get((kind, stage, i))
+        return None if step is None else self.take_recv(step)
 
-    def _act(self, step: MetaStep) -> None:
-        if step.type is T.PREPROCESS_BWD and step == self._last_tower_backward:
-            super()._act(step)
-            if not self.draining:  # [Note: early tower reduction]
-                try:
-                    self._pending_reduce = self._start_reduce()
-                except _CommError:
-                    raise
-                except Exception as exc:
-                    self._fail(step, exc)
-            return
-        if step.type is T.PREPROCESS_REDUCE:
-            # A collective: run it even while draining, so no peer waits in it.
-            try:
-                self._reduce_tower()
-            except _CommError:
-                raise
-            except Exception as exc:
-                self._fail(step, exc)
-            return
-        super()._act(step)
+    # -- compute (the handlers of LOAD, PF, PB and REDUCE_P) ------------------------------
 
-    def _compute(self, step: MetaStep) -> None:
+    def _run_load(self, step: MetaStep) -> None:
         i = step.micro_index
-        if step.type is T.DATA_LOAD:
-            assert i is not None
-            self._load(i)
-        elif step.type is T.PREPROCESS_FWD:
-            assert i is not None
-            self._tower_forward(i)
-        elif step.type is T.PREPROCESS_BWD:
-            assert i is not None
-            self._tower_backward(step.stage_index, i)
-        else:
-            super()._compute(step)
-
-    def _load(self, i: int) -> None:
+        assert i is not None
         if self.data_iter is None:
             raise ValueError(
                 f"rank {self.rank} must load micro-batch {i} (in-schedule loading) but step() got no "
@@ -311,7 +273,9 @@ class MPipeRunner(StepRunner):
             )
         return self.tower_chunks[i]
 
-    def _tower_forward(self, i: int) -> None:
+    def _run_tower_forward(self, step: MetaStep) -> None:
+        i = step.micro_index
+        assert i is not None
         args = self._tower_args(i)
         keep = self.training and self.tower_trainable and self.owner_backward
         with torch.set_grad_enabled(keep):
@@ -324,9 +288,8 @@ class MPipeRunner(StepRunner):
         self._tower_in[i] = tuple(a for a in args if isinstance(a, torch.Tensor))
 
     def _features_for(self, i: int) -> tuple[torch.Tensor, ...]:
-        key = (T.PREPROCESS_RECV, 0, i)
-        if key in self._recv_keys:
-            bufs = self._take_recv(key)
+        bufs = self._received(T.PREPROCESS_RECV, 0, i)
+        if bufs is not None:
             n = self._n_features[i]
             outs, inputs = tuple(bufs[:n]), tuple(bufs[n:])
             metas = self._xfer_meta[MetaStep(i, T.PREPROCESS_RECV, 0, self._owner_stage(i))][:n]
@@ -355,83 +318,60 @@ class MPipeRunner(StepRunner):
         return self._feature_source.get(i, 0)
 
     def _data_for(self, stage: int, i: int) -> dict[str, torch.Tensor]:
-        key = (T.DATA_RECV, stage, i)
-        if key in self._recv_keys:
-            bufs = self._take_recv(key)
+        bufs = self._received(T.DATA_RECV, stage, i)
+        if bufs is not None:
             self._data.setdefault(i, {}).update(zip(self._keys_for(stage), bufs, strict=True))
         if i not in self._data:
             raise RuntimeError(f"stage {stage}: micro-batch {i} was neither loaded nor received here")
         return self._data[i]
 
-    def _forward(self, stage: PipelineStage, i: int) -> None:
-        if stage.is_first:
-            features = self._features_for(i)
-            if self.loading:
-                data = self._data_for(0, i)
-                text: tuple[Any, ...] = tuple(data[k] for k in self.input_keys)
-                kwargs: dict[str, Any] = {}
-            else:
-                if self._text_args is None or self._text_kwargs is None:
-                    raise RuntimeError(f"stage 0 runs on rank {self.rank} but step() received no inputs here")
-                text, kwargs = tuple(self._text_args[i]), dict(self._text_kwargs[i])
-            self._stage0_args[i] = ((*text, *features), kwargs)
-        if stage.is_last and self.loading and self.training:
-            self._targets_list[i] = self._data_for(stage.stage_index, i)[self.target_key]
-        super()._forward(stage, i)
+    def forward_inputs(self, stage: PipelineStage, i: int) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+        """Stage 0 runs ``module(*text, *features, **kwargs)``; other stages as in the base runner."""
+        if not stage.is_first:
+            return super().forward_inputs(stage, i)
+        features = self._features_for(i)
+        if self.loading:
+            data = self._data_for(0, i)
+            return (*(data[k] for k in self.input_keys), *features), {}
+        if self.arg_mbs is None or self.kwarg_mbs is None:
+            raise RuntimeError(f"stage 0 runs on rank {self.rank} but step() received no inputs here")
+        return (*self.arg_mbs[i], *features), dict(self.kwarg_mbs[i])
 
-    def run(
-        self,
-        arg_mbs: list[tuple[Any, ...]] | None,
-        kwarg_mbs: list[dict[str, Any]] | None,
-        targets: list[Any] | None,
-        loss_fn: Any,
-        scale: float,
-        *,
-        first_step: bool,
-        pre_failure: StageFailure | None = None,
-    ) -> StageFailure | None:
-        """Like the base ``run``; stage 0's inputs (text + features) and the last stage's targets
-        are assembled per micro-batch in ``_forward`` and read by the base executor from views."""
-        self._stage0_args: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        self._targets_list: list[Any] = list(targets) if targets is not None else [None] * self.n_micro
-        self._text_args, self._text_kwargs = arg_mbs, kwarg_mbs
-        has_first = 0 in self.stages
-        return super().run(
-            _Stage0Args(self._stage0_args, 0) if has_first else None,  # type: ignore[arg-type]
-            _Stage0Args(self._stage0_args, 1) if has_first else None,  # type: ignore[arg-type]
-            self._targets_list if (targets is not None or self.loading) else None,
-            loss_fn,
-            scale,
-            first_step=first_step,
-            pre_failure=pre_failure,
-        )
+    def target_of(self, stage: PipelineStage, i: int) -> Any:
+        """With in-schedule loading, the last stage's target comes with the data ([Note: data keys])."""
+        if self.loading:
+            return self._data_for(stage.stage_index, i)[self.target_key]
+        return super().target_of(stage, i)
 
-    def _tower_backward(self, stage: int, i: int) -> None:
+    def _run_tower_backward(self, step: MetaStep) -> None:
+        stage, i = step.stage_index, step.micro_index
+        assert i is not None
         if self.owner_backward:
             outs = self._tower_graph.pop(i, None)
             grads = self._feature_grads(stage, i)
         else:
             with torch.enable_grad():
                 outs = flatten_tower_output(self.preprocess(*self._tower_in[i]))
-            grads = self._local_feature_grads(i)
-        if outs is None:
-            return
-        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-
-    def _local_feature_grads(self, i: int) -> list[torch.Tensor | None]:
-        return self._take_feature_grads(i)
+            grads = self._take_feature_grads(i)
+        if outs is not None:
+            pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if step == self._last_tower_backward:  # [Note: early tower reduction]
+            self._pending_reduce = self._start_reduce()
 
     def _feature_grads(self, stage: int, i: int) -> list[torch.Tensor | None]:
-        key = (T.PREPROCESS_GRAD_RECV, stage, i)
-        if key not in self._recv_keys:
-            return self._local_feature_grads(i)
-        bufs = iter(self._take_recv(key))
+        received = self._received(T.PREPROCESS_GRAD_RECV, stage, i)
+        if received is None:
+            return self._take_feature_grads(i)
+        bufs = iter(received)
         return [next(bufs) if m.requires_grad else None for m in self._feature_meta[i]]
 
     def _reduce_tower(self) -> None:
-        """``REDUCE_P``: finish the sum posted early, or run it whole ([Note: early tower reduction])."""
+        """``REDUCE_P``: finish the sum posted early, or run it whole ([Note: early tower reduction]).
+
+        A collective: it runs even while the rank drains (its kind says so), so no peer waits in it.
+        """
         pending, self._pending_reduce = self._pending_reduce, None
         if pending is None:
             pending = self._start_reduce()
@@ -445,7 +385,7 @@ class MPipeRunner(StepRunner):
                 for _, _, flat in packs:
                     all_reduce(flat, "sum", self.dp_group)
         except Exception as exc:
-            raise _CommError(str(exc)) from exc
+            raise CommError(str(exc)) from exc
         self._unpack_reduced(packs)
 
     def _start_reduce(
@@ -475,7 +415,7 @@ class MPipeRunner(StepRunner):
             try:
                 works.append(all_reduce(flat, "sum", self.group, async_op=True))
             except Exception as exc:
-                raise _CommError(str(exc)) from exc
+                raise CommError(str(exc)) from exc
         return packs, works
 
     def _unpack_reduced(self, packs: list[tuple[list[int], list[torch.nn.Parameter], torch.Tensor]]) -> None:
@@ -497,11 +437,9 @@ class MPipeRunner(StepRunner):
                 else:
                     p.grad.copy_(new)
 
-    # -- payloads -------------------------------------------------------------------
+    # -- payloads (the Transfer of every MPipe transfer and of SEND_D / RECV_D) -------------
 
-    def _send_tensors(self, step: MetaStep) -> list[torch.Tensor]:
-        if step.type not in _MPIPE_COMMS:
-            return super()._send_tensors(step)
+    def _payload(self, step: MetaStep) -> list[torch.Tensor]:
         i = step.micro_index
         assert i is not None and step.peer_stage is not None
         if self.draining:
@@ -530,81 +468,37 @@ class MPipeRunner(StepRunner):
         self._xfer_meta[step] = metas
         return tensors
 
-    def _recv_metas(self, step: MetaStep) -> list[TensorMeta]:
-        if step.type not in _MPIPE_COMMS:
-            return super()._recv_metas(step)
+    def _header(self, step: MetaStep) -> tuple[int, tuple[TensorMeta, ...]]:
+        """The first step's header: the feature count (``SEND_P``) and the metadata of every tensor."""
+        n = self._n_features.get(step.micro_index or 0, 0) if step.type is T.PREPROCESS_SEND else 0
+        return n, self._xfer_meta[step]
+
+    def _metas(self, step: MetaStep, header: Any) -> list[TensorMeta]:
+        if header is not None:
+            n, metas = header
+            self._xfer_meta[step] = tuple(metas)
+            if step.type is T.PREPROCESS_RECV and step.micro_index is not None:
+                self._n_features[step.micro_index] = n
         return list(self._xfer_meta[step])
 
-    def _blocking_send(self, step: MetaStep) -> None:
-        if step.type not in _MPIPE_COMMS:
-            super()._blocking_send(step)
-            return
-        from hp_core import send, send_object
 
-        peer = self._peer(step)
-        try:
-            if self.draining:
-                header: Any = self.failure if self.failure is not None else self._peer_failure
-                assert header is not None
-                send_object(header.portable(), peer, self.group)
-                return
-            tensors = self._send_tensors(step)
-            n = self._n_features.get(step.micro_index or 0, 0) if step.type is T.PREPROCESS_SEND else 0
-            send_object((n, self._xfer_meta[step]), peer, self.group)
-            for t in tensors:
-                send(t, peer, self.group)
-        except _CommError:
-            raise
-        except (RuntimeError, ConnectionError) as exc:
-            raise _CommError(str(exc)) from exc
-
-    def _blocking_recv(self, step: MetaStep) -> None:
-        if step.type not in _MPIPE_COMMS:
-            super()._blocking_recv(step)
-            return
-        from hp_core import recv, recv_object
-
-        peer = self._peer(step)
-        i = step.micro_index
-        assert i is not None
-        try:
-            header = recv_object(peer, self.group)
-        except Exception as exc:
-            raise _CommError(str(exc)) from exc
-        if isinstance(header, StageFailure):
-            if not self.draining:
-                self._peer_failure = header
-                self.draining = True
-            return
-        n, metas = header
-        self._xfer_meta[step] = tuple(metas)
-        if step.type is T.PREPROCESS_RECV:
-            self._n_features[i] = n
-        bufs = [m.empty(self.device) for m in metas]
-        try:
-            for b in bufs:
-                recv(b, peer, self.group)
-        except Exception as exc:
-            raise _CommError(str(exc)) from exc
-        self._recv_bufs[(step.type, step.stage_index, i)] = bufs
-
-    def _run_overlapped(self) -> None:
-        if not self.batched:
-            super()._run_overlapped()
-            return
-        # [Note: MPipe receive posting]: all leading feature/data receives at once, each waited once.
-        recvs = []
-        for step in self._early:
-            bufs = [m.empty(self.device) for m in self._recv_metas(step)]
-            key = (step.type, step.stage_index, step.micro_index)
-            self._recv_bufs[key] = bufs  # type: ignore[index]
-            recvs.append((key, bufs, self._peer(step)))
-        self._post_p2p([], recvs)
-        self.blocks = self._lean_blocks
-        try:
-            super()._run_overlapped()
-        finally:
-            self.blocks = self._full_blocks
+_TRANSFER = Transfer(payload=MPipeRunner._payload, header=MPipeRunner._header, metas=MPipeRunner._metas)
+# LOAD / SEND_D / RECV_D are built-in kinds; their MPipe meaning is given to MPipeRunner alone.
+_DATA_HANDLERS: dict[MetaStepType, Any] = {
+    T.DATA_LOAD: MPipeRunner._run_load,
+    T.DATA_SEND: _TRANSFER,
+    T.DATA_RECV: _TRANSFER,
+}
+for _kind, _handler in (
+    (T.PREPROCESS_FWD, MPipeRunner._run_tower_forward),
+    (T.PREPROCESS_BWD, MPipeRunner._run_tower_backward),
+    (T.PREPROCESS_REDUCE, lambda runner, _: runner._reduce_tower()),
+    (T.PREPROCESS_SEND, _TRANSFER),
+    (T.PREPROCESS_RECV, _TRANSFER),
+    (T.PREPROCESS_GRAD_SEND, _TRANSFER),
+    (T.PREPROCESS_GRAD_RECV, _TRANSFER),
+):
+    register_step_handler(_kind, _handler)
 
 
 def _recorder(store: dict[int, torch.Tensor], k: int) -> Any:
@@ -614,13 +508,3 @@ def _recorder(store: dict[int, torch.Tensor], k: int) -> Any:
         store[k] = grad
 
     return hook
-
-
-class _Stage0Args:
-    """A list-like view the base executor indexes for stage 0's ``args`` / ``kwargs``."""
-
-    def __init__(self, store: dict[int, tuple[tuple[Any, ...], dict[str, Any]]], part: int) -> None:
-        self._store, self._part = store, part
-
-    def __getitem__(self, i: int) -> Any:
-        return self._store[i][self._part]
