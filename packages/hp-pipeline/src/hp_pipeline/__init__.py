@@ -63,6 +63,7 @@ from hp_pipeline.schedules import (
 )
 from hp_pipeline.simulate import SimulationResult, StepCosts, TimedStep, simulate
 from hp_pipeline.stage import PipelineStage, TensorMeta
+from hp_pipeline.swap import SwapError, SwapPolicy, SwapSession, SwapStats, attach_swap, insert_swaps
 from hp_pipeline.validate import validate_order
 
 __all__ = [
@@ -94,12 +95,17 @@ __all__ = [
     "StageFailure",
     "StepCosts",
     "StepKind",
+    "SwapError",
+    "SwapPolicy",
+    "SwapSession",
+    "SwapStats",
     "TensorChunkSpec",
     "TensorMeta",
     "TiedGroup",
     "TimedStep",
     "__version__",
     "add_fsdp_steps",
+    "attach_swap",
     "build_1f1b_order",
     "build_dualpipev_order",
     "build_gpipe_order",
@@ -114,6 +120,7 @@ __all__ = [
     "get_schedule_class",
     "global_grad_norm",
     "insert_comms",
+    "insert_swaps",
     "interleaved_round_size",
     "is_sharded_module",
     "merge_chunks",

@@ -113,6 +113,7 @@ for _kind in (
         needs=_forward_needs,
         cost="forward",
         colour="#4e79a7",
+        resident=+1,  # its saved activations appear on the device
     ),
     StepKind(
         "BWD",
@@ -122,6 +123,7 @@ for _kind in (
         needs=_same_forward,
         cost="backward",
         colour="#59a14f",
+        resident=-1,  # and a full backward frees them
         **_BACKWARD,
     ),
     StepKind(
@@ -144,6 +146,7 @@ for _kind in (
         needs=_weight_needs,
         cost="backward_weight",
         colour="#76b7b2",
+        resident=-1,  # after a split backward, W frees them (I keeps them for W)
     ),
     StepKind(
         "FWD_SEND",

@@ -163,6 +163,11 @@ class StepKind:
         cost: the simulator's duration: a number, the name of a
             :class:`~hp_pipeline.StepCosts` field, or ``cost(costs)``.
         colour: the SVG fill in ``render_order`` (grey when ``None``).
+        resident: how the step changes the number of its micro-batch's saved
+            activations on the device, for the simulator's
+            ``peak_device_activations_per_rank``: ``F`` +1, ``B`` and ``W`` -1
+            (they free them), ``SWAP_OUT`` -1 and ``SWAP_IN`` +1 (host memory
+            and back, :mod:`hp_pipeline.swap`); 0 for every other kind.
         handler: the executor part: ``handler(runner, step)``, or a
             :class:`Transfer` for a transfer kind. May be attached later with
             :func:`register_step_handler`.
@@ -194,6 +199,7 @@ class StepKind:
     check: CheckRule | None = None
     cost: Any = 0
     colour: str | None = None
+    resident: int = 0
     handler: Any = None
     runs_while_draining: bool = False
     wraps: tuple[str, ...] = ()

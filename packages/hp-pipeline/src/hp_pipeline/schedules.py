@@ -58,6 +58,7 @@ from hp_pipeline.ir import Order
 from hp_pipeline.microbatch import ChunkSpec, TensorChunkSpec, merge_chunks, split_args_kwargs
 from hp_pipeline.overlap import add_fsdp_steps_with_overlaps
 from hp_pipeline.stage import PipelineStage
+from hp_pipeline.swap import SwapPolicy, SwapStats, attach_swap, insert_swaps
 
 __all__ = [
     "PipelineSchedule",
@@ -104,6 +105,13 @@ class PipelineSchedule:
             ([Note: receive lookahead] in :mod:`hp_pipeline.executor`).
             Backends that coalesce batches (NCCL, HCCL) ignore it and post
             in list order, one batch per compute step ([Note: coalesced batches]).
+        swap_policy: a :class:`~hp_pipeline.SwapPolicy` to move saved
+            activations to host memory between each micro-batch's forward and
+            its backward (``SWAP_OUT`` / ``SWAP_IN`` steps in ``.order``,
+            [Note: swap policy] in :mod:`hp_pipeline.swap`); ``None`` (default)
+            keeps them on the device. Checked against the pipeline and the
+            platform before anything communicates; with it,
+            :meth:`activation_memory` reports the rank's activation memory.
     """
 
     _style: Style = "loop"
@@ -121,6 +129,7 @@ class PipelineSchedule:
         scale_grads: bool = True,
         abort_timeout: float = 10.0,
         recv_lookahead: int | None = None,
+        swap_policy: SwapPolicy | None = None,
     ) -> None:
         if type(self)._build is PipelineSchedule._build:
             raise TypeError(
@@ -133,6 +142,11 @@ class PipelineSchedule:
             raise ValueError(
                 f"{self._name}: recv_lookahead must be None (post all of a step's receives when it starts) "
                 f"or an int >= 1 (that many compute steps ahead), got {recv_lookahead!r}"
+            )
+        if swap_policy is not None and not isinstance(swap_policy, SwapPolicy):
+            raise TypeError(
+                f"{self._name}: swap_policy must be a SwapPolicy or None, got {type(swap_policy).__name__} "
+                f"({swap_policy!r}); e.g. swap_policy=hp_pipeline.SwapPolicy(keep_newest=0)"
             )
         stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
@@ -157,6 +171,8 @@ class PipelineSchedule:
         self._global_ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         self._stages = {s.stage_index: s for s in sorted(stages, key=lambda s: s.stage_index)}
         self._check_placement(stages)
+        if swap_policy is not None:
+            swap_policy.check(self.num_stages)  # before any rank communicates
         order = self._build(self.num_ranks, n_microbatches)
         units = {index: sharded_units(s.submod) for index, s in self._stages.items()}
         for index, stage_units in units.items():
@@ -165,7 +181,10 @@ class PipelineSchedule:
             # [Note: FSDP protocol]: every rank is assumed to compose the same way.
             order = add_fsdp_steps_with_overlaps(order, range(self.num_stages))
         self.order: Order = self._with_comms(order)
+        if swap_policy is not None and loss_fn is not None:
+            self.order = insert_swaps(self.order, swap_policy)
         self._runner = self._make_runner(training=loss_fn is not None, abort_timeout=abort_timeout)
+        self._swap = None if swap_policy is None else attach_swap(self._runner, swap_policy)
         self._runner.recv_lookahead = recv_lookahead
         self._learned = False
         self._tied: list[TiedGroup] = []
@@ -276,6 +295,8 @@ class PipelineSchedule:
         pre_failure: StageFailure | None,
     ) -> None:
         """Run this rank's order, then agree with every rank on failures ([Note: failure vote])."""
+        if self._swap is not None:
+            self._swap.begin_step()
         own = self._runner.run(
             arg_mbs,
             kwarg_mbs,
@@ -289,6 +310,15 @@ class PipelineSchedule:
         if failures:
             raise_step_error(failures, own)
         self._learned = True
+
+    def activation_memory(self) -> SwapStats | None:
+        """This rank's saved-activation accounting for the last step, or ``None`` without a ``swap_policy``.
+
+        Bytes of saved activations on the compute device (now and at the peak
+        of the step), in host memory, and per micro-batch ([Note: activation
+        accounting] in :mod:`hp_pipeline.swap`).
+        """
+        return None if self._swap is None else self._swap.stats()
 
     @staticmethod
     def _target_spec(target: Any) -> ChunkSpec | None:

@@ -52,6 +52,18 @@ A micro-batch's activations on a stage are live from the start of its ``F`` to
 the end of its last backward step there (``B``, or ``W`` when the backward is
 split: the weight gradient still needs the saved inputs). Where one step frees
 and another allocates at the same instant, the free counts first.
+
+[Note: device activations]
+``peak_device_activations_per_rank`` counts the micro-batches whose saved
+activations are on the device, walking each rank's list in order as the
+executor does: every step changes the count by what its kind declares
+(``StepKind.resident``: ``F`` +1, ``B`` and ``W`` -1, ``SWAP_OUT`` -1 and
+``SWAP_IN`` +1, see :mod:`hp_pipeline.swap`), and the peak is the largest
+count after any step. Without swap steps it equals
+``peak_activations_per_rank`` (a rank runs its steps one after another, so
+list order is time order); with them it is the figure the executor's swap
+accounting measures, in micro-batches ([Note: activation accounting] in
+:mod:`hp_pipeline.swap`).
 """
 
 from __future__ import annotations
@@ -176,6 +188,9 @@ class SimulationResult:
         bubble_overhead: rank -> ``idle / compute`` (ranks with compute only).
         peak_activations: stage -> most micro-batches live at once.
         peak_activations_per_rank: rank -> most (stage, micro-batch) pairs live at once.
+        peak_device_activations_per_rank: rank -> most (stage, micro-batch) pairs whose
+            activations are on the device at once: less than the live figure when the
+            order swaps to host memory ([Note: device activations]).
     """
 
     makespan: Fraction
@@ -186,6 +201,17 @@ class SimulationResult:
     bubble_overhead: dict[int, Fraction]
     peak_activations: dict[int, int]
     peak_activations_per_rank: dict[int, int]
+    peak_device_activations_per_rank: dict[int, int] = field(default_factory=dict)
+
+    def peak_device_bytes(self, rank: int, micro_bytes: int | Mapping[tuple[int, int], int]) -> int:
+        """Rank ``rank``'s peak of saved-activation bytes on the device ([Note: device activations]).
+
+        ``micro_bytes``: the bytes one micro-batch's activations take, the same
+        for all, or per ``(stage, micro)`` (what the executor's
+        ``SwapStats.bytes_by_micro`` gives), so uneven stages and micro-batches
+        are counted exactly.
+        """
+        return _device_peak(self.timeline[rank], micro_bytes)
 
     @property
     def total_bubble_ratio(self) -> Fraction:
@@ -246,6 +272,7 @@ def simulate(
         bubble_overhead=overhead,
         peak_activations=per_stage,
         peak_activations_per_rank=per_rank,
+        peak_device_activations_per_rank={rank: _device_peak(steps, 1) for rank, steps in timeline.items()},
     )
 
 
@@ -335,6 +362,29 @@ def _run(view: OrderView, costs: StepCosts) -> dict[int, list[TimedStep]]:
             stuck,
         )
     return timeline
+
+
+def _device_peak(steps: Sequence[TimedStep], micro_bytes: int | Mapping[tuple[int, int], int]) -> int:
+    """The peak of one rank's list, each micro-batch weighing ``micro_bytes`` ([Note: device activations])."""
+    live = peak = 0
+    for timed in steps:
+        for part in timed.step.parts:
+            delta = part.type.spec.resident
+            if not delta:
+                continue
+            if isinstance(micro_bytes, int):
+                weight = micro_bytes
+            else:
+                key = (part.stage_index, part.micro_index)
+                if key not in micro_bytes:
+                    raise KeyError(
+                        f"peak_device_bytes: no size for stage {key[0]}'s micro-batch {key[1]} (step "
+                        f"{part}); give one per (stage, micro) of the rank, or one int for all"
+                    )
+                weight = micro_bytes[key]  # type: ignore[index]
+            live += delta * weight
+            peak = max(peak, live)
+    return peak
 
 
 def _peak_activations(

@@ -24,9 +24,17 @@ of its stage have run it moves to the host, and it comes back one compute
 step before its backward. ``k = 0`` swaps a micro-batch right after its own
 forward: on stage 0 of 1F1B the device then holds two micro-batches (the one
 in flight and the one prefetched for the next backward) instead of ``p``.
-A micro-batch whose swap-in would land right after its swap-out (nothing to
-compute in between, e.g. the last stage's ``F`` followed by its ``B``) is not
-swapped: the copies would cost time and save nothing. ``stages=()`` swaps
+A micro-batch is swapped only when something allocates while it would be
+away: a forward (of any stage of the rank) or the swap-in of an earlier
+micro-batch (decided first: micro-batches are taken in the order of their
+forwards). A backward only frees, so a swap with nothing but backwards inside
+it lowers no peak and would only cost copies. The last stage's ``F``
+followed at once by its ``B`` never swaps, nor does stage ``p-2`` of 1F1B,
+whose only step between a micro-batch's forward and its backward is another
+micro-batch's backward; the last micro-batches of stage 0, whose backwards
+come after the last forward, do, because the swap-ins prefetched for the
+backwards before theirs would otherwise pile up on the device.
+``stages=()`` swaps
 nothing but still installs the session, so the accounting measures the
 activations a schedule keeps (the baseline of a comparison).
 
@@ -50,10 +58,10 @@ leaves alone (returns the tensor itself) what swapping cannot free:
 * parameters and views of them (leaves that require grad, like
   ``weight.t()`` saved by ``linear``), and the stage's received inputs, which
   are such leaves too: the module and the stage hold them anyway;
-* the tensors the caller says are held elsewhere: the stage's inputs given to
-  ``recording(held=...)`` (stage 0's micro-batch) and its outputs given to
-  :meth:`SwapSession.hold` after the forward (they are sent downstream and
-  kept as the backward's roots);
+* the tensors the caller says are held elsewhere, ``recording(held=...)``:
+  the executor names the stage's inputs (stage 0's micro-batch) and outputs
+  (sent downstream and kept as the backward's roots), read when the forward
+  ends;
 * tensors under ``policy.min_bytes``: each one costs a copy and an event for
   little memory.
 
@@ -90,27 +98,36 @@ micro-batch's managed bytes.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hp_core import DeviceHandle, Platform, get_platform
 
 from hp_pipeline.ir import MetaStep, MetaStepType, Order
+from hp_pipeline.kinds import StepKind, register_step_kind
+
+if TYPE_CHECKING:
+    from hp_pipeline._deps import OrderView
 
 __all__ = [
+    "SWAP_IN",
+    "SWAP_OUT",
     "SwapError",
     "SwapPolicy",
     "SwapSession",
     "SwapStats",
+    "attach_swap",
     "check_swap_platform",
     "insert_swaps",
 ]
 
 MicroKey = tuple[int, int]
 """``(stage_index, micro_index)``: whose activations."""
+
+_STATE_KEY = "swap"  # the runner's state entry holding its SwapSession
 
 
 class SwapError(ValueError):
@@ -141,7 +158,7 @@ class SwapPolicy:
     """
 
     keep_newest: int = 0
-    stages: frozenset[int] | None = None
+    stages: Collection[int] | None = None  # kept as a frozenset
     min_bytes: int = 1024
 
     def __post_init__(self) -> None:
@@ -220,26 +237,92 @@ def check_swap_platform(platform: Platform) -> bool:
 
 # -- the pass ------------------------------------------------------------------
 
-_SLOT_TYPES = frozenset(
-    {
-        MetaStepType.FWD,
-        MetaStepType.BWD,
-        MetaStepType.BWD_INPUT,
-        MetaStepType.BWD_WEIGHT,
-        MetaStepType.OVERLAP_F_B,
-        MetaStepType.PREPROCESS_FWD,
-        MetaStepType.PREPROCESS_BWD,
-    }
+
+# -- the step kinds ------------------------------------------------------------
+
+
+def _after_forward(view: OrderView, step: MetaStep) -> list[MetaStep]:
+    return [MetaStep(step.micro_index, MetaStepType.FWD, step.stage_index)]
+
+
+def _after_swap_out(view: OrderView, step: MetaStep) -> list[MetaStep]:
+    return [MetaStep(step.micro_index, SWAP_OUT, step.stage_index)]
+
+
+def _swap_problems(view: OrderView, expected: set[int]) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Each ``SWAP_OUT`` comes back (one ``SWAP_IN``), and each ``SWAP_IN`` comes before its backward."""
+    problems: list[tuple[str, list[tuple[int, int]]]] = []
+    for out in view.of_type.get(SWAP_OUT, []):
+        back = MetaStep(out.micro_index, SWAP_IN, out.stage_index)
+        if back not in view.position:
+            problems.append(
+                (
+                    f"{out} moves stage {out.stage_index}'s micro-batch {out.micro_index} to host memory "
+                    f"but no {back} brings it back before its backward; add {back} "
+                    "(insert_swaps places both)",
+                    [view.position[out]],
+                )
+            )
+    for back in view.of_type.get(SWAP_IN, []):
+        assert back.micro_index is not None
+        backward = view.backward_input(back.stage_index, back.micro_index)
+        at, used = view.position[back], view.position.get(backward)
+        if used is not None and used[1] <= at[1]:
+            problems.append(
+                (
+                    f"{back} must come before {backward}, which reads the activations it brings back",
+                    [at, used],
+                )
+            )
+    return problems
+
+
+def _run_swap(runner: Any, step: MetaStep) -> None:
+    """The executor handler of ``SWAP_OUT`` / ``SWAP_IN`` ([Note: running a kind] in hp_pipeline.kinds)."""
+    session = runner.state.get(_STATE_KEY)
+    if session is None:
+        raise RuntimeError(
+            f"{step}: this runner has no swap session; build the schedule with "
+            "swap_policy=SwapPolicy(...), or call hp_pipeline.swap.attach_swap(runner, policy) first"
+        )
+    assert step.micro_index is not None
+    key = (step.stage_index, step.micro_index)
+    if step.type is SWAP_OUT:
+        session.swap_out(key)
+    else:
+        session.swap_in(key)
+
+
+SWAP_OUT = register_step_kind(
+    StepKind(
+        "SWAP_OUT",
+        "SWAP_OUT",
+        "activation swap: start moving the micro-batch's saved activations to host memory",
+        group="swap",
+        training_only=True,
+        needs=_after_forward,
+        check=_swap_problems,
+        cost=0,  # copies on a side stream: the rank goes on computing ([Note: swap streams])
+        colour="#d4a6c8",
+        resident=-1,
+        handler=_run_swap,
+    )
 )
-_FIRST_BACKWARD = frozenset({MetaStepType.BWD, MetaStepType.BWD_INPUT})
-
-
-def _swap_types() -> tuple[MetaStepType, MetaStepType]:
-    """``SWAP_OUT`` / ``SWAP_IN``, looked up by code so this module imports before they are registered."""
-    try:
-        return MetaStepType("SWAP_OUT"), MetaStepType("SWAP_IN")
-    except ValueError:  # pragma: no cover - registered with the IR
-        raise RuntimeError("the SWAP_OUT / SWAP_IN step kinds are not registered with the IR") from None
+SWAP_IN = register_step_kind(
+    StepKind(
+        "SWAP_IN",
+        "SWAP_IN",
+        "activation swap: start bringing the micro-batch's saved activations back (prefetch)",
+        group="swap",
+        training_only=True,
+        needs=_after_swap_out,
+        check=_swap_problems,
+        cost=0,
+        colour="#9d7660",
+        resident=+1,
+        handler=_run_swap,
+    )
+)
 
 
 def insert_swaps(order: Mapping[int, Sequence[MetaStep]], policy: SwapPolicy) -> Order:
@@ -257,27 +340,25 @@ def insert_swaps(order: Mapping[int, Sequence[MetaStep]], policy: SwapPolicy) ->
     """
     if not isinstance(policy, SwapPolicy):
         raise TypeError(f"insert_swaps needs a SwapPolicy, got {type(policy).__name__} ({policy!r})")
-    swap_out, swap_in = _swap_types()
     result: Order = {}
     for rank, steps in order.items():
-        present = [str(s) for s in steps if s.type in (swap_out, swap_in)]
+        present = [str(s) for s in steps if s.type in (SWAP_OUT, SWAP_IN)]
         if present:
             raise ValueError(
                 f"insert_swaps: rank {rank} already has swap steps {present[:4]}; pass the order "
                 "without them (insert_swaps places every swap itself)"
             )
-        result[rank] = _swapped_list(list(steps), policy, swap_out, swap_in)
+        result[rank] = _swapped_list(list(steps), policy)
     return result
 
 
-def _swapped_list(
-    steps: list[MetaStep], policy: SwapPolicy, swap_out: MetaStepType, swap_in: MetaStepType
-) -> list[MetaStep]:
+def _swapped_list(steps: list[MetaStep], policy: SwapPolicy) -> list[MetaStep]:
     """One rank's list with its swaps ([Note: where swaps go])."""
-    slots = [pos for pos, step in enumerate(steps) if step.type in _SLOT_TYPES]
+    slots = [pos for pos, step in enumerate(steps) if step.type.busy]  # F, B, I, W, pairs, PF, PB
     forward_slot: dict[MicroKey, int] = {}
     backward_slot: dict[MicroKey, int] = {}
     forwards_of: dict[int, list[int]] = {}  # stage -> slots of its forwards, in order
+    forward_slots: set[int] = set()  # slots holding a forward of any stage
     for slot, pos in enumerate(slots):
         for part in steps[pos].parts:
             if part.micro_index is None:
@@ -286,7 +367,8 @@ def _swapped_list(
             if part.type is MetaStepType.FWD:
                 forward_slot[key] = slot
                 forwards_of.setdefault(part.stage_index, []).append(slot)
-            elif part.type in _FIRST_BACKWARD:
+                forward_slots.add(slot)
+            elif part.type.is_backward:  # B or I: the first to read the saved activations
                 backward_slot.setdefault(key, slot)
     outs: dict[int, list[MetaStep]] = {}  # slot -> swaps placed right before that slot's step
     ins: dict[int, list[MetaStep]] = {}
@@ -300,10 +382,10 @@ def _swapped_list(
             continue  # still among the k newest at its backward
         pushed_at = f if policy.keep_newest == 0 else newer[policy.keep_newest - 1]
         out_slot, in_slot = pushed_at + 1, b - 1
-        if out_slot >= in_slot:
-            continue  # nothing to compute between out and in: the copies would save nothing
-        outs.setdefault(out_slot, []).append(MetaStep(micro, swap_out, stage))
-        ins.setdefault(in_slot, []).append(MetaStep(micro, swap_in, stage))
+        if not any(slot in forward_slots or slot in ins for slot in range(out_slot, in_slot)):
+            continue  # nothing allocates while it would be away: the copies would lower no peak
+        outs.setdefault(out_slot, []).append(MetaStep(micro, SWAP_OUT, stage))
+        ins.setdefault(in_slot, []).append(MetaStep(micro, SWAP_IN, stage))
     at = {slots[slot]: outs.get(slot, []) + ins.get(slot, []) for slot in set(outs) | set(ins)}
     result: list[MetaStep] = []
     for pos, step in enumerate(steps):
@@ -372,10 +454,10 @@ def _is_parameter_like(tensor: torch.Tensor) -> bool:
 class SwapSession:
     """Owns the saved activations of one rank's forwards; moves them to the host and back.
 
-    The executor makes one per schedule (when the schedule has a
-    ``swap_policy``) and calls, per micro-batch and stage: :meth:`recording`
-    around the forward, :meth:`hold` with the forward's outputs,
-    :meth:`swap_out` / :meth:`swap_in` at the order's swap steps and
+    A schedule with a ``swap_policy`` makes one for its runner
+    (:func:`attach_swap`), which then calls, per micro-batch and stage:
+    :meth:`recording` around the forward (holding the stage's inputs and
+    outputs), :meth:`swap_out` / :meth:`swap_in` at the order's swap steps and
     :meth:`release` after the last backward. :meth:`end_step` forgets whatever
     a failed step left behind.
 
@@ -435,19 +517,22 @@ class SwapSession:
     # -- recording -------------------------------------------------------------
 
     @contextmanager
-    def recording(self, key: MicroKey, *, held: Iterable[Any] = ()) -> Iterator[None]:
+    def recording(
+        self, key: MicroKey, *, held: Iterable[Any] | Callable[[], Iterable[Any]] = ()
+    ) -> Iterator[None]:
         """Manage the tensors autograd saves inside the block as ``key``'s ([Note: what a session manages]).
 
-        ``held`` are tensors kept elsewhere for the whole step (the stage's
-        inputs); saved tensors sharing their storage stay unmanaged. The
-        micro-batch's bytes join the resident count when the block ends.
+        ``held``: the tensors kept elsewhere for the whole step (the stage's
+        inputs and outputs), or a function giving them, called when the block
+        ends (the outputs exist only then). Saved tensors that share storage
+        with them stay unmanaged. The micro-batch's bytes join the resident
+        count when the block ends.
         """
         if key in self._handles:
             raise RuntimeError(
                 f"stage {key[0]} recorded the forward of micro-batch {key[1]} twice in one step; "
                 "release it (after its backward) before recording it again"
             )
-        skip = {_storage_ptr(t) for t in held if isinstance(t, torch.Tensor)}
         managed: dict[tuple[Any, ...], _Handle] = {}
         min_bytes = self.policy.min_bytes
 
@@ -456,7 +541,6 @@ class SwapSession:
                 tensor.numel() * tensor.element_size() < min_bytes
                 or _is_parameter_like(tensor)
                 or tensor.device.type == "meta"
-                or _storage_ptr(tensor) in skip
             ):
                 return tensor
             ident = (
@@ -473,31 +557,19 @@ class SwapSession:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
-        handles = list(managed.values())
+        tensors = held() if callable(held) else held
+        skip = {_storage_ptr(t) for t in tensors if isinstance(t, torch.Tensor)}
+        # A held tensor's handle keeps wrapping it (the backward unpacks it as is) but is
+        # neither moved nor counted: moving it would free nothing.
+        handles = [
+            h
+            for h in managed.values()
+            if h.device_tensor is not None and _storage_ptr(h.device_tensor) not in skip
+        ]
         self._handles[key] = handles
         total = sum(h.nbytes for h in handles)
         self._bytes_by_micro[key] = total
         self._add_resident(total)
-
-    def hold(self, key: MicroKey, tensors: Iterable[Any]) -> None:
-        """Unmanage ``key``'s handles that share storage with ``tensors`` (the forward's outputs).
-
-        Those tensors stay referenced by the stage (sent downstream, kept as the
-        backward's roots), so moving them would free nothing.
-        """
-        ptrs = {_storage_ptr(t) for t in tensors if isinstance(t, torch.Tensor)}
-        handles = self._handles.get(key)
-        if not handles or not ptrs:
-            return
-        kept = []
-        for handle in handles:
-            tensor = handle.device_tensor
-            if handle.where is _Where.DEVICE and tensor is not None and _storage_ptr(tensor) in ptrs:
-                self._resident -= handle.nbytes  # stays on the device, but outside the accounting
-                self._bytes_by_micro[key] -= handle.nbytes
-            else:
-                kept.append(handle)
-        self._handles[key] = kept
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -617,6 +689,11 @@ class SwapSession:
                 self._resident -= handle.nbytes
             handle.device_tensor = handle.host = handle.event = None
 
+    def begin_step(self) -> None:
+        """Start a step: forget what a failed step left behind and restart the peak."""
+        self.end_step()
+        self.reset_peak()
+
     def end_step(self) -> None:
         """Forget every micro-batch still held (a failed step stops between forward and backward)."""
         for key in list(self._handles):
@@ -627,3 +704,42 @@ class SwapSession:
             f"SwapSession({self.policy}, resident={self._resident} B, peak={self._peak} B, "
             f"host={self._host} B)"
         )
+
+
+# -- wiring into the executor ----------------------------------------------------
+
+
+def attach_swap(runner: Any, policy: SwapPolicy, platform: Platform | None = None) -> SwapSession:
+    """Give an executor runner (``StepRunner``) a :class:`SwapSession` for ``policy``; returns it.
+
+    The session goes to ``runner.state["swap"]``, where the ``SWAP_OUT`` /
+    ``SWAP_IN`` handlers find it. When the runner trains, every forward runs
+    under :meth:`SwapSession.recording` (holding the stage's inputs and
+    outputs) and every ``B`` and ``W`` releases its micro-batch when it ends,
+    so the accounting runs whether or not the order swaps (``stages=()``).
+    Call :meth:`SwapSession.begin_step` before each step (the schedules do).
+    """
+    session = SwapSession(policy, platform)
+    runner.state[_STATE_KEY] = session
+    if runner.training:
+        runner.add_step_context([MetaStepType.FWD], _recording_context)
+        runner.add_step_context([MetaStepType.BWD, MetaStepType.BWD_WEIGHT], _release_context)
+    return session
+
+
+def _recording_context(runner: Any, step: MetaStep) -> Any:
+    session: SwapSession = runner.state[_STATE_KEY]
+    stage, micro = runner.stages[step.stage_index], step.micro_index
+    assert micro is not None
+
+    def held() -> tuple[Any, ...]:
+        state = stage._micro.get(micro)
+        return () if state is None else (*state.inputs, *state.outputs)
+
+    return session.recording((step.stage_index, micro), held=held)
+
+
+@contextmanager
+def _release_context(runner: Any, step: MetaStep) -> Iterator[None]:
+    yield
+    runner.state[_STATE_KEY].release((step.stage_index, step.micro_index))
