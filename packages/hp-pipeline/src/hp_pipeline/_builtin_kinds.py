@@ -3,7 +3,35 @@
 See [Note: step-kind registry] in :mod:`hp_pipeline.kinds` for what each field
 means and [Note: dependency model] in :mod:`hp_pipeline._deps` for the rules
 below. The executor attaches the handlers (:mod:`hp_pipeline.executor`), so
-this module, like the rest of the IR, needs no torch.
+this module, like the rest of the IR, needs no torch (but for the one
+context below, imported when it runs).
+
+[Note: compiled split backward]
+``I`` runs a stage's backward with ``retain_graph=True`` (``W`` walks the graph
+again, [Note: split backward] in :mod:`hp_pipeline.stage`). AOTAutograd's
+*donated buffers* (``torch._functorch.config.donated_buffer``, on by default)
+let a compiled graph's backward reuse the memory of tensors it saved, which a
+retained graph still needs. Torch decides it per graph: the forward's compile
+lists the buffers it may donate, and the first backward through the graph
+compiles it, donating when that backward frees the graph. A stage that runs a
+full ``B`` first and an ``I`` later through the same compiled graph (DualPipeV
+does, a zero-bubble schedule that only splits does not) would run a donating
+backward on a retained graph, which torch refuses ("compiled with non-empty
+donated buffers which requires ... retain_graph=False").
+
+So ``I`` declares a context around every ``F`` and every ``I`` of a runner
+whose list holds ``I`` steps, both run with ``donated_buffer=False``: a stage's
+modules compile (and recompile) inside its forward, so their graphs list no
+donated buffers and no backward of theirs donates; and torch's runtime check,
+which reads the switch again at each retained backward, stands aside for the
+``I``. The switch is scoped (``config.patch``): other code in the process,
+and schedules without split backward (1F1B, GPipe, ...), keep torch's default
+and its optimisation. What it cannot cover: a graph compiled *and*
+backpropagated by a full backward before the schedule's first step (say, a
+warm-up outside the schedule) keeps its donating backward, and inside ``I``
+torch's check would not stop it: compile the stages' modules inside the
+schedule (their first call is the schedule's), or turn the switch off around
+such a warm-up too.
 """
 
 from __future__ import annotations
@@ -83,6 +111,15 @@ def _input_grad_consumer(view: OrderView, step: MetaStep) -> MetaStep:
     return _same_input_grad(view, step)[0]
 
 
+def _without_donated_buffers(runner: Any, step: MetaStep) -> Any:
+    """Around every ``F`` and ``I`` of a runner that runs ``I`` steps ([Note: compiled split backward])."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "donated_buffer"):  # a torch without donated buffers
+        return None
+    return functorch_config.patch(donated_buffer=False)
+
+
 def _overlap_cost(costs: Any) -> Fraction:
     if costs.overlap_f_b is None:
         raise ValueError(
@@ -126,6 +163,7 @@ for _kind in (
         resident=-1,  # and a full backward frees them
         **_BACKWARD,
     ),
+    # [Note: compiled split backward]
     StepKind(
         "BWD_INPUT",
         "I",
@@ -134,6 +172,8 @@ for _kind in (
         needs=_same_forward,
         cost="backward_input",
         colour="#f28e2b",
+        wraps=("F", "I"),
+        around=_without_donated_buffers,
         **_BACKWARD,
     ),
     StepKind(
