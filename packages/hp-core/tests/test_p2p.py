@@ -82,7 +82,7 @@ def test_p2p_errors(rank, world_size):
         hp_core.send_object("x", dst="1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="the op list is empty"):
         hp_core.batch_isend_irecv([])
-    with pytest.raises(ValueError, match=r"item 0 has op='broadcast'; use 'isend' or 'irecv'"):
+    with pytest.raises(ValueError, match=r"P2POp: op='broadcast' is not a transfer; use 'isend' or 'irecv'"):
         hp_core.batch_isend_irecv([P2POp("broadcast", torch.ones(1), 1 - rank)])
     with pytest.raises(TypeError, match=r"item 0 is a tuple, not an hp_core P2POp"):
         hp_core.batch_isend_irecv([("isend", torch.ones(1), 1)])  # type: ignore[list-item]

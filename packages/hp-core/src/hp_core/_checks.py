@@ -7,6 +7,7 @@ we can see locally is reported locally, naming the observed value and the fix.
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import Any, NamedTuple
 
@@ -78,7 +79,12 @@ def resolve_group(fn: str, group: Any) -> dist.ProcessGroup:
         return default
     get_group = getattr(group, "get_group", None)
     if get_group is not None and not isinstance(group, dist.ProcessGroup):
-        # A DeviceMesh: only a 1-D one names a single group (get_group explains otherwise).
+        # A DeviceMesh: only a 1-D one names a single group.
+        if getattr(group, "ndim", 1) != 1:
+            raise ValueError(
+                f"{fn}(): group is the {group.ndim}-D mesh {group!r}, which has one group per dim; pass a "
+                "1-D slice such as mesh['dp'], or mesh.get_group('dp')."
+            )
         group = get_group()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
@@ -88,7 +94,8 @@ def resolve_group(fn: str, group: Any) -> dist.ProcessGroup:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"{fn}(): group must be a torch.distributed ProcessGroup, a 1-D hp_core DeviceMesh or None, "
-            f"got {type(group).__name__}."
+            f"got {type(group).__name__} {short_repr(group)}; pass e.g. mesh.get_group('dp') or "
+            "mesh['dp'], or None for the default group."
         )
     if group_facts(group).rank < 0:
         raise ValueError(
@@ -108,7 +115,7 @@ def check_tensor(fn: str, name: str, tensor: Any) -> torch.Tensor:
     on every backend so code that passes here does not break on a cluster.
     """
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{fn}(): {name} must be a torch.Tensor, got {type(tensor).__name__}.")
+        raise TypeError(f"{fn}(): {name} must be a torch.Tensor, got {describe_non_tensor(tensor)}.")
     if tensor.layout != torch.strided:
         raise ValueError(
             f"{fn}(): {name} has layout {tensor.layout}; only dense (strided) tensors can be communicated. "
@@ -148,3 +155,82 @@ def check_group_rank(fn: str, name: str, value: int, group: dist.ProcessGroup) -
             "pass one of those (ranks are global, not positions in the group)."
         )
     return ranks.index(value)
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so an error about a huge object stays readable."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe_non_tensor(value: Any) -> str:
+    """What was passed where a tensor belongs, and how to get one.
+
+    A pending :class:`~hp_core.work.Work` is the usual mistake after
+    ``async_op=True`` (its result is the tensor), so it gets its own hint.
+    """
+    if type(value).__name__ == "Work" and hasattr(value, "wait"):
+        return "a pending Work handle; call .wait() on it first, which returns the tensor"
+    return f"{type(value).__name__} {short_repr(value)}; pass a torch.Tensor, e.g. torch.as_tensor(value)"
+
+
+def check_async_op(fn: str, async_op: Any) -> None:
+    """``async_op`` must be a real bool: a truthy string would silently return a Work instead of a tensor."""
+    if async_op is not True and async_op is not False:
+        raise TypeError(
+            f"{fn}(): async_op must be True or False, got {type(async_op).__name__} "
+            f"{short_repr(async_op)}; pass async_op=True to get a Work handle."
+        )
+
+
+def check_tag(fn: str, tag: Any) -> None:
+    """A p2p tag is an int; torch would reject anything else only inside the backend call."""
+    if not isinstance(tag, int) or isinstance(tag, bool):
+        raise TypeError(f"{fn}(): tag must be an int, got {short_repr(tag)}; e.g. tag=0.")
+
+
+def plain(value: Any) -> Any:
+    """A comparable, picklable stand-in for an argument (sequences as tuples, tensors as lists, else repr).
+
+    Used to compare arguments across ranks (see [Note: cross-rank agreement]):
+    whatever a rank was handed, its description can be gathered and printed.
+    """
+    if isinstance(value, torch.Tensor):
+        return repr(value.tolist()) if value.device.type != "meta" else repr(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(plain(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    # An address in a repr (a generator, a function) differs between processes for the same code.
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+# [Note: cross-rank agreement]
+# Some calls must get the same arguments on every rank: building a mesh creates
+# process groups collectively, and a rank that sees other arguments either
+# builds different state without noticing or waits forever in a group creation
+# its peers never enter. Where the call communicates anyway (it creates
+# groups), it first gathers a description of its arguments from every rank
+# (one small all_gather_object) and compares them *before* checking them
+# locally, so a disagreement, and any error that follows from one rank's bad
+# value, raises on every rank with the same message instead of hanging the
+# others. Hot-path collectives do not do this (it would double their cost);
+# hp-testing's cross-rank checks cover them in tests.
+
+
+def agree_across_world(what: str, fix: str, **arguments: Any) -> None:
+    """Raise on every rank if the ranks of the default group passed different ``arguments``."""
+    world_size = dist.get_world_size()
+    if world_size == 1:
+        return
+    described = {key: plain(value) for key, value in arguments.items()}
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, described)
+    if all(entry == gathered[0] for entry in gathered):
+        return
+    differing = [key for key in described if any(entry[key] != gathered[0][key] for entry in gathered)]
+    per_rank = "; ".join(
+        f"rank {rank}: " + ", ".join(f"{key}={entry[key]!r}" for key in differing)
+        for rank, entry in enumerate(gathered)
+    )
+    raise ValueError(f"{what}: the ranks passed different arguments ({per_rank}); {fix}")

@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 
 from hp_core import _issue
-from hp_core._checks import check_group_rank, check_same_dtype, check_tensor, group_facts, resolve_group
+from hp_core._checks import (
+    check_async_op,
+    check_group_rank,
+    check_same_dtype,
+    check_tensor,
+    group_facts,
+    resolve_group,
+)
 from hp_core.capabilities import REDUCE_OPS, BackendCapabilities, capabilities_for
 from hp_core.work import Work
 
@@ -190,6 +197,7 @@ def all_reduce(
     inside ``wait()``, so read the tensor only after waiting.
     """
     fn = "all_reduce"
+    check_async_op(fn, async_op)
     check_tensor(fn, "tensor", tensor)
     pg = resolve_group(fn, group)
     caps = capabilities_for(pg, tensor.device.type)
@@ -281,6 +289,7 @@ def all_gather_into_tensor(
     into ``output_tensor`` on ``wait()``.
     """
     fn = "all_gather_into_tensor"
+    check_async_op(fn, async_op)
     check_tensor(fn, "output_tensor", output_tensor)
     check_tensor(fn, "input_tensor", input_tensor)
     check_same_dtype(fn, "input_tensor", input_tensor, "output_tensor", output_tensor)
@@ -395,6 +404,7 @@ def reduce_scatter_tensor(
     copy and keeps this rank's chunk.
     """
     fn = "reduce_scatter_tensor"
+    check_async_op(fn, async_op)
     check_tensor(fn, "output", output)
     check_tensor(fn, "input", input)
     check_same_dtype(fn, "input", input, "output", output)
@@ -500,6 +510,7 @@ def all_to_all_single(
     mismatch is not caught here and surfaces as a backend error or a hang.
     """
     fn = "all_to_all_single"
+    check_async_op(fn, async_op)
     check_tensor(fn, "output", output)
     check_tensor(fn, "input", input)
     check_same_dtype(fn, "input", input, "output", output)
@@ -611,6 +622,7 @@ def broadcast(
 ) -> torch.Tensor | Work[torch.Tensor]:
     """Copy ``tensor`` from the source rank to every rank of the group, in place."""
     fn = "broadcast"
+    check_async_op(fn, async_op)
     check_tensor(fn, "tensor", tensor)
     pg = resolve_group(fn, group)
     source = _broadcast_source(fn, src, group_src, pg)
@@ -632,6 +644,7 @@ def barrier(group: Any, async_op: Literal[True]) -> Work[None]: ...
 
 def barrier(group: Any = None, async_op: bool = False) -> Work[None] | None:
     """Wait until every rank of the group reached this point."""
+    check_async_op("barrier", async_op)
     pg = resolve_group("barrier", group)
     handle = dist.barrier(group=pg, async_op=True)
     return _finish(Work([handle], None, None), async_op)

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-from hp_core._checks import require_initialized
+from hp_core._checks import agree_across_world, require_initialized
 from hp_core.platform import get_platform
 
 if TYPE_CHECKING:
@@ -154,6 +154,21 @@ def _check_names(names: Any, ndim: int, what: str) -> tuple[str, ...] | None:
     return values
 
 
+def _agree_then_check_device_type(what: str, fix: str, device_type: Any, **arguments: Any) -> None:
+    """Agree on a mesh's arguments across ranks, then check the device type.
+
+    Groups are created collectively, so the agreement comes before any local
+    check: one rank's bad argument then raises on every rank instead of
+    leaving the others in a group creation (see [Note: cross-rank agreement]
+    in hp_core._checks). Before the default group exists there is nothing to
+    agree over, and the local checks run alone.
+    """
+    if dist.is_available() and dist.is_initialized():
+        agree_across_world(what, fix, device_type=device_type, **arguments)
+    if not isinstance(device_type, str):
+        raise TypeError(f"{what}: device_type must be a str such as 'cpu', got {device_type!r}.")
+
+
 def _check_shape(mesh_shape: Any) -> tuple[int, ...]:
     if isinstance(mesh_shape, int) and not isinstance(mesh_shape, bool):
         mesh_shape = (mesh_shape,)
@@ -200,9 +215,25 @@ class DeviceMesh:
         mesh_dim_names: Sequence[str] | None = None,
     ) -> None:
         what = "DeviceMesh"
-        tensor = mesh if isinstance(mesh, torch.Tensor) else torch.tensor(mesh)
+        _agree_then_check_device_type(
+            what,
+            "build a DeviceMesh on every rank with the same device type, rank tensor and names.",
+            device_type,
+            mesh=mesh,
+            mesh_dim_names=mesh_dim_names,
+        )
+        try:
+            tensor = mesh if isinstance(mesh, torch.Tensor) else torch.tensor(mesh)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"{what}: mesh must be a tensor or nested list of integer ranks, got {mesh!r}; "
+                "e.g. DeviceMesh('cpu', [[0, 1], [2, 3]])."
+            ) from None
         if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
-            raise TypeError(f"{what}: mesh must hold integer ranks, got dtype {tensor.dtype}.")
+            raise TypeError(
+                f"{what}: mesh must hold integer ranks, got dtype {tensor.dtype}; "
+                "pass ints, e.g. torch.tensor(ranks, dtype=torch.int64)."
+            )
         if tensor.dim() == 0:
             raise ValueError(
                 f"{what}: mesh must be at least 1-D, got the scalar {tensor.item()}; wrap it in a list."
@@ -224,6 +255,10 @@ class DeviceMesh:
                 f"{what}: mesh {root.tolist()} lists ranks {repeated} more than once; "
                 "each rank may appear once."
             )
+        self._init_root(device_type, root, names)
+
+    def _init_root(self, device_type: str, root: torch.Tensor, names: tuple[str, ...] | None) -> None:
+        """Set up a root mesh from checked arguments: resolve the platform, then create the groups."""
         platform = get_platform(device_type)
         self._setup(
             device_type,
@@ -343,10 +378,16 @@ class DeviceMesh:
             return self._names.index(dim)
         if isinstance(dim, int) and not isinstance(dim, bool):
             if not -self.ndim <= dim < self.ndim:
-                raise IndexError(f"DeviceMesh.{what}: dim={dim} is out of range for a {self.ndim}-D mesh.")
+                names = f" or a name in {self._names}" if self._names is not None else ""
+                raise IndexError(
+                    f"DeviceMesh.{what}: dim={dim} is out of range for a {self.ndim}-D mesh; "
+                    f"use an index in [{-self.ndim}, {self.ndim - 1}]{names}."
+                )
             return dim % self.ndim
         raise TypeError(
-            f"DeviceMesh.{what}: dim must be an int, a dim name or None, got {type(dim).__name__}."
+            f"DeviceMesh.{what}: dim must be an int, a dim name or None, got {type(dim).__name__} {dim!r}; "
+            f"use an index in [{-self.ndim}, {self.ndim - 1}]"
+            + (f" or a name in {self._names}." if self._names is not None else ".")
         )
 
     # -- read-only properties --------------------------------------------------------
@@ -495,6 +536,14 @@ class DeviceMesh:
                     f"DeviceMesh.flatten: the name {name!r} already names a flattened dim over other dims; "
                     "pick another name."
                 )
+        # New groups may be created here, collectively: agree first ([Note: cross-rank agreement]).
+        agree_across_world(
+            "DeviceMesh.flatten",
+            "call flatten on every rank, in the same order, on the same dims with the same name.",
+            root=self._root,
+            dims=spanned,
+            name=name,
+        )
         flat = DeviceMesh._derived(self, (spanned,), None if name is None else (name,))
         if name is not None:
             self._flattened[name] = flat
@@ -665,16 +714,24 @@ def init_device_mesh(
     Call it on every rank with the same arguments (see [Note: group cache]).
     The default process group must exist (``hp_core.init_distributed()``).
     """
-    if not isinstance(device_type, str):
-        raise TypeError(f"init_device_mesh: device_type must be a str such as 'cpu', got {device_type!r}.")
+    what = "init_device_mesh"
+    _agree_then_check_device_type(
+        what,
+        "call init_device_mesh on every rank with the same device_type, mesh_shape and mesh_dim_names.",
+        device_type,
+        mesh_shape=mesh_shape,
+        mesh_dim_names=mesh_dim_names,
+    )
     shape = _check_shape(mesh_shape)
-    names = _check_names(mesh_dim_names, len(shape), "init_device_mesh")
-    require_initialized("init_device_mesh")
+    names = _check_names(mesh_dim_names, len(shape), what)
+    require_initialized(what)
     world_size = dist.get_world_size()
     if math.prod(shape) != world_size:
         raise ValueError(
-            f"init_device_mesh: mesh_shape={shape} holds {math.prod(shape)} ranks but the world size is "
+            f"{what}: mesh_shape={shape} holds {math.prod(shape)} ranks but the world size is "
             f"{world_size}; choose a shape whose product is {world_size}, e.g. ({world_size},)."
         )
     root = torch.arange(world_size, dtype=torch.int64).view(shape)
-    return DeviceMesh(device_type, root, mesh_dim_names=names)
+    mesh = DeviceMesh.__new__(DeviceMesh)  # the arguments are agreed and checked: skip __init__'s gather
+    mesh._init_root(device_type, root, names)
+    return mesh

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hp_core import _issue
-from hp_core._checks import check_group_rank, check_tensor, resolve_group
+from hp_core._checks import check_group_rank, check_tag, check_tensor, resolve_group, short_repr
 from hp_core.work import Work
 
 __all__ = [
@@ -56,6 +56,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Wo
     fn = "isend"
     _issue.refuse_when_tracing(fn)
     check_tensor(fn, "tensor", tensor)
+    check_tag(fn, tag)
     pg = resolve_group(fn, group)
     _check_peer(fn, "dst", dst, pg)
     return Work([dist.isend(tensor, dst, group=pg, tag=tag)], None, tensor)
@@ -66,6 +67,7 @@ def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> Wo
     fn = "irecv"
     _issue.refuse_when_tracing(fn)
     check_tensor(fn, "tensor", tensor)
+    check_tag(fn, tag)
     pg = resolve_group(fn, group)
     _check_peer(fn, "src", src, pg)
     return Work([dist.irecv(tensor, src, group=pg, tag=tag)], None, tensor)
@@ -93,6 +95,22 @@ class P2POp:
     group: Any = None
     tag: int = 0
 
+    def __post_init__(self) -> None:
+        # Checked where the op is written, not later inside batch_isend_irecv, so the traceback
+        # points at the bad P2POp(...) (the batch checks again: a dataclass can be bypassed).
+        try:
+            known = _OPS.get(self.op) is not None
+        except TypeError:  # an unhashable op
+            known = False
+        if not known:
+            raise ValueError(
+                f"P2POp: op={short_repr(self.op)} is not a transfer; use 'isend' or 'irecv' "
+                "(or the hp_core / torch.distributed isend and irecv functions)."
+            )
+        if not isinstance(self.peer, int) or isinstance(self.peer, bool):
+            raise TypeError(f"P2POp: peer must be an int (a global rank), got {short_repr(self.peer)}.")
+        check_tag("P2POp", self.tag)
+
 
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> Work[list[torch.Tensor]]:
     """Start a batch of sends and receives together; ``wait()`` returns their tensors in order.
@@ -115,6 +133,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> Work[list[torch.Tensor]]:
         if kind is None:
             raise ValueError(f"{fn}(): item {index} has op={item.op!r}; use 'isend' or 'irecv'.")
         check_tensor(fn, f"the tensor of item {index}", item.tensor)
+        check_tag(fn, item.tag)
         pg = resolve_group(fn, item.group)
         if first_group is None:
             first_group = pg

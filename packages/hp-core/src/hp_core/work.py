@@ -53,6 +53,11 @@ class Work(Generic[T]):
 
         Calling it again is cheap and returns the same result.
         """
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            raise TypeError(
+                f"Work.wait: timeout must be a datetime.timedelta or None, got {timeout!r} "
+                f"({type(timeout).__name__}); e.g. wait(timeout=datetime.timedelta(seconds={timeout!r}))."
+            )
         if not self._done:
             for handle in self._handles:
                 if timeout is None:
