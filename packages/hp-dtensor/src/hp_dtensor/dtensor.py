@@ -17,6 +17,7 @@ placements] in :mod:`hp_dtensor.redistribute`).
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from hp_core.distributed import mesh_group
 from torch import nn
 
 from hp_dtensor import checkpoint as _dcp
+from hp_dtensor._agree import agree_over_mesh, describe
 from hp_dtensor.layout import Layout, global_stride_like, normalize_placements
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local, slice_for_layout
@@ -204,14 +206,35 @@ class DTensor(torch.Tensor):
         size x mesh size on each sharded dim), which needs no communication.
         With ``shape`` (or ``run_check=True``) every rank's local shape is
         gathered once, so arbitrary per-rank sizes ("ragged") are supported
-        and inconsistent shapes raise an error naming the ranks and sizes.
+        and inconsistent shapes raise an error naming the ranks and sizes; the
+        same gather checks that the ranks agree on dtype, placements and
+        ``shape``, and every rank raises if they do not.
         """
         what = "DTensor.from_local"
         mesh = _check_mesh(device_mesh, what)
+        if run_check is not True and run_check is not False:
+            raise TypeError(
+                f"{what}: run_check must be True or False, got {type(run_check).__name__} {run_check!r}."
+            )
+        table: list[Any] | None = None
+        if run_check or (shape is not None and _has_shard(placements)):
+            # This call gathers the local shapes anyway: agree on everything else in the same
+            # gather, before any local check ([Note: agreement before validation] in _agree).
+            is_tensor = isinstance(local, torch.Tensor)
+            with torch.profiler.record_function("hp_dtensor::from_local_gather_shapes"):  # not a hot path
+                table = _agree_on_local(local, is_tensor, mesh, placements, shape, what)
         if not isinstance(local, torch.Tensor) or isinstance(local, DTensor):
-            raise TypeError(f"{what}: local must be a plain torch.Tensor, got {type(local).__name__}.")
+            raise TypeError(
+                f"{what}: local must be a plain torch.Tensor, got {type(local).__name__}; "
+                + (
+                    "a DTensor is already distributed, use .redistribute(placements=...)."
+                    if isinstance(local, DTensor)
+                    else "pass this rank's piece as a tensor, e.g. torch.as_tensor(value)."
+                )
+            )
+        global_shape = None if shape is None else _check_global_shape(shape, local, what)
         normalized = normalize_placements(placements, mesh, local.dim(), what)
-        layout = _layout_for_local(local, mesh, normalized, shape, run_check, what)
+        layout = _layout_for_local(local, mesh, normalized, global_shape, table, what)
         return _FromLocal.apply(local, layout)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -259,96 +282,125 @@ class DTensor(torch.Tensor):
 # -- layouts for from_local ---------------------------------------------------------------
 
 
-def _gather_table(mesh: DeviceMesh, value: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Every mesh coordinate's ``value``, in row-major coordinate order (one gather per mesh dim)."""
-    data: Any = value
-    with torch.profiler.record_function("hp_dtensor::from_local_gather_shapes"):  # not a hot path
-        for mesh_dim in reversed(range(mesh.ndim)):
-            data = hc.all_gather_object(data, mesh_group(mesh, mesh_dim))
-    flat: list[tuple[int, ...]] = []
+def _agree_on_local(
+    local: Any, is_tensor: bool, mesh: DeviceMesh, placements: Any, shape: Any, what: str
+) -> list[Any]:
+    """Every mesh coordinate's local shape, once the ranks agree on everything else (one gather)."""
+    return agree_over_mesh(
+        what,
+        mesh,
+        "pass local tensors of one dtype, device type and number of dims, the same placements and "
+        "the same shape= on every rank of the mesh (local sizes may differ only along sharded dims).",
+        {
+            "local": (
+                (type(local).__name__, local.dim(), str(local.dtype), local.device.type)
+                if is_tensor
+                else type(local).__name__
+            ),
+            "placements": describe(placements),
+            "shape": describe(shape),
+        },
+        extra=tuple(local.shape) if is_tensor else None,
+    )
 
-    def walk(node: Any, depth: int) -> None:
-        if depth == mesh.ndim:
-            flat.append(tuple(node))
-            return
-        for child in node:
-            walk(child, depth + 1)
 
-    walk(data, 0)
-    return flat
+def _has_shard(placements: Any) -> bool:
+    """Whether ``placements`` (not yet checked: any object) holds a ``Shard``."""
+    return isinstance(placements, (list, tuple)) and any(isinstance(p, Shard) for p in placements)
+
+
+def _check_global_shape(shape: Any, local: torch.Tensor, what: str) -> tuple[int, ...]:
+    """``shape=`` as a tuple of non-negative ints with one entry per dim of ``local``."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(
+            f"{what}: shape must be a sequence of ints (the global shape), got {type(shape).__name__} "
+            f"{shape!r}; e.g. shape={tuple(local.shape)}."
+        )
+    values: list[Any] = []
+    for size in shape:
+        try:  # ints and anything that is one (numpy integers); never a bool or a float
+            values.append(size if isinstance(size, bool) else operator.index(size))
+        except TypeError:
+            values.append(size)
+    bad = [s for s in values if not isinstance(s, int) or isinstance(s, bool) or s < 0]
+    if bad:
+        raise ValueError(
+            f"{what}: shape={tuple(values)} must hold non-negative ints, but {bad[0]!r} is not one; "
+            "pass the global shape, e.g. torch.Size or a tuple of ints."
+        )
+    if len(values) != local.dim():
+        raise ValueError(
+            f"{what}: shape={tuple(values)} has {len(values)} dims but the local tensor has {local.dim()} "
+            f"(shape {tuple(local.shape)}); give the global shape with the same number of dims."
+        )
+    return tuple(values)
 
 
 def _layout_for_local(
     local: torch.Tensor,
     mesh: DeviceMesh,
     placements: tuple[Placement, ...],
-    shape: Sequence[int] | None,
-    run_check: bool,
+    shape: tuple[int, ...] | None,
+    table: list[Any] | None,
     what: str,
 ) -> Layout:
-    if shape is None and not run_check:
-        sizes = list(local.shape)
-        for mesh_dim, placement in enumerate(placements):
-            if isinstance(placement, Shard):
-                sizes[placement.dim] *= mesh.size(mesh_dim)
-        return Layout(mesh, placements, sizes, global_stride_like(local, sizes))
-    if shape is not None:
-        shape = tuple(int(s) for s in shape)
-        if len(shape) != local.dim():
-            raise ValueError(
-                f"{what}: shape={shape} has {len(shape)} dims but the local tensor has {local.dim()} "
-                f"(shape {tuple(local.shape)}); give the global shape with the same number of dims."
-            )
-        sharded = {p.dim for p in placements if isinstance(p, Shard)}
-        for dim in range(local.dim()):
+    """The layout of ``local``: the even cut, ``shape`` as given, or from every rank's local shape.
+
+    ``table`` holds every mesh coordinate's local shape when the call gathered
+    them; every check on it is computed from that shared table, so all ranks
+    reach the same verdict.
+    """
+    sharded = {p.dim for p in placements if isinstance(p, Shard)}
+    if table is None:
+        if shape is None:  # the even cut: no communication
+            sizes = list(local.shape)
+            for mesh_dim, placement in enumerate(placements):
+                if isinstance(placement, Shard):
+                    sizes[placement.dim] *= mesh.size(mesh_dim)
+            return Layout(mesh, placements, sizes, global_stride_like(local, sizes))
+        for dim in range(local.dim()):  # shape= with nothing sharded: every dim is local
             if dim not in sharded and local.shape[dim] != shape[dim]:
                 raise ValueError(
                     f"{what}: dim {dim} is not sharded, so the local size {local.shape[dim]} must equal "
                     f"shape[{dim}]={shape[dim]}; fix shape= or the placements {list(placements)}."
                 )
-        if not sharded:
-            return Layout(mesh, placements, shape, global_stride_like(local, shape))
-    table = _gather_table(mesh, tuple(local.shape))
+        return Layout(mesh, placements, shape, global_stride_like(local, shape))
     coords = list(itertools.product(*(range(n) for n in mesh.shape)))
-    me = mesh.get_coordinate()
-    assert me is not None
-    global_shape = list(local.shape)
+    per_coord = dict(zip(coords, table, strict=True))
+    global_shape: list[int] = []
     for dim in range(local.dim()):
         sharding = [m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
-        if sharding:
-            global_shape[dim] = sum(
-                table[i][dim]
-                for i, c in enumerate(coords)
-                if all(c[m] == me[m] for m in range(mesh.ndim) if m not in sharding)
-            )
-    if shape is not None and tuple(global_shape) != shape:
-        raise ValueError(
-            f"{what}: the ranks' local shapes {dict(zip(coords, table, strict=True))} add up to "
-            f"{tuple(global_shape)}, not shape={shape}; pass the true global shape."
-        )
-    # Consistency: every line of every sharded dim adds up, unsharded dims agree.
-    for i, c in enumerate(coords):
-        for dim in range(local.dim()):
-            sharding = [m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
-            if not sharding:
-                if table[i][dim] != global_shape[dim]:
-                    raise ValueError(
-                        f"{what}: rank at mesh coordinate {c} has local shape {table[i]} but this rank has "
-                        f"{tuple(local.shape)}; dim {dim} is not sharded, so every rank must have size "
-                        f"{global_shape[dim]} there. Fix the local tensors or the placements."
-                    )
-                continue
-            total = sum(
+        if not sharding:
+            seen = {row[dim] for row in table}
+            if len(seen) > 1:
+                raise ValueError(
+                    f"{what}: dim {dim} is not sharded, so every rank must have the same size there, but "
+                    f"the local shapes per mesh coordinate are {per_coord}. Fix the local tensors or the "
+                    f"placements {list(placements)}."
+                )
+            global_shape.append(table[0][dim])
+            continue
+        # The shards of ``dim`` along each line of the sharding mesh dims must add up to one total.
+        totals = {
+            c: sum(
                 table[j][dim]
                 for j, o in enumerate(coords)
                 if all(o[m] == c[m] for m in range(mesh.ndim) if m not in sharding)
             )
-            if total != global_shape[dim]:
-                raise ValueError(
-                    f"{what}: the shards of dim {dim} through mesh coordinate {c} add up to {total}, but "
-                    f"elsewhere to {global_shape[dim]}; local shapes per coordinate: "
-                    f"{dict(zip(coords, table, strict=True))}."
-                )
+            for c in coords
+        }
+        if len(set(totals.values())) > 1:
+            raise ValueError(
+                f"{what}: the shards of dim {dim} add up to different totals {sorted(set(totals.values()))} "
+                f"on different lines of the mesh; local shapes per mesh coordinate: {per_coord}. Give every "
+                "line of the mesh the same global size."
+            )
+        global_shape.append(totals[coords[0]])
+    if shape is not None and tuple(global_shape) != shape:
+        raise ValueError(
+            f"{what}: the ranks' local shapes {per_coord} add up to "
+            f"{tuple(global_shape)}, not shape={shape}; pass the true global shape."
+        )
     return Layout(mesh, placements, global_shape, global_stride_like(local, global_shape), ragged=table)
 
 
@@ -440,10 +492,42 @@ def distribute_tensor(
     """
     what = "distribute_tensor"
     mesh = _check_mesh(device_mesh, what)
+    if src_data_rank is not None:
+        # The broadcast below communicates: agree on the arguments first, so a mismatch raises on
+        # every rank instead of corrupting, aborting or hanging ([Note: agreement before validation]).
+        agree_over_mesh(
+            what,
+            mesh,
+            "call distribute_tensor on every rank of the mesh with a tensor of the same shape, dtype and "
+            "device type, the same placements and the same src_data_rank (the values may differ: "
+            "src_data_rank's are used).",
+            {
+                "tensor": describe(tensor),
+                "placements": describe(placements),
+                "src_data_rank": describe(src_data_rank),
+            },
+        )
+    return _distribute(tensor, mesh, placements, src_data_rank, what)
+
+
+def _distribute(
+    tensor: Any, mesh: DeviceMesh, placements: Sequence[Placement], src_data_rank: Any, what: str
+) -> DTensor:
+    """:func:`distribute_tensor` once the ranks are known to agree (or need not: no communication)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"{what}: tensor must be a torch.Tensor, got {type(tensor).__name__} {_short(tensor)}; "
+            "pass the full tensor, e.g. torch.as_tensor(value)."
+        )
     if isinstance(tensor, DTensor):
         raise TypeError(f"{what}: tensor is already a DTensor; use .redistribute(placements=...) instead.")
     normalized = normalize_placements(placements, mesh, tensor.dim(), what)
     if src_data_rank is not None:
+        if not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool):
+            raise TypeError(
+                f"{what}: src_data_rank must be an int (a rank within each mesh dim's group) or None, got "
+                f"{type(src_data_rank).__name__} {src_data_rank!r}; e.g. src_data_rank=0."
+            )
         for mesh_dim in range(mesh.ndim):
             if not 0 <= src_data_rank < mesh.size(mesh_dim):
                 raise ValueError(
@@ -465,6 +549,11 @@ def distribute_tensor(
     return DTensor(local, layout, requires_grad=tensor.requires_grad)
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def distribute_module(
     module: nn.Module,
     device_mesh: DeviceMesh,
@@ -480,19 +569,53 @@ def distribute_module(
     ``output_fn(module, outputs, mesh)`` become forward pre- and post-hooks
     (returning None keeps the value).
     """
-    mesh = _check_mesh(device_mesh, "distribute_module")
-    replicate = [Replicate()] * mesh.ndim
-    for name, sub in module.named_modules():
-        if partition_fn is not None:
-            partition_fn(name, sub, mesh)
-        for key, param in list(sub._parameters.items()):
-            if param is not None and not isinstance(param, DTensor):
-                sub.register_parameter(
-                    key, nn.Parameter(distribute_tensor(param.data, mesh, replicate), param.requires_grad)
-                )
-        for key, buffer in list(sub._buffers.items()):
-            if buffer is not None and not isinstance(buffer, DTensor):
-                sub._buffers[key] = distribute_tensor(buffer, mesh, replicate)
+    what = "distribute_module"
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"{what}: module must be a torch.nn.Module, got {type(module).__name__} {_short(module)}."
+        )
+    mesh = _check_mesh(device_mesh, what)
+    for name, fn in (("partition_fn", partition_fn), ("input_fn", input_fn), ("output_fn", output_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"{what}: {name} must be a callable or None, got {type(fn).__name__} {_short(fn)}; "
+                f"see distribute_module's docstring for the signature of {name}."
+            )
+    # Replicating the parameters broadcasts them: agree on the module first
+    # ([Note: agreement before validation]); partition_fn's own distribute_tensor calls check theirs.
+    agree_over_mesh(
+        what,
+        mesh,
+        "build the same module on every rank of the mesh before distributing it, and pass the same "
+        "functions.",
+        {
+            "parameters and buffers": describe(
+                dict(itertools.chain(module.named_parameters(), module.named_buffers()))
+            ),
+            "functions": describe(tuple(fn is not None for fn in (partition_fn, input_fn, output_fn))),
+        },
+    )
+    replicate = (Replicate(),) * mesh.ndim
+    # A partition_fn that raises half-way must leave the module as it was (nothing half-applied).
+    saved = [(sub, dict(sub._parameters), dict(sub._buffers)) for sub in module.modules()]
+    try:
+        for name, sub in module.named_modules():
+            if partition_fn is not None:
+                partition_fn(name, sub, mesh)
+            for key, param in list(sub._parameters.items()):
+                if param is not None and not isinstance(param, DTensor):
+                    dt = _distribute(param.data, mesh, replicate, 0, what)
+                    sub.register_parameter(key, nn.Parameter(dt, param.requires_grad))
+            for key, buffer in list(sub._buffers.items()):
+                if buffer is not None and not isinstance(buffer, DTensor):
+                    sub._buffers[key] = _distribute(buffer, mesh, replicate, 0, what)
+    except BaseException:
+        for sub, parameters, buffers in saved:
+            sub._parameters.clear()
+            sub._parameters.update(parameters)
+            sub._buffers.clear()
+            sub._buffers.update(buffers)
+        raise
     if input_fn is not None:
         fn_in = input_fn
         module.register_forward_pre_hook(lambda mod, inputs: fn_in(mod, inputs, mesh))

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from hp_core import DeviceMesh
 
-from hp_dtensor.dtensor import DTensor
-from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+from hp_dtensor.dtensor import DTensor, _check_mesh
+from hp_dtensor.placements import PARTIAL_OPS, Partial, Placement, Replicate, Shard
 
 __all__ = ["from_torch_dtensor", "to_torch_dtensor"]
 
@@ -35,14 +35,23 @@ def _to_torch_placement(placement: Placement) -> Any:
     return TReplicate()
 
 
-def _from_torch_placement(placement: Any) -> Placement:
-    if placement.is_shard():
+def _from_torch_placement(placement: Any, placements: Any) -> Placement:
+    unsupported = ValueError(
+        f"from_torch_dtensor: placement {placement!r} (of {list(placements)}) has no hp_dtensor equivalent; "
+        "hp_dtensor has Shard(dim), Replicate() and Partial('sum' | 'avg' | 'max' | 'min'). Redistribute "
+        "the torch DTensor to one of those first, e.g. t.redistribute(placements=[Replicate()] * mesh.ndim)."
+    )
+    # _StridedShard (FSDP2 + TP) also answers is_shard(), but cuts in strides: mapping it to a plain
+    # Shard would silently describe the wrong elements.
+    if placement.is_shard() and type(placement).__name__ == "Shard":
         return Shard(placement.dim)
     if placement.is_partial():
+        if str(placement.reduce_op) not in PARTIAL_OPS:
+            raise unsupported
         return Partial(str(placement.reduce_op))
     if placement.is_replicate():
         return Replicate()
-    raise ValueError(f"from_torch_dtensor: placement {placement!r} has no hp_dtensor equivalent.")
+    raise unsupported
 
 
 def to_torch_dtensor(tensor: DTensor) -> torch.Tensor:
@@ -50,7 +59,10 @@ def to_torch_dtensor(tensor: DTensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor as TorchDTensor
 
     if not isinstance(tensor, DTensor):
-        raise TypeError(f"to_torch_dtensor: expected an hp_dtensor.DTensor, got {type(tensor).__name__}.")
+        raise TypeError(
+            f"to_torch_dtensor: expected an hp_dtensor.DTensor, got {type(tensor).__name__}; build one with "
+            "hp_dtensor.distribute_tensor(...) or DTensor.from_local(...) first."
+        )
     layout = tensor._layout
     if layout.ragged is not None:
         raise ValueError(
@@ -77,8 +89,16 @@ def from_torch_dtensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = No
     """
     from torch.distributed.tensor import DTensor as TorchDTensor
 
+    what = "from_torch_dtensor"
     if not isinstance(tensor, TorchDTensor):
-        raise TypeError(f"from_torch_dtensor: expected a torch DTensor, got {type(tensor).__name__}.")
+        hint = (
+            " It is already an hp_dtensor.DTensor."
+            if isinstance(tensor, DTensor)
+            else " Build one with torch.distributed.tensor.distribute_tensor or DTensor.from_local."
+        )
+        raise TypeError(f"{what}: expected a torch DTensor, got {type(tensor).__name__}.{hint}")
+    if device_mesh is not None:
+        _check_mesh(device_mesh, what)
     mesh = device_mesh if device_mesh is not None else _meshes.get(id(tensor.device_mesh))
     if mesh is None:
         raise ValueError(
@@ -90,7 +110,13 @@ def from_torch_dtensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = No
             f"from_torch_dtensor: device_mesh has shape {mesh.shape} but the tensor's torch mesh has "
             f"{tuple(tensor.device_mesh.shape)}; pass the matching mesh."
         )
-    placements = [_from_torch_placement(p) for p in tensor.placements]
+    ours, theirs = mesh.mesh.tolist(), tensor.device_mesh.mesh.tolist()
+    if ours != theirs:
+        raise ValueError(
+            f"{what}: device_mesh holds ranks {ours} but the tensor's torch mesh holds {theirs}; pass the "
+            "hp_core mesh over the same ranks (the one whose to_torch() the tensor lives on)."
+        )
+    placements = [_from_torch_placement(p, tensor.placements) for p in tensor.placements]
     return (
         DTensor.from_local(tensor.to_local(), mesh, placements, shape=None, run_check=False)
         if _even(tensor)

@@ -59,7 +59,10 @@ class Shard(Placement):
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool):
-            raise TypeError(f"Shard(dim): dim must be an int, got {self.dim!r}.")
+            raise TypeError(
+                f"Shard(dim): dim must be an int (a tensor dim, negative counts from the end), got "
+                f"{type(self.dim).__name__} {self.dim!r}; e.g. Shard(0) or Shard(-1)."
+            )
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
@@ -98,6 +101,11 @@ class Partial(Placement):
     reduce_op: str = "sum"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.reduce_op, str):
+            raise TypeError(
+                f"Partial(reduce_op={self.reduce_op!r}): reduce_op is a string, one of {list(PARTIAL_OPS)}, "
+                f"not a {type(self.reduce_op).__name__}; e.g. Partial('sum')."
+            )
         if self.reduce_op not in PARTIAL_OPS:
             raise ValueError(
                 f"Partial(reduce_op={self.reduce_op!r}) is not supported; use one of {list(PARTIAL_OPS)}."

@@ -34,7 +34,8 @@ from hp_core.distributed import mesh_group
 from torch import nn
 
 import hp_dtensor.tracing  # noqa: F401  (registers the metadata types for torch.compile)
-from hp_dtensor.dtensor import DTensor, _FromLocal, distribute_tensor
+from hp_dtensor._agree import agree_over_mesh, describe
+from hp_dtensor.dtensor import DTensor, _check_mesh, _distribute, _FromLocal
 from hp_dtensor.layout import Layout, chunk_sizes, global_stride_like
 from hp_dtensor.placements import Placement, Replicate, Shard
 
@@ -144,7 +145,8 @@ def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement: Plac
     param = getattr(module, name, None)
     if param is None or isinstance(param, DTensor):
         return
-    dt = distribute_tensor(param.data, mesh, [placement])
+    # parallelize_module agreed on the whole module across ranks already: no per-parameter check.
+    dt = _distribute(param.data, mesh, [placement], 0, "parallelize_module")
     new = nn.Parameter(dt, requires_grad=param.requires_grad)
     module.register_parameter(name, new)
     if new.requires_grad:
@@ -176,6 +178,41 @@ def _grad_like(placements: Sequence[Placement]) -> Any:
     return hook
 
 
+# -- argument checks (see the README's "Bad input": styles are checked when built, plans before any change)
+
+
+def _layout_arg(style: str, name: str, value: Any) -> Placement | None:
+    """A style's layout argument: one Placement or None, checked where the style is built."""
+    if value is None or isinstance(value, Placement):
+        return value
+    hint = (
+        "; pass the placement itself, not a sequence (a style has one input and one output)"
+        if isinstance(value, (list, tuple))
+        else ""
+    )
+    raise TypeError(
+        f"{style}({name}={value!r}): expected one Placement such as Replicate(), Shard(-1) or Partial(), "
+        f"or None for the default{hint}."
+    )
+
+
+def _flag_arg(style: str, name: str, value: Any) -> bool:
+    """A style's boolean option: a truthy string such as "no" must not silently mean True."""
+    if value is not True and value is not False:
+        raise TypeError(f"{style}({name}={value!r}): expected True or False.")
+    return value
+
+
+def _check_tp_mesh(mesh: DeviceMesh, what: str) -> None:
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names
+        example = f"mesh[{names[-1]!r}]" if names else "mesh['tp'] (name the dims with mesh_dim_names)"
+        raise ValueError(
+            f"{what}: tensor parallelism takes a 1-D mesh, got a {mesh.ndim}-D mesh {mesh.shape} "
+            f"(dims {names}); pass the TP dim, e.g. {example}."
+        )
+
+
 class ParallelStyle:
     """Base class: ``apply(module, mesh)`` shards parameters and installs the boundary hooks."""
 
@@ -201,15 +238,32 @@ class ParallelStyle:
             return {-1: int(module.weight.shape[1])}
         return {}
 
+    def _check_module(self, module: nn.Module, where: str) -> None:
+        """Raise if this style cannot shard ``module`` (named ``where`` in the message); default: any."""
+
+    def _boundary(self, module: nn.Module) -> tuple[Placement | None, Placement | None]:
+        """The (given, desired) input placements at ``module``'s boundary; styles may depend on its type."""
+        return self.input_layouts, self.desired_input_layouts
+
+    def __repr__(self) -> str:
+        # getattr: a user's subclass need not set every attribute, and repr must not fail on it.
+        fields = ("input_layouts", "output_layouts", "use_local_output")
+        values = ", ".join(f"{name}={getattr(self, name, None)!r}" for name in fields)
+        return f"{type(self).__name__}({values})"
+
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        """Shard ``module``'s parameters over the 1-D ``mesh`` and hook its forward."""
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"{type(self).__name__}: tensor parallelism takes a 1-D mesh, got a {mesh.ndim}-D mesh "
-                f"{mesh.shape}; pass the TP dim, e.g. mesh['tp']."
-            )
+        """Shard ``module``'s parameters over the 1-D ``mesh`` and hook its forward.
+
+        Everything is checked before the module changes; :func:`parallelize_module`
+        is the entry point that also checks that the ranks agree.
+        """
+        what = type(self).__name__
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{what}.apply: module must be a torch.nn.Module, got {type(module).__name__}.")
+        _check_tp_mesh(_check_mesh(mesh, what), what)
+        self._check_module(module, "the module")
         self._params(module, mesh)
-        given, desired = self.input_layouts, self.desired_input_layouts
+        given, desired = self._boundary(module)
         output_layout, use_local = self.output_layouts, self.use_local_output
         known_sizes = self._known_input_sizes(module)
         gather_sizes = self.gather_input_sizes
@@ -250,22 +304,22 @@ class ColwiseParallel(ParallelStyle):
         use_local_output: bool = True,
         gather_input_sizes: bool = False,
     ) -> None:
-        self.input_layouts = input_layouts or Replicate()
+        what = "ColwiseParallel"
+        self.input_layouts = _layout_arg(what, "input_layouts", input_layouts) or Replicate()
         self.desired_input_layouts = Replicate()
-        self.gather_input_sizes = gather_input_sizes
-        self.output_layouts = output_layouts or Shard(-1)
-        self.use_local_output = use_local_output
+        self.gather_input_sizes = _flag_arg(what, "gather_input_sizes", gather_input_sizes)
+        self.output_layouts = _layout_arg(what, "output_layouts", output_layouts) or Shard(-1)
+        self.use_local_output = _flag_arg(what, "use_local_output", use_local_output)
+
+    def _check_module(self, module: nn.Module, where: str) -> None:
+        _linear_or_embedding(self, module, where)
 
     def _params(self, module: nn.Module, mesh: DeviceMesh) -> None:
         if isinstance(module, nn.Linear):
             _shard_param(module, "weight", mesh, Shard(0))
             _shard_param(module, "bias", mesh, Shard(0))
-        elif isinstance(module, nn.Embedding):
+        else:  # nn.Embedding (_check_module ran first)
             _shard_param(module, "weight", mesh, Shard(1))
-        else:
-            raise TypeError(
-                f"ColwiseParallel supports nn.Linear and nn.Embedding, got {type(module).__name__}."
-            )
 
 
 class RowwiseParallel(ParallelStyle):
@@ -278,24 +332,29 @@ class RowwiseParallel(ParallelStyle):
         output_layouts: Placement | None = None,
         use_local_output: bool = True,
     ) -> None:
-        self.input_layouts = input_layouts or Shard(-1)
+        what = "RowwiseParallel"
+        self.input_layouts = _layout_arg(what, "input_layouts", input_layouts) or Shard(-1)
         self.desired_input_layouts = Shard(-1)
-        self.output_layouts = output_layouts or Replicate()
-        self.use_local_output = use_local_output
+        self.output_layouts = _layout_arg(what, "output_layouts", output_layouts) or Replicate()
+        self.use_local_output = _flag_arg(what, "use_local_output", use_local_output)
+
+    def _check_module(self, module: nn.Module, where: str) -> None:
+        _linear_or_embedding(self, module, where)
+
+    def _boundary(self, module: nn.Module) -> tuple[Placement | None, Placement | None]:
+        # A row-wise embedding looks replicated ids up in its rows: its input is not cut. Computed
+        # per module, so one style object serves a Linear and an Embedding alike.
+        if isinstance(module, nn.Embedding):
+            given = Replicate() if self.input_layouts == Shard(-1) else self.input_layouts
+            return given, Replicate()
+        return self.input_layouts, self.desired_input_layouts
 
     def _params(self, module: nn.Module, mesh: DeviceMesh) -> None:
         if isinstance(module, nn.Linear):
             _shard_param(module, "weight", mesh, Shard(1))
             _shard_param(module, "bias", mesh, Replicate())
-        elif isinstance(module, nn.Embedding):
+        else:  # nn.Embedding (_check_module ran first)
             _shard_param(module, "weight", mesh, Shard(0))
-            self.desired_input_layouts = Replicate()
-            if self.input_layouts == Shard(-1):
-                self.input_layouts = Replicate()
-        else:
-            raise TypeError(
-                f"RowwiseParallel supports nn.Linear and nn.Embedding, got {type(module).__name__}."
-            )
 
 
 class SequenceParallel(ParallelStyle):
@@ -304,16 +363,32 @@ class SequenceParallel(ParallelStyle):
     def __init__(
         self, *, sequence_dim: int = 1, use_local_output: bool = False, gather_input_sizes: bool = False
     ) -> None:
-        self.gather_input_sizes = gather_input_sizes
+        what = "SequenceParallel"
+        if not isinstance(sequence_dim, int) or isinstance(sequence_dim, bool):
+            raise TypeError(
+                f"{what}(sequence_dim={sequence_dim!r}): expected an int, the dim of the activations that "
+                "holds the sequence, e.g. sequence_dim=1 for (batch, sequence, hidden)."
+            )
+        self.gather_input_sizes = _flag_arg(what, "gather_input_sizes", gather_input_sizes)
+        self.use_local_output = _flag_arg(what, "use_local_output", use_local_output)
         self.input_layouts = Shard(sequence_dim)
         self.desired_input_layouts = Shard(sequence_dim)
         self.output_layouts = Shard(sequence_dim)
-        self.use_local_output = use_local_output
 
     def _params(self, module: nn.Module, mesh: DeviceMesh) -> None:
         for name, param in list(module.named_parameters(recurse=False)):
             if not isinstance(param, DTensor):
                 _shard_param(module, name, mesh, Replicate())
+
+
+def _linear_or_embedding(style: ParallelStyle, module: nn.Module, where: str) -> None:
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        name = type(style).__name__
+        raise TypeError(
+            f"{name} shards only nn.Linear and nn.Embedding, but {where} is a {type(module).__name__}; "
+            f"apply {name}() to the Linear or Embedding itself (its plan key names that submodule), "
+            "or use SequenceParallel() for norms and dropout."
+        )
 
 
 def parallelize_module(
@@ -327,21 +402,80 @@ def parallelize_module(
     segment (``"layers.*.attn.q"``). A key that matches nothing is an error
     that lists the module's names, so typos do not silently leave a layer
     unsharded.
+
+    The whole plan is checked before any submodule changes, so a bad plan
+    leaves the module as it was; the ranks agree on the plan and the module
+    first (sharding broadcasts the parameters, so the call communicates
+    anyway: [Note: agreement before validation] in ``hp_dtensor._agree``).
     """
+    what = "parallelize_module"
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"{what}: module must be a torch.nn.Module, got {type(module).__name__} {module!r:.60}."
+        )
+    mesh = _check_mesh(device_mesh, what)
     if parallelize_plan is None:
         return module
-    if isinstance(parallelize_plan, ParallelStyle):
-        return parallelize_plan.apply(module, device_mesh)
-    names = [name for name, _ in module.named_modules() if name]
-    for pattern, style in parallelize_plan.items():
-        matched = [name for name in names if _match(pattern, name)]
-        if not matched:
-            raise KeyError(
-                f"parallelize_module: plan key {pattern!r} matches no submodule; the module has {names}."
-            )
-        for name in matched:
-            style.apply(module.get_submodule(name), device_mesh)
+    _check_tp_mesh(mesh, what)
+    agree_over_mesh(
+        what,
+        mesh,
+        "build the same module and the same plan on every rank of the TP mesh.",
+        {
+            "parallelize_plan": describe(parallelize_plan),
+            "module": describe(dict(module.named_parameters())),
+        },
+    )
+    targets = _resolve_plan(module, parallelize_plan, what)
+    for _, submodule, style in targets:
+        style.apply(submodule, mesh)
     return module
+
+
+def _resolve_plan(module: nn.Module, plan: Any, what: str) -> list[tuple[str, nn.Module, ParallelStyle]]:
+    """Every (name, submodule, style) the plan asks for, after checking all of it; changes nothing."""
+    if isinstance(plan, ParallelStyle):
+        plan._check_module(module, "the module")
+        return [("", module, plan)]
+    if not isinstance(plan, dict):
+        raise TypeError(
+            f"{what}: parallelize_plan must be a ParallelStyle, a dict {{submodule name: ParallelStyle}} "
+            f"or None, got {type(plan).__name__} {plan!r:.80}; e.g. "
+            "{'up': ColwiseParallel(), 'down': RowwiseParallel()}."
+        )
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"{what}: plan key {key!r} is a {type(key).__name__}; keys are dotted submodule names "
+                "(str), e.g. 'layers.0.mlp.up' or 'layers.*.mlp.up'."
+            )
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(
+                f"{what}: plan[{key!r}] is {type(style).__name__} {style!r:.60}, not a ParallelStyle; use "
+                "ColwiseParallel(), RowwiseParallel() or SequenceParallel()."
+            )
+    names = [name for name, _ in module.named_modules() if name]
+    matches = {key: [name for name in names if _match(key, name)] for key in plan}
+    unmatched = [key for key, found in matches.items() if not found]
+    if unmatched:
+        raise KeyError(
+            f"{what}: plan key(s) {unmatched} match no submodule; the module has {names}. "
+            "Fix the key (dotted names; fnmatch wildcards per segment); nothing was changed."
+        )
+    claimed: dict[str, str] = {}
+    targets: list[tuple[str, nn.Module, ParallelStyle]] = []
+    for key, found in matches.items():
+        for name in found:
+            if name in claimed:
+                raise ValueError(
+                    f"{what}: submodule {name!r} is matched by plan keys {claimed[name]!r} and {key!r}; "
+                    "a module takes one style, so make the keys match disjoint submodules."
+                )
+            claimed[name] = key
+            submodule = module.get_submodule(name)
+            plan[key]._check_module(submodule, f"submodule {name!r} (plan key {key!r})")
+            targets.append((name, submodule, plan[key]))
+    return targets
 
 
 def _match(pattern: str, name: str) -> bool:
