@@ -34,7 +34,14 @@ from hp_pipeline.ir import (
     read_order_csv,
     write_order_csv,
 )
-from hp_pipeline.kinds import Edge, StepKind, register_step_handler, register_step_kind, step_kinds
+from hp_pipeline.kinds import (
+    Edge,
+    StepKind,
+    Transfer,
+    register_step_handler,
+    register_step_kind,
+    step_kinds,
+)
 from hp_pipeline.microbatch import REPLICATE, TensorChunkSpec, merge_chunks, split_args_kwargs
 from hp_pipeline.mpipe import (
     PPRankOwnedSampler,
@@ -103,6 +110,7 @@ __all__ = [
     "TensorMeta",
     "TiedGroup",
     "TimedStep",
+    "Transfer",
     "__version__",
     "add_fsdp_steps",
     "attach_swap",
