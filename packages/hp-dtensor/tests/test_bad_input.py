@@ -573,3 +573,18 @@ def test_one_rowwise_style_serves_a_linear_and_an_embedding(rank: int, world_siz
     ids = torch.tensor([[0, 5, 2]])
     x = torch.randn(1, 3, 4).chunk(2, dim=-1)[rank]
     assert model["emb"](ids).shape == (1, 3, 4) and model["lin"](x).shape == (1, 3, 2)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_good_calls_pass_the_checks(rank: int, world_size: int) -> None:
+    # Values that are fine but look different across processes or are not plain ints must not be
+    # taken for bad input: a generator of placements (its repr holds an address), numpy sizes.
+    import numpy as np
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = distribute_tensor(torch.arange(4.0), mesh, (p for p in [Shard(0)]))
+    assert x.to_local().tolist() == [[0.0, 1.0], [2.0, 3.0]][rank]
+    ragged = DTensor.from_local(torch.ones(1 + rank, 2), mesh, [Shard(0)], shape=(np.int64(3), 2))
+    assert ragged.shape == (3, 2) and ragged.full_tensor().shape == (3, 2)
+    checked = DTensor.from_local(torch.ones(2), mesh, [Replicate()], run_check=True)
+    assert checked.shape == (2,)
