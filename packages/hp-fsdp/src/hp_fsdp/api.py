@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
-from hp_core import DeviceMesh, get_platform, init_device_mesh
+from hp_core import DeviceMesh, StaleMeshError, get_platform, init_device_mesh
 from hp_core.distributed import get_world_size
 from hp_dtensor import Shard
 from torch import nn
@@ -26,11 +26,44 @@ from hp_fsdp.param import FSDPParam
 from hp_fsdp.param_group import FSDPParamGroup
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_fsdp.state import FSDPState, get_state, register_load_hooks
-from hp_fsdp.validation import check_reshard_after_forward, collect_params, validate_call
+from hp_fsdp.validation import (
+    check_agreement,
+    check_divide_factor,
+    check_flag,
+    check_reduce_op_type,
+    check_reshard_after_forward,
+    collect_params,
+    param_ids,
+    prefetch_states,
+    validate_call,
+)
 
 __all__ = ["FSDPModule", "HSDPModule", "UnshardHandle", "fully_shard"]
 
 _CLASS_CACHE: dict[type, type] = {}
+_DEFAULT_MESHES: dict[tuple[str, int], DeviceMesh] = {}
+
+
+def _default_mesh() -> DeviceMesh:
+    """The 1-D mesh over the world that ``mesh=None`` means, built once per process and default group.
+
+    Building a mesh may communicate (hp_core checks that every rank passed the
+    same arguments), so a mesh built per call would make every ``fully_shard``
+    a synchronisation point that all ranks must reach equally often, which
+    they need not ([Note: cross-rank agreement] in :mod:`hp_fsdp.validation`).
+    A mesh whose groups were released is built again.
+    """
+    key = (get_platform().device_type, get_world_size())
+    mesh = _DEFAULT_MESHES.get(key)
+    if mesh is not None:
+        try:
+            mesh.get_group()  # raises once the groups were released (a re-created default group)
+            return mesh
+        except StaleMeshError:
+            pass
+    mesh = init_device_mesh(key[0], (key[1],))
+    _DEFAULT_MESHES[key] = mesh
+    return mesh
 
 
 def fully_shard(
@@ -72,11 +105,18 @@ def fully_shard(
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if mesh is None:
-        mesh = init_device_mesh(get_platform().device_type, (get_world_size(),))
-    ignored = set(map(id, ignored_params or ()))
-    replicated = set(map(id, replicate_params or ()))
+        mesh = _default_mesh()
     offload = isinstance(offload_policy, CPUOffloadPolicy)
-    validate_call(modules, mesh, offload_policy, reshard_after_forward)
+    validate_call(
+        modules,
+        mesh,
+        offload_policy,
+        reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        comm_fusion=comm_fusion,
+    )
+    ignored, replicated = param_ids(modules, ignored_params, replicate_params)
     plan = collect_params(modules, ignored, replicated, shard_placement_fn, offload=offload, mesh=mesh)
 
     # -- nothing was changed above; from here on the modules are converted --
@@ -110,7 +150,7 @@ def fully_shard(
         )
     state = FSDPState(modules, group, mp_policy)
     state.set_reshard_after_forward(reshard_after_forward)
-    register_load_hooks(params)
+    register_load_hooks(params, modules)
     for m in modules:
         cls = type(m)
         new_cls = _CLASS_CACHE.get(cls)
@@ -148,7 +188,9 @@ class HSDPModule:
             raise RuntimeError("this module has no hp_fsdp state; call fully_shard on it first.")
         return state
 
-    def _hp_states(self, recurse: bool) -> list[FSDPState]:
+    def _hp_states(self, recurse: bool, what: str = "") -> list[FSDPState]:
+        if what:
+            check_flag(what, "recurse", recurse, "True: this unit and every unit below it, False: this unit")
         if not recurse:
             return [self._hp_state()]
         out: list[FSDPState] = []
@@ -160,9 +202,24 @@ class HSDPModule:
 
     # -- communication control ----------------------------------------------------------------
 
+    def _hp_agree(self) -> None:
+        """Before this tree's first collective outside a forward: [Note: cross-rank agreement].
+
+        Units are built bottom-up and compared whole trees at a time, so an
+        agreed unit has agreed units below it: the common case costs one flag read.
+        """
+        if self._hp_state().agreed:
+            return
+        states = self._hp_states(recurse=True)
+        pending = [s for s in states if not s.agreed]
+        if pending:
+            check_agreement([self], states, pending)  # type: ignore[list-item]
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this unit's parameters now (e.g. ahead of a custom forward or for a pipeline stage)."""
+        check_flag("unshard", "async_op", async_op, "True returns a handle to wait() on, False waits now")
         state = self._hp_state()
+        self._hp_agree()
         if state.group is None:
             return UnshardHandle(None) if async_op else None
         state.group.unshard()
@@ -184,6 +241,7 @@ class HSDPModule:
         backwards with ``set_requires_gradient_sync(False)`` and then want one
         reduction at the end; the sync flags are left as they are.
         """
+        self._hp_agree()
         pending = []
         for state in self._hp_states(recurse=True):
             if state.group is not None:
@@ -197,13 +255,21 @@ class HSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: keep accumulating full, unreduced gradients (no communication) until set True."""
-        for state in self._hp_states(recurse):
+        what = "set_requires_gradient_sync"
+        check_flag(
+            what, "requires_gradient_sync", requires_gradient_sync, "False accumulates without reducing"
+        )
+        for state in self._hp_states(recurse, what):
             if state.group is not None:
                 state.group.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but defers the all-reduce across the replicate dim."""
-        for state in self._hp_states(recurse):
+        what = "set_requires_all_reduce"
+        check_flag(
+            what, "requires_all_reduce", requires_all_reduce, "False defers the replicate-dim all-reduce"
+        )
+        for state in self._hp_states(recurse, what):
             if state.group is not None:
                 state.group.requires_all_reduce = requires_all_reduce
 
@@ -219,7 +285,7 @@ class HSDPModule:
         before any unit changes. Call it on every rank (an int may create
         process groups).
         """
-        states = self._hp_states(recurse)
+        states = self._hp_states(recurse, "set_reshard_after_forward")
         meshes = {s.group.mesh.identity: s.group.mesh for s in states if s.group is not None}
         for mesh in meshes.values() or [None]:
             check_reshard_after_forward("set_reshard_after_forward", reshard_after_forward, mesh)
@@ -233,32 +299,41 @@ class HSDPModule:
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether units free their gathered parameters after backward (False: keep for the next step)."""
-        for state in self._hp_states(recurse):
+        what = "set_reshard_after_backward"
+        check_flag(
+            what, "reshard_after_backward", reshard_after_backward, "False keeps them for the next step"
+        )
+        for state in self._hp_states(recurse, what):
             if state.group is not None:
                 state.group.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[HSDPModule]) -> None:
-        """Start these units' all-gathers when this unit's forward starts (explicit prefetch)."""
-        self._hp_state().forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+        """Start these units' all-gathers when this unit's forward starts (explicit prefetch).
+
+        The modules must be units under the same root (checked now if the root
+        already ran, else at its first forward).
+        """
+        state = self._hp_state()
+        state.forward_prefetch = prefetch_states("set_modules_to_forward_prefetch", modules, state)
 
     def set_modules_to_backward_prefetch(self, modules: list[HSDPModule]) -> None:
-        """Start these units' all-gathers when this unit's backward starts (replaces the implicit one)."""
-        self._hp_state().backward_prefetch = [
-            _state_of(m, "set_modules_to_backward_prefetch") for m in modules
-        ]
+        """Start these units' all-gathers when this unit's backward starts (replaces the implicit one).
+
+        The modules must be units under the same root, as for forward prefetch.
+        """
+        state = self._hp_state()
+        state.backward_prefetch = prefetch_states("set_modules_to_backward_prefetch", modules, state)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide summed gradients by ``factor`` instead of averaging over the data-parallel ranks."""
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
-            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}.")
+        check_divide_factor(factor)
         for state in self._hp_states(recurse=True):
             if state.group is not None:
                 state.group.gradient_divide_factor = float(factor)
 
     def set_reduce_op_type(self, reduce_op_type: Literal["avg", "sum"]) -> None:
         """``avg`` (default: mean over data-parallel ranks) or ``sum`` of the gradients."""
-        if reduce_op_type not in ("avg", "sum"):
-            raise ValueError(f"set_reduce_op_type: expected 'avg' or 'sum', got {reduce_op_type!r}.")
+        check_reduce_op_type(reduce_op_type)
         for state in self._hp_states(recurse=True):
             if state.group is not None:
                 state.group.reduce_op_type = reduce_op_type
@@ -279,13 +354,3 @@ class HSDPModule:
 
 
 FSDPModule = HSDPModule
-
-
-def _state_of(module: Any, what: str) -> FSDPState:
-    state = get_state(module) if isinstance(module, nn.Module) else None
-    if state is None:
-        raise ValueError(
-            f"{what}: {type(module).__name__} was not passed to fully_shard; only fully_shard-ed modules "
-            "can be prefetched. Call fully_shard on it first."
-        )
-    return state

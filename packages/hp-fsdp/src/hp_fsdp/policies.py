@@ -2,6 +2,10 @@
 
 They are frozen so a policy object can be shared by many ``fully_shard``
 calls (and hashed into caches) without one unit's change leaking into another.
+Their fields are checked when the policy is built (``__post_init__``), so a
+wrong type or an unusable dtype is reported at the line that wrote it rather
+than by torch inside the first forward; the checks live in
+:mod:`hp_fsdp.validation` with the rest.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hp_fsdp.validation import check_flag, check_mixed_precision
 
 __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 
@@ -39,6 +45,10 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
     apply_grad_on_fp32_main_grad: bool = False
 
+    def __post_init__(self) -> None:
+        """Refuse a dtype that is not a floating-point ``torch.dtype`` (or None) and a non-bool flag."""
+        check_mixed_precision(self)
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -56,3 +66,9 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        """Refuse a non-bool ``pin_memory`` (a string such as ``"no"`` would be truthy and pin)."""
+        check_flag(
+            "CPUOffloadPolicy", "pin_memory", self.pin_memory, "True pins the CPU shards, False does not"
+        )

@@ -42,6 +42,7 @@ from hp_fsdp._profiling import label, labelled
 from hp_fsdp.collectives import ReduceHandle
 from hp_fsdp.param_group import FSDPParamGroup
 from hp_fsdp.policies import MixedPrecisionPolicy
+from hp_fsdp.validation import check_agreement, check_prefetch_under_root, check_state_dict
 
 __all__ = ["FSDPState", "RootContext", "get_state"]
 
@@ -53,13 +54,30 @@ def get_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(STATE_ATTR)
 
 
-def register_load_hooks(params: Sequence[Any]) -> list[Any]:
+def register_load_hooks(params: Sequence[Any], modules: Sequence[nn.Module] = ()) -> list[Any]:
     """Let ``load_state_dict`` take full tensors or sharded DTensors for every managed parameter.
 
     The hook sits on each owning module, so the state-dict key is simply the
-    module's prefix plus the attribute name.
+    module's prefix plus the attribute name. The unit's own modules get a
+    hook that checks their whole subtree's entries first
+    (:func:`hp_fsdp.validation.check_state_dict`): nn.Module runs a parent's
+    pre-hooks before it copies anything of the parent or its children, so a
+    bad entry is refused before any parameter of the unit changes.
     """
     handles = []
+    for module in modules:
+
+        def check(
+            state_dict: dict[str, Any],
+            prefix: str,
+            local_metadata: Any,
+            strict: bool,
+            *args: Any,
+            _m: nn.Module = module,
+        ) -> None:
+            check_state_dict(_m, state_dict, prefix, strict)
+
+        handles.append(module._register_load_state_dict_pre_hook(check))
     for param in params:
         for info in param.infos:
 
@@ -242,6 +260,7 @@ class FSDPState:
         # what the user asked for: None follows FSDP2 (True for every unit but the root); an int N
         # reshards to groups of N ranks ([Note: reshard to groups of N ranks] in post_forward.py)
         self.reshard_after_forward: bool | int | None = None
+        self.agreed = False  # compared with the other ranks: see [Note: cross-rank agreement]
         self._ran: set[int] = set()
         self._handles: list[Any] = []
         for module in self.modules:
@@ -264,6 +283,12 @@ class FSDPState:
                 if state is not None and id(state) not in seen:
                     seen.add(id(state))
                     states.append(state)
+        # Before anything is recorded or gathered, so a rejected tree is left as it was; the
+        # prefetch check reads facts the agreement compared, so every rank decides alike.
+        pending = [s for s in states if not s.agreed]
+        if pending:
+            check_agreement(self.modules, states, pending)
+        check_prefetch_under_root(states)
         context = RootContext(states)
         for state in states:
             state.is_root = state is self
