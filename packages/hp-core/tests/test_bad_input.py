@@ -363,3 +363,43 @@ def test_good_calls_still_work_after_the_checks(rank: int, world_size: int) -> N
         ]
     ).wait()
     assert got[1].item() == 1 - rank
+
+
+class _FakeHandle:
+    """An accelerator handle whose runtime state the test controls."""
+
+    is_accelerator = True
+    tensor_device_type = "cuda"
+
+    def __init__(self) -> None:
+        self.set_calls = 0
+
+    def set_device(self) -> None:
+        self.set_calls += 1
+
+
+@pytest.mark.parametrize(
+    ("backend", "runtime_started", "expected_calls"),
+    [
+        ("nccl", False, 1),  # nobody chose a device: follow LOCAL_RANK, as torch's init_device_mesh does
+        ("nccl", True, 0),  # the user chose one: never override it
+        ("gloo", False, 0),  # gloo stages objects on the CPU
+    ],
+)
+def test_agreement_picks_the_local_rank_device_only_when_none_was_chosen(
+    monkeypatch: pytest.MonkeyPatch, backend: str, runtime_started: bool, expected_calls: int
+) -> None:
+    import types
+
+    from hp_core import _checks
+
+    handle = _FakeHandle()
+    monkeypatch.setattr(_checks.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(_checks, "get_platform", lambda: types.SimpleNamespace(handle=handle))
+    monkeypatch.setattr(
+        _checks.torch,
+        "get_device_module",
+        lambda kind: types.SimpleNamespace(is_initialized=lambda: runtime_started),
+    )
+    _checks._object_device_ready()
+    assert handle.set_calls == expected_calls

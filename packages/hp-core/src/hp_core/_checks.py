@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
+from hp_core.platform import get_platform
+
 __all__: list[str] = []
 
 
@@ -218,12 +220,34 @@ def plain(value: Any) -> Any:
 # hp-testing's cross-rank checks cover them in tests.
 
 
+def _object_device_ready() -> None:
+    """Make the ``LOCAL_RANK`` device current before an object collective on an accelerator group.
+
+    ``all_gather_object`` on NCCL / HCCL stages its bytes on the *current*
+    device. A script that called ``dist.init_process_group`` itself (not
+    ``hp_core.init_distributed``) and never chose a device would have every
+    rank of a node on device 0, which NCCL refuses or hangs on. torch's own
+    ``init_device_mesh`` picks the ``LOCAL_RANK`` device in that case; so do
+    we, and only while the device runtime is untouched, so a device the user
+    chose is never overridden. Gloo stages on the CPU and needs nothing.
+    """
+    if "gloo" in str(dist.get_backend()):
+        return
+    handle = get_platform().handle
+    if not handle.is_accelerator:
+        return
+    initialized = getattr(torch.get_device_module(handle.tensor_device_type), "is_initialized", None)
+    if initialized is None or not initialized():
+        handle.set_device()
+
+
 def agree_across_world(what: str, fix: str, **arguments: Any) -> None:
     """Raise on every rank if the ranks of the default group passed different ``arguments``."""
     world_size = dist.get_world_size()
     if world_size == 1:
         return
     described = {key: plain(value) for key, value in arguments.items()}
+    _object_device_ready()
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, described)
     if all(entry == gathered[0] for entry in gathered):
