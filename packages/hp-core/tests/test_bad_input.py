@@ -401,5 +401,5 @@ def test_agreement_picks_the_local_rank_device_only_when_none_was_chosen(
         "get_device_module",
         lambda kind: types.SimpleNamespace(is_initialized=lambda: runtime_started),
     )
-    _checks._object_device_ready()
+    _checks.object_device_ready()
     assert handle.set_calls == expected_calls

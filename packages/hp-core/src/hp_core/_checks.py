@@ -220,7 +220,7 @@ def plain(value: Any) -> Any:
 # hp-testing's cross-rank checks cover them in tests.
 
 
-def _object_device_ready() -> None:
+def object_device_ready(group: Any = None) -> None:
     """Make the ``LOCAL_RANK`` device current before an object collective on an accelerator group.
 
     ``all_gather_object`` on NCCL / HCCL stages its bytes on the *current*
@@ -231,7 +231,7 @@ def _object_device_ready() -> None:
     we, and only while the device runtime is untouched, so a device the user
     chose is never overridden. Gloo stages on the CPU and needs nothing.
     """
-    if "gloo" in str(dist.get_backend()):
+    if "gloo" in str(dist.get_backend(group)):
         return
     handle = get_platform().handle
     if not handle.is_accelerator:
@@ -247,7 +247,7 @@ def agree_across_world(what: str, fix: str, **arguments: Any) -> None:
     if world_size == 1:
         return
     described = {key: plain(value) for key, value in arguments.items()}
-    _object_device_ready()
+    object_device_ready()
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, described)
     if all(entry == gathered[0] for entry in gathered):

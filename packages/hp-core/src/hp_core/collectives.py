@@ -35,6 +35,7 @@ from hp_core._checks import (
     check_same_dtype,
     check_tensor,
     group_facts,
+    object_device_ready,
     resolve_group,
 )
 from hp_core.capabilities import REDUCE_OPS, BackendCapabilities, capabilities_for
@@ -657,6 +658,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's picklable ``obj``, in group-rank order (e.g. to agree on uneven sizes)."""
     pg = resolve_group("all_gather_object", group)
     gathered: list[Any] = [None] * group_facts(pg).size
+    object_device_ready(pg)
     dist.all_gather_object(gathered, obj, group=pg)
     return gathered
 
@@ -669,5 +671,6 @@ def broadcast_object(
     pg = resolve_group(fn, group)
     source = _broadcast_source(fn, src, group_src, pg)
     box = [obj]
+    object_device_ready(pg)
     dist.broadcast_object_list(box, group=pg, group_src=source)
     return box[0]
