@@ -29,7 +29,7 @@ from hp_pipeline import (
     insert_comms,
 )
 from hp_pipeline.builders import stage_to_rank
-from hp_pipeline.executor import _BACKWARD_TYPES, _blocks, _coalesced_batches
+from hp_pipeline.executor import _blocks, _coalesced_batches
 from hp_pipeline.overlap import add_fsdp_steps_with_overlaps, split_order
 
 Batches = list[list[MetaStep]]
@@ -146,7 +146,7 @@ def test_coalesced_batches_finish_under_nccl_rules(
     runnable = split_order(insert_comms(order))
     assert nccl_finishes(runnable, style, _new)
     # forward only (no loss_fn): the runner drops the backward steps, then batches what is left
-    forward_only = {r: [s for s in steps if s.type not in _BACKWARD_TYPES] for r, steps in runnable.items()}
+    forward_only = {r: [s for s in steps if not s.type.training_only] for r, steps in runnable.items()}
     assert nccl_finishes(forward_only, style, _new)
 
 

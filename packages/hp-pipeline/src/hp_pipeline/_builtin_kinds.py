@@ -70,9 +70,9 @@ def _forward_edges(view: OrderView, step: MetaStep) -> list[Edge]:
     return edges
 
 
-def _forward_needs(view: OrderView, step: MetaStep) -> list[MetaStep]:
-    i, s = step.micro_index, step.stage_index
-    return [MetaStep(i, MetaStepType.DATA_LOAD, s)] if i is not None and view.loader_of.get(i) == s else []
+def loaded_here(view: OrderView, step: MetaStep) -> list[MetaStep]:
+    """The ``LOAD`` of the step's micro-batch when its own stage loads it (``F``; MPipe's ``PF``)."""
+    return view.own_load(step)
 
 
 def _backward_edges(view: OrderView, step: MetaStep) -> list[Edge]:
@@ -147,7 +147,7 @@ for _kind in (
         _PIPELINE,
         compute=True,
         edges=_forward_edges,
-        needs=_forward_needs,
+        needs=loaded_here,
         cost="forward",
         colour="#4e79a7",
         resident=+1,  # its saved activations appear on the device

@@ -144,6 +144,13 @@ class OrderView:
         split = MetaStep(micro, MetaStepType.BWD_INPUT, stage)
         return split if split in self.position else MetaStep(micro, MetaStepType.BWD, stage)
 
+    def own_load(self, step: MetaStep) -> list[MetaStep]:
+        """``[LOAD]`` of the step's micro-batch when its own stage loads it, else ``[]``."""
+        i, s = step.micro_index, step.stage_index
+        return (
+            [MetaStep(i, MetaStepType.DATA_LOAD, s)] if i is not None and self.loader_of.get(i) == s else []
+        )
+
     def node(self, step: MetaStep) -> MetaStep:
         """The entry of a rank's list that runs ``step``: its pair, or the step itself."""
         return self.parent.get(step, step)

@@ -51,7 +51,7 @@ this kind runs inside ``factory(runner, step)`` (a context manager, or
 swap: ``torch.autograd.graph.saved_tensors_hooks`` entered around the forward
 of the micro-batches it swaps, with ``SWAP_OUT`` / ``SWAP_IN`` steps of its
 own moving the saved tensors. ``begin(runner)`` runs at the start of every
-training step of such a runner (reset per-step state kept in ``runner.state``).
+step of such a runner, training or not (reset per-step state kept in ``runner.state``).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+from hp_pipeline._builtin_kinds import loaded_here
 from hp_pipeline.ir import MetaStep
 from hp_pipeline.kinds import Edge, MetaStepType, StepKind, register_step_kind
 
@@ -49,11 +50,6 @@ def _tower_feeds_stage0(view: OrderView, step: MetaStep) -> list[Edge]:
     if o == 0:
         return [Edge(step, consumer, step, step)]
     return [Edge(step, consumer, MetaStep(i, T.PREPROCESS_SEND, o, 0), MetaStep(i, T.PREPROCESS_RECV, 0, o))]
-
-
-def _tower_forward_needs(view: OrderView, step: MetaStep) -> list[MetaStep]:
-    i, s = step.micro_index, step.stage_index
-    return [MetaStep(i, MetaStepType.DATA_LOAD, s)] if i is not None and view.loader_of.get(i) == s else []
 
 
 def _tower_backward_edges(view: OrderView, step: MetaStep) -> list[Edge]:
@@ -163,7 +159,7 @@ for _kind in (
         "PF",
         "MPipe: run the preprocess tower on the owning rank",
         busy=True,
-        needs=_tower_forward_needs,
+        needs=loaded_here,
         feeds=_tower_feeds_stage0,
         cost="preprocess_forward",
         colour="#edc948",
