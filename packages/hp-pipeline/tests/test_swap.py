@@ -319,3 +319,21 @@ def test_simulated_device_bytes() -> None:
     assert result.peak_device_bytes(0, sizes) == 106 + 107
     with pytest.raises(KeyError, match="no size for stage 0's micro-batch 7"):
         result.peak_device_bytes(0, {(0, i): 1 for i in range(7)})
+
+
+def test_count_only_counts_the_same_bytes() -> None:
+    """[Note: counting without swapping]: the same selection and accounting, no handles."""
+    model, (x,) = make_model(), micro_batches(1)
+    session = SwapSession(SwapPolicy(min_bytes=0), CPU)
+    outs: list[torch.Tensor] = [x]
+    with session.recording((0, 0), held=outs.copy, count_only=True):
+        outs.append(model(x))
+    assert session.stats().bytes_by_micro[(0, 0)] == MANAGED == session.resident_bytes
+    with pytest.raises(RuntimeError, match="recorded with count_only=True"):
+        session.swap_out((0, 0))
+    with pytest.raises(RuntimeError, match="recorded the forward of micro-batch 0 twice"):
+        with session.recording((0, 0)):
+            pass
+    outs[1].square().sum().backward()
+    session.release((0, 0))
+    assert (session.resident_bytes, session.peak_bytes) == (0, MANAGED)

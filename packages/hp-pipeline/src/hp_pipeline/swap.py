@@ -55,9 +55,9 @@ While a forward runs under :meth:`SwapSession.recording`, autograd hands every
 tensor it saves for the backward to the session's pack hook. The session
 leaves alone (returns the tensor itself) what swapping cannot free:
 
-* parameters and views of them (leaves that require grad, like
-  ``weight.t()`` saved by ``linear``), and the stage's received inputs, which
-  are such leaves too: the module and the stage hold them anyway;
+* parameters, trainable or frozen, and views of them (``weight.t()`` saved
+  by ``linear``), and the stage's received inputs (leaves that require grad,
+  like parameters): the module and the stage hold them anyway;
 * the tensors the caller says are held elsewhere, ``recording(held=...)``:
   the executor names the stage's inputs (stage 0's micro-batch) and outputs
   (sent downstream and kept as the backward's roots), read when the forward
@@ -67,7 +67,8 @@ leaves alone (returns the tensor itself) what swapping cannot free:
 
 Everything else becomes a handle that the session owns. A tensor saved twice
 (``relu``'s result is also the next ``linear``'s input) is one handle, so it is
-copied and counted once.
+copied and counted once; two different views of one storage are two handles
+(counted twice: the accounting errs high, never low).
 
 [Note: swap streams]
 ``swap_out`` copies on a side stream of the platform's device handle: the side
@@ -93,6 +94,15 @@ and are not counted. This is exactly what the simulator's
 ``peak_activations_per_rank`` counts in units of micro-batches, so with
 micro-batches of equal size the two agree: measured peak = simulated peak x one
 micro-batch's managed bytes.
+
+[Note: counting without swapping]
+Wrapping a saved tensor in a handle costs a Python object at pack time and a
+lookup at unpack time, on the compute thread. A micro-batch the order never
+swaps (the last stage's, the cool-down's, every one under ``stages=()``) does
+not need one: it is recorded with ``count_only=True``, which selects the same
+tensors and counts the same bytes but hands autograd the tensors themselves.
+So the accounting covers every micro-batch while only those that move pay for
+moving.
 """
 
 from __future__ import annotations
@@ -413,7 +423,7 @@ class _Handle:
         self.device_tensor: torch.Tensor | None = tensor
         self.host: torch.Tensor | None = None
         self.event: Any = None
-        self.nbytes = tensor.numel() * tensor.element_size()
+        self.nbytes = tensor.nbytes
         self.where = _Where.DEVICE
 
 
@@ -439,16 +449,25 @@ class SwapStats:
     bytes_by_micro: dict[MicroKey, int]
 
 
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 def _storage_ptr(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
 def _is_parameter_like(tensor: torch.Tensor) -> bool:
-    """A leaf that requires grad (a parameter, a stage's received input), or a view of one."""
-    if tensor.requires_grad and tensor.is_leaf:
-        return True
+    """A parameter (trainable, frozen, or FSDP's gathered one), a stage's received input, or a view of one.
+
+    Leaves that require grad are parameters and received inputs; a frozen
+    parameter is a leaf that is an ``nn.Parameter``. A non-leaf of a view
+    (``weight.t()``, saved by ``linear``) is judged by its base.
+    """
     base = tensor._base
-    return base is not None and base.requires_grad and base.is_leaf
+    if base is not None:
+        tensor = base
+    return tensor.is_leaf and (tensor.requires_grad or isinstance(tensor, torch.nn.Parameter))
 
 
 class SwapSession:
@@ -475,8 +494,11 @@ class SwapSession:
         self.policy = policy
         self._pin = check_swap_platform(platform)
         self._device: DeviceHandle = platform.handle
+        self._accelerator = self._device.is_accelerator
         self._stream: Any = None  # the side stream, made on first use ([Note: swap streams])
         self._handles: dict[MicroKey, list[_Handle]] = {}
+        self._counted: dict[MicroKey, int] = {}  # micro-batches recorded with count_only: their bytes
+        self._swapped: set[MicroKey] = set()  # what the runner's order swaps (attach_swap fills it)
         self._resident = 0
         self._host = 0
         self._peak = 0
@@ -518,7 +540,11 @@ class SwapSession:
 
     @contextmanager
     def recording(
-        self, key: MicroKey, *, held: Iterable[Any] | Callable[[], Iterable[Any]] = ()
+        self,
+        key: MicroKey,
+        *,
+        held: Iterable[Any] | Callable[[], Iterable[Any]] = (),
+        count_only: bool = False,
     ) -> Iterator[None]:
         """Manage the tensors autograd saves inside the block as ``key``'s ([Note: what a session manages]).
 
@@ -526,33 +552,31 @@ class SwapSession:
         inputs and outputs), or a function giving them, called when the block
         ends (the outputs exist only then). Saved tensors that share storage
         with them stay unmanaged. The micro-batch's bytes join the resident
-        count when the block ends.
+        count when the block ends. ``count_only``: a micro-batch the order
+        never swaps; its tensors are counted but not wrapped, so its backward
+        pays nothing for the session ([Note: counting without swapping]).
         """
-        if key in self._handles:
+        if key in self._handles or key in self._counted:
             raise RuntimeError(
                 f"stage {key[0]} recorded the forward of micro-batch {key[1]} twice in one step; "
                 "release it (after its backward) before recording it again"
             )
-        managed: dict[tuple[Any, ...], _Handle] = {}
+        if count_only:
+            with self._counting(key, held):
+                yield
+            return
+        managed: dict[int, _Handle] = {}  # id of the saved tensor -> its handle (held, so ids stay unique)
         min_bytes = self.policy.min_bytes
 
         def pack(tensor: torch.Tensor) -> Any:
-            if (
-                tensor.numel() * tensor.element_size() < min_bytes
-                or _is_parameter_like(tensor)
-                or tensor.device.type == "meta"
-            ):
+            # Hot: every tensor autograd saves comes here. The same tensor saved twice
+            # (relu's result, the next linear's input) gets its first handle back.
+            handle = managed.get(id(tensor))
+            if handle is not None:
+                return handle
+            if tensor.nbytes < min_bytes or _is_parameter_like(tensor) or tensor.is_meta:
                 return tensor
-            ident = (
-                _storage_ptr(tensor),
-                tensor.storage_offset(),
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-                tensor.dtype,
-            )
-            handle = managed.get(ident)
-            if handle is None:
-                handle = managed[ident] = _Handle(key, tensor)
+            handle = managed[id(tensor)] = _Handle(key, tensor)
             return handle
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
@@ -571,6 +595,27 @@ class SwapSession:
         self._bytes_by_micro[key] = total
         self._add_resident(total)
 
+    @contextmanager
+    def _counting(self, key: MicroKey, held: Iterable[Any] | Callable[[], Iterable[Any]]) -> Iterator[None]:
+        """``recording(count_only=True)``: the same selection and bytes, no handles."""
+        seen: dict[int, torch.Tensor] = {}  # the graph keeps them alive, so ids stay unique
+        min_bytes = self.policy.min_bytes
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in seen and not (
+                tensor.nbytes < min_bytes or _is_parameter_like(tensor) or tensor.is_meta
+            ):
+                seen[id(tensor)] = tensor
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _same):
+            yield
+        tensors = held() if callable(held) else held
+        skip = {_storage_ptr(t) for t in tensors if isinstance(t, torch.Tensor)}
+        total = sum(t.nbytes for t in seen.values() if _storage_ptr(t) not in skip)
+        self._counted[key] = self._bytes_by_micro[key] = total
+        self._add_resident(total)
+
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
@@ -585,7 +630,7 @@ class SwapSession:
             stream = self._device.current_stream()
             if handle.event is not None:
                 stream.wait_event(handle.event)
-            if self._device.is_accelerator:
+            if self._accelerator:
                 # Allocated on the side stream, read on this one ([Note: swap streams]).
                 tensor.record_stream(stream)  # type: ignore[arg-type]
             handle.event = None
@@ -601,6 +646,11 @@ class SwapSession:
 
     def _handles_of(self, key: MicroKey, kind: str) -> list[_Handle]:
         handles = self._handles.get(key)
+        if handles is None and key in self._counted:
+            raise RuntimeError(
+                f"{kind} of stage {key[0]} micro-batch {key[1]}: its forward was recorded with "
+                "count_only=True (the order had no swap for it), so its activations cannot move"
+            )
         if handles is None:
             raise RuntimeError(
                 f"{kind} of stage {key[0]} micro-batch {key[1]}: its forward was not recorded on this "
@@ -615,27 +665,25 @@ class SwapSession:
         The device memory is released when the copies are done
         ([Note: swap streams]); the accounting counts it released now.
         """
-        handles = self._handles_of(key, "SWAP_OUT")
-        device = self._device
-        side = self._side_stream()
+        moving = [h for h in self._handles_of(key, "SWAP_OUT") if h.where is _Where.DEVICE]
+        if not moving:
+            return 0
+        device, side, pin = self._device, self._side_stream(), self._pin
         side.wait_stream(device.current_stream())
-        moved: list[_Handle] = []
         with device.stream(side):
-            for handle in handles:
+            for handle in moving:
                 tensor = handle.device_tensor
-                if handle.where is not _Where.DEVICE or tensor is None:
-                    continue
-                host = torch.empty_like(tensor, device="cpu", pin_memory=self._pin)
-                host.copy_(tensor, non_blocking=self._pin)
-                if device.is_accelerator:
+                assert tensor is not None
+                host = torch.empty_like(tensor, device="cpu", pin_memory=pin)
+                host.copy_(tensor, non_blocking=pin)
+                if self._accelerator:
                     tensor.record_stream(side)
                 handle.host, handle.device_tensor, handle.where = host, None, _Where.HOST
-                moved.append(handle)
-            event = side.record_event() if moved else None
-        nbytes = self._moved(moved, event)
+            event = side.record_event()
+        nbytes = self._moved(moving, event)
         self._resident -= nbytes
         self._host += nbytes
-        self._out += bool(moved)
+        self._out += 1
         return nbytes
 
     def swap_in(self, key: MicroKey) -> int:
@@ -643,21 +691,23 @@ class SwapSession:
 
         Returns the bytes brought back.
         """
-        handles = self._handles_of(key, "SWAP_IN")
-        device = self._device
-        side = self._side_stream()
-        moved: list[_Handle] = []
+        moving = [h for h in self._handles_of(key, "SWAP_IN") if h.where is _Where.HOST]
+        if not moving:
+            return 0
+        device, side, pin = self._device, self._side_stream(), self._pin
+        target = device.current_device()
         with device.stream(side):  # after the copies out: same stream
-            for handle in handles:
-                if handle.where is not _Where.HOST:
-                    continue
-                self._copy_back(handle)
-                handle.where = _Where.RETURNING
-                moved.append(handle)
-            event = side.record_event() if moved else None
-        nbytes = self._moved(moved, event)
+            for handle in moving:
+                host = handle.host
+                assert host is not None
+                back = torch.empty_like(host, device=target)
+                back.copy_(host, non_blocking=pin)
+                handle.device_tensor, handle.host, handle.where = back, None, _Where.RETURNING
+            event = side.record_event()
+        nbytes = self._moved(moving, event)
+        self._host -= nbytes
         self._add_resident(nbytes)
-        self._in += bool(moved)
+        self._in += 1
         return nbytes
 
     @staticmethod
@@ -667,18 +717,9 @@ class SwapSession:
             handle.event = event
         return sum(h.nbytes for h in handles)
 
-    def _copy_back(self, handle: _Handle) -> None:
-        """Copy ``handle`` to the device on the current stream (the side stream: after the copy out)."""
-        host = handle.host
-        assert host is not None
-        target = self._device.current_device()
-        handle.device_tensor = torch.empty_like(host, device=target)
-        handle.device_tensor.copy_(host, non_blocking=self._pin)
-        handle.host = None
-        self._host -= handle.nbytes
-
     def release(self, key: MicroKey) -> None:
         """Forget ``key``'s handles after its last backward; its bytes leave the accounting."""
+        self._resident -= self._counted.pop(key, 0)
         handles = self._handles.pop(key, None)
         if not handles:
             return
@@ -696,7 +737,7 @@ class SwapSession:
 
     def end_step(self) -> None:
         """Forget every micro-batch still held (a failed step stops between forward and backward)."""
-        for key in list(self._handles):
+        for key in [*self._handles, *self._counted]:
             self.release(key)
 
     def __repr__(self) -> str:
@@ -720,6 +761,7 @@ def attach_swap(runner: Any, policy: SwapPolicy, platform: Platform | None = Non
     Call :meth:`SwapSession.begin_step` before each step (the schedules do).
     """
     session = SwapSession(policy, platform)
+    session._swapped = {(s.stage_index, s.micro_index) for s in runner.steps if s.type is SWAP_OUT}
     runner.state[_STATE_KEY] = session
     if runner.training:
         runner.add_step_context([MetaStepType.FWD], _recording_context)
@@ -736,7 +778,8 @@ def _recording_context(runner: Any, step: MetaStep) -> Any:
         state = stage._micro.get(micro)
         return () if state is None else (*state.inputs, *state.outputs)
 
-    return session.recording((step.stage_index, micro), held=held)
+    key = (step.stage_index, micro)
+    return session.recording(key, held=held, count_only=key not in session._swapped)
 
 
 @contextmanager
