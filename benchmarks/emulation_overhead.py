@@ -8,10 +8,16 @@ and the pool remain):
   inside the ranks (``raw`` is torch's unwrapped function, the floor);
 - per test: a pytest session of 30 tests (2 and 4 ranks, five collectives and
   one p2p exchange each), wall time per test;
-- per suite: the hp-core test suite, wall time of the whole session.
+- per suite: the hp-core test suite, wall time of the whole session;
+- strict mode per step: 2 ranks run an FSDP-like step (four 256x256 layers:
+  async all-gathers prefetched one layer ahead of the matmuls that use them,
+  then async reduce-scatters of the gradients overlapped with the next
+  layer's gradient), timed inside the ranks, under ``nccl-emu`` with strict
+  mode on (the read guard watches every op while a collective is pending,
+  outputs are shadowed) and with it off, against plain gloo.
 
 Ratios are ours over the anchor's (1.0 = no overhead). The aim is below 1.5
-on a suite's wall time. The last line is one JSON object.
+on a suite's wall time and on the strict step. The last line is one JSON object.
 
 Usage: ``python benchmarks/emulation_overhead.py [--rounds N] [--no-suite]``
 """
@@ -37,6 +43,12 @@ CONFIGS = [  # name, backend, checks
     ("hccl-emu", "hccl-emu", True),
 ]
 CALLS = 300
+STRICT_CONFIGS = [  # name, backend, checks, strict
+    ("gloo (checks off)", "gloo", False, False),
+    ("nccl-emu", "nccl-emu", True, False),
+    ("nccl-emu strict", "nccl-emu", True, True),
+]
+STEPS = 20
 
 LOOP_MODULE = f"""
 import time
@@ -45,9 +57,9 @@ import torch.distributed as dist
 
 
 def loop(raw):
-    from hp_testing.emulation import _ORIGINALS
+    from hp_testing.emulation import original
 
-    fn = _ORIGINALS["all_reduce"] if raw else dist.all_reduce
+    fn = original("all_reduce") if raw else dist.all_reduce
     t = torch.ones(16)
     for _ in range(20):
         fn(t)
@@ -55,6 +67,43 @@ def loop(raw):
     for _ in range({CALLS}):
         fn(t)
     print((time.perf_counter() - start) / {CALLS} * 1e6)
+
+
+def fsdp_like(steps):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(0)
+    dim, n = 256, 4
+    shards = [(torch.randn(dim * dim, generator=gen) * 0.05).chunk(world)[rank].clone() for _ in range(n)]
+    x = torch.randn(64, dim, generator=gen)
+
+    def step():
+        full = [torch.empty(dim * dim) for _ in range(n)]
+        gathers = [dist.all_gather_into_tensor(full[0], shards[0], async_op=True)]
+        acts = [x]
+        for i in range(n):
+            if i + 1 < n:  # prefetch the next layer while this one computes
+                gathers.append(dist.all_gather_into_tensor(full[i + 1], shards[i + 1], async_op=True))
+            gathers[i].wait()
+            acts.append(torch.relu(acts[-1] @ full[i].view(dim, dim)))
+        grad_out = acts[-1] * (2.0 / acts[-1].numel())
+        reduces, grads = [], []
+        for i in reversed(range(n)):  # each reduce-scatter overlaps the next layer's gradient
+            weight = full[i].view(dim, dim)
+            grad_w = (acts[i].t() @ grad_out).reshape(-1)
+            grad_out = (grad_out @ weight.t()) * (acts[i] > 0)
+            grads.append(torch.empty_like(shards[i]))
+            reduces.append(dist.reduce_scatter_tensor(grads[-1], grad_w, async_op=True))
+        for work in reduces:
+            work.wait()
+        for shard, grad in zip(shards, reversed(grads)):
+            shard.sub_(grad, alpha=0.01)
+
+    for _ in range(3):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    print((time.perf_counter() - start) / steps * 1e3)
 """
 
 TEST_FILE = """
@@ -83,7 +132,13 @@ def test_step_{i}(rank, world_size):
 """
 
 
-def per_collective(rounds: int) -> dict[str, float]:
+def _in_ranks(
+    rounds: int, fn: str, runs: list[tuple[str, str, dict[str, object], bool, bool]]
+) -> dict[str, float]:
+    """Median over ``rounds`` of what ``LOOP_MODULE.<fn>`` prints on its slowest rank, per run.
+
+    Each run is (name, backend, kwargs, checks, strict), on 2 pooled ranks per backend.
+    """
     from hp_testing._worker import RunOptions, Task
     from hp_testing.pool import WorkerPool
 
@@ -91,23 +146,35 @@ def per_collective(rounds: int) -> dict[str, float]:
     module = folder / "emu_bench_loop.py"
     module.write_text(LOOP_MODULE)
     results: dict[str, list[float]] = {}
-    pools = {backend: WorkerPool(2, backend=backend) for backend in ("gloo", "nccl-emu", "hccl-emu")}
+    pools = {backend: WorkerPool(2, backend=backend) for backend in sorted({r[1] for r in runs})}
     try:
         for pool in pools.values():
             pool.start()
         for _ in range(rounds):
-            runs = [("raw gloo", "gloo", False, True)] + [(n, b, c, False) for n, b, c in CONFIGS]
-            for name, backend, checks, raw in runs:
-                task = Task("bench", "emu_bench_loop", str(module), None, "loop", {"raw": raw}, [str(folder)])
-                outcome = pools[backend].run(task, 120.0, RunOptions(checks=checks))
+            for name, backend, kwargs, checks, strict in runs:
+                task = Task("bench", "emu_bench_loop", str(module), None, fn, kwargs, [str(folder)])
+                outcome = pools[backend].run(task, 300.0, RunOptions(checks=checks, strict=strict))
                 if not outcome.ok:
-                    raise RuntimeError(f"{name}: the loop failed: {outcome}")
-                micros = max(float(r.stdout.strip().splitlines()[-1]) for r in outcome.results.values())
-                results.setdefault(name, []).append(micros)
+                    raise RuntimeError(f"{name}: {fn} failed: {outcome}")
+                value = max(float(r.stdout.strip().splitlines()[-1]) for r in outcome.results.values())
+                results.setdefault(name, []).append(value)
     finally:
         for pool in pools.values():
             pool.shutdown()
     return {name: statistics.median(values) for name, values in results.items()}
+
+
+def per_collective(rounds: int) -> dict[str, float]:
+    """Microseconds per small all_reduce: torch's own function, then through each of CONFIGS."""
+    runs = [("raw gloo", "gloo", {"raw": True}, False, False)]
+    runs += [(name, backend, {"raw": False}, checks, False) for name, backend, checks in CONFIGS]
+    return _in_ranks(rounds, "loop", runs)
+
+
+def strict_step(rounds: int) -> dict[str, float]:
+    """Milliseconds per FSDP-like step (see the module docstring) under each of STRICT_CONFIGS."""
+    runs = [(name, b, {"steps": STEPS}, checks, strict) for name, b, checks, strict in STRICT_CONFIGS]
+    return _in_ranks(rounds, "fsdp_like", runs)
 
 
 # hp-core tests that post isend before irecv on both ranks of a pair: a real NCCL deadlock the
@@ -154,24 +221,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1, help="rounds per measurement (median reported)")
     parser.add_argument("--no-suite", action="store_true", help="skip the hp-core suite measurement")
+    parser.add_argument("--only-strict", action="store_true", help="measure the strict-mode step only")
     args = parser.parse_args()
     anchor = CONFIGS[0][0]
 
-    collective = per_collective(max(args.rounds, 3))
-    tests, count = per_test(args.rounds)
-    suite = {} if args.no_suite else per_suite(args.rounds)
+    step = strict_step(max(args.rounds, 3))
+    collective = {} if args.only_strict else per_collective(max(args.rounds, 3))
+    tests, count = ({}, 30) if args.only_strict else per_test(args.rounds)
+    suite = {} if args.no_suite or args.only_strict else per_suite(args.rounds)
 
-    rows = [("per collective (us, all_reduce of 16 floats, 2 ranks)", collective, "{:.0f}")]
-    rows.append(
-        (
-            f"per test (ms, {count} tests of 5 collectives + 1 p2p batch)",
-            {k: v * 1000 for k, v in tests.items()},
-            "{:.0f}",
+    rows = []
+    if collective:
+        rows.append(("per collective (us, all_reduce of 16 floats, 2 ranks)", collective, "{:.0f}"))
+    if tests:
+        rows.append(
+            (
+                f"per test (ms, {count} tests of 5 collectives + 1 p2p batch)",
+                {k: v * 1000 for k, v in tests.items()},
+                "{:.0f}",
+            )
         )
-    )
     if suite:
         rows.append(("hp-core suite wall time (s)", suite, "{:.1f}"))
-    names = ["raw gloo"] + [c[0] for c in CONFIGS]
+    rows.append(("strict step (ms, FSDP-like step, 2 ranks)", step, "{:.1f}"))
+    names = ["raw gloo"] + [c[0] for c in CONFIGS] + ["nccl-emu strict"]
     print(f"{'measurement':<58}" + "".join(f"{n:>20}" for n in names))
     for label, values, fmt in rows:
         cells = "".join(f"{(fmt.format(values[n]) if n in values else '-'):>20}" for n in names)
@@ -181,6 +254,8 @@ def main() -> None:
     for label, values, _ in rows:
         key = label.split(" (")[0].replace(" ", "_").replace("-", "_")
         for name in names[2:]:
+            if name not in values:
+                continue
             ratio = values[name] / values[anchor]
             ratios[f"{key}:{name}"] = round(ratio, 3)
             print(f"  {label.split(' (')[0]:<28} {name:<18} {ratio:.2f}x")
@@ -193,6 +268,7 @@ def main() -> None:
                 "per_collective_us": {k: round(v, 1) for k, v in collective.items()},
                 "per_test_ms": {k: round(v * 1000, 1) for k, v in tests.items()},
                 "suite_s": {k: round(v, 2) for k, v in suite.items()},
+                "strict_step_ms": {k: round(v, 2) for k, v in step.items()},
                 "rounds": args.rounds,
             }
         )

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 
 import pytest
+
+#: Runs a test module's source in an inner pytest session: (result, report section per failed test).
+Inner = Callable[[str], tuple[pytest.RunResult, dict[str, str]]]
 
 
 def _forkserver_children() -> list[int]:
@@ -33,3 +37,26 @@ def _forkserver_children() -> list[int]:
 def rank_processes() -> Callable[[], list[int]]:
     """A function listing the live rank processes, to check none outlives a session."""
     return _forkserver_children
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester) -> Inner:
+    """Run planted-bug scenarios as ``test_inner.py`` in an inner session; split its report per test."""
+
+    def run(source: str) -> tuple[pytest.RunResult, dict[str, str]]:
+        pytester.makepyfile(test_inner=source)
+        result = pytester.runpytest("-p", "no:cacheprovider", "-rA")
+        sections: dict[str, str] = {}
+        current = None
+        for line in result.stdout.lines:
+            if "short test summary info" in line:
+                break  # the summary repeats every message (in full when CI is set)
+            match = re.match(r"^_+ (test_\w+(?:\[[^\]]*\])?) _+$", line)
+            if match:
+                current = match.group(1)
+                sections[current] = ""
+            elif current is not None:
+                sections[current] += line + "\n"
+        return result, sections
+
+    return run

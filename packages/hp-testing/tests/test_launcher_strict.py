@@ -32,8 +32,8 @@ print(f"rank {dist.get_rank() if dist.is_initialized() else '-'} finished")
 """
 
 WRITTEN_EARLY = (
-    "AsyncHazardError: all_reduce(tensor 2 torch.float32, op SUM) issued with async_op=True at "
-    "{name}:5 in <module>: between the issue and wait(), its output tensor was written to"
+    "AsyncHazardError: aten.zero_ at {name}:7 in <module> wrote to the output tensor before its wait(): "
+    "all_reduce(tensor 2 torch.float32, op SUM) was issued at {name}:5 in <module> and is still pending"
 )
 NEVER_WAITED = (
     "AsyncHazardError: async work issued with async_op=True was never waited:\n"

@@ -32,7 +32,6 @@ def channel_prefix() -> str:
 def _channel_factory() -> Any:
     import torch.distributed as dist
 
-    from hp_testing._sidechannel import SideChannel
     from hp_testing.emulation import active_layer
 
     layer = active_layer()
@@ -44,14 +43,7 @@ def _channel_factory() -> Any:
         is_master=False,
         timeout=datetime.timedelta(seconds=300),
     )
-    return SideChannel(
-        store,
-        channel_prefix(),
-        dist.get_rank(),
-        dist.get_world_size(),
-        stream_ordered=layer.profile.stream_ordered_p2p,
-        tags=layer.profile.p2p_tags,
-    )
+    return layer.new_channel(store, channel_prefix(), dist.get_rank(), dist.get_world_size())
 
 
 def _run_script(rest: list[str]) -> None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hp_testing._calls import Call, describe
+from hp_testing._nesting import Nested, depth
 
 __all__ = ["FUNCTIONAL", "install_functional", "uninstall_functional"]
 
@@ -134,12 +135,10 @@ def _wrap(name: str, orig: Callable[..., Any], check: Callable[[Call], object]) 
             # traced into a graph: the graph's ops are checked each time it runs instead
             # ([Note: compiled graphs under the emulation] in hp_testing._funcol_ops)
             return orig(*args, **kwargs)
-        from hp_testing.emulation import _depth, _Nested
-
-        if _depth():
+        if depth():
             return orig(*args, **kwargs)
         check(describe_functional(name, args, kwargs))
-        with _Nested():  # all_gather_tensor calls all_gather_single: count the outer call only
+        with Nested():  # all_gather_tensor calls all_gather_single: count the outer call only
             return orig(*args, **kwargs)
 
     wrapper.__hp_original__ = orig  # type: ignore[attr-defined]

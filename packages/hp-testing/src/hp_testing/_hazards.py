@@ -6,8 +6,10 @@ the caller looks, so races stay invisible. In strict mode the collective runs
 on private copies (a *shadow* of each output, taken at issue), the caller's
 output is filled with a poison value (NaN, or the dtype's largest integer)
 until ``wait()`` copies the result in, and each input is compared at
-``wait()`` with a snapshot taken at issue. Reading early then fails the
-numerics, and writing early is reported with both call sites.
+``wait()`` with a snapshot taken at issue. This is the backstop behind the
+read guard (:mod:`hp_testing._read_guard`), which raises at the touch itself:
+a read the guard cannot see (another thread, the buffer protocol) still finds
+poison, and a write it cannot see is reported at ``wait()`` with the call's site.
 
 :class:`CheckedWork` is what a wrapped call returns whenever something must
 happen at ``wait()``; every other attribute is the torch ``Work``'s.

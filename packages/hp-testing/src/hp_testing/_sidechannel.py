@@ -25,6 +25,7 @@ interface, and a value someone else wrote must not run anything in a rank
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,12 +33,14 @@ from typing import Any
 import torch.distributed as dist
 
 from hp_testing._calls import Call
+from hp_testing._p2p_report import exchange_report
 from hp_testing._wire import (
     Blocked,
     Done,
     Fingerprint,
     ForeignValueError,
     P2PEnd,
+    Posted,
     R,
     Record,
     Status,
@@ -80,7 +83,7 @@ class P2PMismatchError(RuntimeError):
 
 
 class UnmatchedError(RuntimeError):
-    """A message that was sent but never received (or the reverse), found at the end of the test."""
+    """Sends or receives without their other end: at the end of the test, or ranks that all wait for one."""
 
 
 class DroppedMessageError(RuntimeError):
@@ -99,6 +102,9 @@ class Ticket:
     seq: int
     pos: int
     checked: bool = False
+
+    def posted(self) -> Posted:
+        return Posted(self.send, self.group, self.src, self.dst, self.seq, self.call.shown, self.call.site)
 
 
 @dataclass
@@ -129,6 +135,14 @@ def announce_exit(store: Any, prefix: str, rank: int, code: int | None, how: str
         _put(channel, key, Status("exited", how, code))
 
 
+def _is_p2p(key: str) -> bool:
+    """Whether a store key is one end of a point-to-point message."""
+    return key.startswith(("s/", "r/"))
+
+
+_REPORT_WAIT = (0.1,) * 50  # seconds between looks for the exchanges of ranks still running
+
+
 def _line(rank: int, posted: Fingerprint | None, width: int) -> str:
     if posted is None:
         return f"  rank {rank}: (nothing posted)"
@@ -146,7 +160,15 @@ class SideChannel:
     """The per-test state of the checks on one rank (see the module docstring)."""
 
     def __init__(
-        self, store: Any, prefix: str, rank: int, world_size: int, *, stream_ordered: bool, tags: bool = True
+        self,
+        store: Any,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        *,
+        stream_ordered: bool,
+        tags: bool = True,
+        batch_joins_group: bool = False,
     ) -> None:
         self.store = dist.PrefixStore(prefix + "/", store)
         self.prefix = prefix
@@ -163,6 +185,13 @@ class SideChannel:
         self.matched: dict[tuple[str, int, int, int], Any] = {}
         self._blocked_posted = False
         self._timeout: float | None = None
+        # [Note: the current exchange] in hp_testing._p2p_report
+        self.exchange: list[Ticket] = []
+        self.open: set[int] = set()
+        self._blocking = False  # the current wait is inside a blocking send/recv
+        # [Note: the first batch on a group] in hp_testing.profiles
+        self.batch_joins_group = batch_joins_group
+        self.joined: set[str] = set()
 
     # -- store helpers -----------------------------------------------------------
 
@@ -214,7 +243,8 @@ class SideChannel:
                 missing = [(k, o) for k, o in zip(keys, owners, strict=True) if not self._exists(k)]
                 self._check_missing(missing, what, site, group)
                 if not self._blocked_posted:
-                    _put(self.store, f"blocked/{self.rank}", Blocked(missing, what, site))
+                    blocked = Blocked(missing, what, site, self._exchange(), self._blocking)
+                    _put(self.store, f"blocked/{self.rank}", blocked)
                     self._blocked_posted = True
                 if not at_end:
                     # A rank at the end of the test leaves cycle reports to the ranks still
@@ -226,6 +256,7 @@ class SideChannel:
                 self._blocked_posted = False
 
     def _check_missing(self, missing: list[tuple[str, int]], what: str, site: str, group: str | None) -> None:
+        p2p = all(_is_p2p(key) for key, _ in missing)
         for _, owner in missing:
             status = self._get(status_key(owner), Status)
             if status is not None and status.kind == "exited":
@@ -235,6 +266,7 @@ class SideChannel:
                     "point-to-point op its peers issue before it ends (NCCL and HCCL would hang here until "
                     "the watchdog timeout): if one rank's data runs out first, agree on the number of steps "
                     "(e.g. all_reduce a 'has data' flag each step) so every rank stops at the same one."
+                    + (f"\n{self._exchange_report()}" if p2p else "")
                 )
             if status is not None:
                 raise PeerFailedError(
@@ -245,7 +277,9 @@ class SideChannel:
             if done is not None:
                 raise PeerFailedError(
                     f"rank {owner} finished the test while rank {self.rank} waited for it in {what} at "
-                    f"{site}: rank {owner} never issued the matching call. " + self._last_of(done, group)
+                    f"{site}: rank {owner} never issued the matching call. "
+                    + self._last_of(done, group)
+                    + (f"\n{self._exchange_report()}" if p2p else "")
                 )
 
     @staticmethod
@@ -256,6 +290,45 @@ class SideChannel:
             return "It issued no collective on that group."
         count, last = done.groups[group]
         return f"It issued {count} collective(s) on that group; the last was {last}."
+
+    # -- unmatched point to point ---------------------------------------------------------
+
+    def _exchange(self) -> list[Posted]:
+        """This rank's current exchange ([Note: the current exchange]), the last 32 ops at most."""
+        return [t.posted() for t in self.exchange[-32:]]
+
+    def _exchange_report(self) -> str:
+        """Every rank's current exchange; waits up to 5 s for ranks that have not published one yet."""
+        posted: dict[int, list[Posted] | None] = {self.rank: self._exchange()}
+        others = [r for r in range(self.world_size) if r != self.rank]
+        for pause in (0.0, *_REPORT_WAIT):
+            if pause:
+                time.sleep(pause)
+            for rank in others:
+                if posted.get(rank) is not None:
+                    continue
+                blocked = self._get(f"blocked/{rank}", Blocked)
+                if blocked is not None and blocked.missing:
+                    posted[rank] = blocked.posted
+                    continue
+                done = self._get(f"done/{rank}", Done)
+                if done is not None:
+                    posted[rank] = done.posted
+            if all(posted.get(r) is not None for r in others):
+                break
+        return exchange_report(self.world_size, posted, self._exists)
+
+    def _raise_unmatched(self, cycle: list[int], lines: list[str], report: str) -> None:
+        """Ranks that all wait in ``wait()`` for sends and receives whose other ends were never posted."""
+        raise UnmatchedError(
+            f"unmatched point-to-point ops: ranks {cycle} each wait in wait() for an op whose other end "
+            "was never posted, and none of them will post anything more (NCCL and HCCL would hang "
+            "here until the watchdog timeout):\n"
+            + "\n".join(lines)
+            + report
+            + "\nEvery send needs a receive on its peer (same element count and dtype, same order per "
+            "pair): check the peer ranks of the ops marked NO COUNTERPART."
+        )
 
     def _find_cycle(self, missing: list[tuple[str, int]], what: str, site: str) -> None:
         """Report a wait cycle through this rank, if every awaited key in it is still missing."""
@@ -291,13 +364,45 @@ class SideChannel:
         lines = [f"  rank {self.rank}: waits in {what} at {site}"]
         for rank in cycle[1:]:
             lines.append(f"  rank {rank}: waits in {states[rank].what} at {states[rank].site}")
+        keys = [key for rank in cycle for key, _ in edges[rank]]
+        report = ""
+        if any(_is_p2p(key) for key in keys):
+            report = "\n" + self._exchange_report()
+            blocking = self._blocking or any(states[r].blocking for r in cycle[1:])
+            if all(_is_p2p(key) for key in keys) and not blocking:
+                self._raise_unmatched(cycle, lines, report)
         raise DeadlockError(
             f"deadlock: ranks {cycle} wait on each other in a cycle, so none can proceed "
             "(NCCL and HCCL would hang here until the watchdog timeout):\n"
             + "\n".join(lines)
             + "\nIssue collectives in the same order on every rank; pair each blocking send with a "
-            "receive posted first on the other side, or post both in one batch_isend_irecv."
+            "receive posted first on the other side, or post both in one batch_isend_irecv." + report
         )
+
+    # -- joining a group's communicator -------------------------------------------------
+
+    def join_group(self, call: Call, *, wait: bool) -> None:
+        """NCCL's first batch on a group creates its communicator: every member must join it.
+
+        A collective joins without waiting (its own comparison waits for the
+        members); the first ``batch_isend_irecv`` waits here until every member
+        of the group has joined, as ``ncclCommInitRank`` does
+        ([Note: the first batch on a group] in :mod:`hp_testing.profiles`).
+        """
+        group = call.group_name
+        if not self.batch_joins_group or group in self.joined:
+            return
+        self.joined.add(group)
+        _put(self.store, f"join/{group}/{self.rank}", Fingerprint(plain(call.key), call.shown, call.site))
+        others = [r for r in call.group_ranks if r != self.rank]
+        if not wait or not others:
+            return
+        what = (
+            f"{call.shown}: the first batch_isend_irecv on group {list(call.group_ranks)}, where NCCL "
+            "creates the group's communicator and waits until every rank of the group joins it (with a "
+            "batch_isend_irecv or a collective on the group)"
+        )
+        self._await([f"join/{group}/{r}" for r in others], others, Fingerprint, what, call.site, group)
 
     # -- collectives -------------------------------------------------------------
 
@@ -310,6 +415,8 @@ class SideChannel:
         :mod:`hp_testing.emulation`).
         """
         group = call.group_name
+        if self.batch_joins_group and group not in self.joined:
+            self.join_group(call, wait=False)
         seq = self.seqs.get(group, 0)
         self.seqs[group] = seq + 1
         self.group_ranks[group] = call.group_ranks
@@ -397,7 +504,12 @@ class SideChannel:
         _put(self.store, f"{letter}/{group}/{src}/{dst}/{seq}", payload)
         if send:
             self.sent[(group, src, dst, seq)] = f"{call.shown} at {call.site}"
-        return Ticket(call, send, group, src, dst, seq, pos)
+        ticket = Ticket(call, send, group, src, dst, seq, pos)
+        if not self.open:
+            self.exchange = []  # all earlier ops matched: a new exchange starts
+        self.exchange.append(ticket)
+        self.open.add(id(ticket))
+        return ticket
 
     def _other_key(self, ticket: Ticket) -> str:
         other = "r" if ticket.send else "s"
@@ -420,7 +532,12 @@ class SideChannel:
             f"{call.shown} (message #{ticket.seq} from rank {ticket.src} to rank {ticket.dst}, "
             f"waiting for rank {peer}'s matching {side})"
         )
-        (theirs,) = self._await([key], [peer], P2PEnd, what, call.site)
+        self._blocking = call.name in ("send", "recv")
+        try:
+            (theirs,) = self._await([key], [peer], P2PEnd, what, call.site)
+        finally:
+            self._blocking = False
+        self.open.discard(id(ticket))
         their_shown, their_site, their_pos, their_tag = theirs.shown, theirs.site, theirs.pos, theirs.tag
         if theirs.dropped and not ticket.send:
             raise DroppedMessageError(
@@ -481,7 +598,7 @@ class SideChannel:
     def finish(self) -> None:
         """Publish this rank's counts, wait for every rank, and report unmatched messages."""
         groups = {g: (n, self.last.get(g, "")) for g, n in self.seqs.items()}
-        mine = Done(groups, dict(self.channels))
+        mine = Done(groups, dict(self.channels), self._exchange())
         _put(self.store, f"done/{self.rank}", mine)
         others = [r for r in range(self.world_size) if r != self.rank]
         if not others:
@@ -509,9 +626,11 @@ class SideChannel:
                     f"  rank {dst} posted {received} receive(s) from rank {src} but rank {src} sent {sent}"
                 )
         if problems:
+            posted: dict[int, list[Posted] | None] = {r: d.posted for r, d in done.items()}
             raise UnmatchedError(
                 "point-to-point messages without their other end at the end of the test:\n"
                 + "\n".join(problems)
                 + "\nOn NCCL or HCCL an unmatched send or receive hangs the stream. Pair every send with "
-                "a receive of the same size on the peer."
+                "a receive of the same size on the peer.\n"
+                + exchange_report(self.world_size, posted, self._exists)
             )

@@ -31,6 +31,7 @@ __all__ = [
     "Fingerprint",
     "ForeignValueError",
     "P2PEnd",
+    "Posted",
     "Status",
     "decode",
     "encode",
@@ -209,16 +210,58 @@ class Status:
 
 
 @dataclass(frozen=True)
+class Posted:
+    """One send or receive a rank posted, as the unmatched-p2p report lists it (no tensor, no key)."""
+
+    send: bool
+    group: str
+    src: int
+    dst: int
+    seq: int  # message number on the (group, src, dst) channel
+    shown: str  # "isend(2 torch.float32 to rank 1)": peer, size and dtype
+    site: str
+
+    def to_row(self) -> list[Any]:
+        return [self.send, self.group, self.src, self.dst, self.seq, self.shown, self.site]
+
+    @classmethod
+    def from_row(cls, row: Any) -> Posted:
+        if not (isinstance(row, list) and len(row) == 7):
+            fields = "[send, group, src, dst, seq, shown, site]"
+            raise _Invalid(f"a row of field 'posted' is {row!r}, not {fields}")
+        names = ("send", "group", "src", "dst", "seq", "shown", "site")
+        entry = dict(zip(names, row, strict=True))
+        return cls(
+            _bool(entry, "send"),
+            _str(entry, "group"),
+            _int(entry, "src"),
+            _int(entry, "dst"),
+            _int(entry, "seq"),
+            _str(entry, "shown"),
+            _str(entry, "site"),
+        )
+
+
+def _posted(obj: dict[str, Any]) -> list[Posted]:
+    """Field ``posted`` (absent: none)."""
+    if "posted" not in obj:
+        return []
+    return [Posted.from_row(row) for row in _list(obj, "posted")]
+
+
+@dataclass(frozen=True)
 class Done:
     """A rank that finished its test (``done/<rank>``): its collectives per group, messages per channel."""
 
     groups: dict[str, tuple[int, str]] = field(default_factory=dict)
     channels: dict[tuple[str, int, int], int] = field(default_factory=dict)  # (group, src, dst) -> messages
+    posted: list[Posted] = field(default_factory=list)  # its last point-to-point exchange
 
     def to_json(self) -> dict[str, Any]:
         return {
             "groups": [[g, n, last] for g, (n, last) in self.groups.items()],
             "channels": [[g, src, dst, n] for (g, src, dst), n in self.channels.items()],
+            "posted": [p.to_row() for p in self.posted],
         }
 
     @classmethod
@@ -236,7 +279,7 @@ class Done:
             entry = {"group": row[0], "src": row[1], "dst": row[2], "count": row[3]}
             channel = (_str(entry, "group"), _int(entry, "src"), _int(entry, "dst"))
             channels[channel] = _int(entry, "count")
-        return cls(groups, channels)
+        return cls(groups, channels, _posted(obj))
 
 
 @dataclass(frozen=True)
@@ -246,9 +289,17 @@ class Blocked:
     missing: list[tuple[str, int]] = field(default_factory=list)  # (key, owning rank)
     what: str = ""
     site: str = ""
+    posted: list[Posted] = field(default_factory=list)  # its current point-to-point exchange
+    blocking: bool = False  # inside a blocking op (it may post more once that returns), not a wait()
 
     def to_json(self) -> dict[str, Any]:
-        return {"missing": [[k, owner] for k, owner in self.missing], "what": self.what, "site": self.site}
+        return {
+            "missing": [[k, owner] for k, owner in self.missing],
+            "what": self.what,
+            "site": self.site,
+            "posted": [p.to_row() for p in self.posted],
+            "blocking": self.blocking,
+        }
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Blocked:
@@ -258,7 +309,8 @@ class Blocked:
                 raise _Invalid(f"a row of field 'missing' is {row!r}, not [key, rank]")
             entry = {"key": row[0], "rank": row[1]}
             missing.append((_str(entry, "key"), _int(entry, "rank")))
-        return cls(missing, _str(obj, "what"), _str(obj, "site"))
+        blocking = _bool(obj, "blocking") if "blocking" in obj else False
+        return cls(missing, _str(obj, "what"), _str(obj, "site"), _posted(obj), blocking)
 
 
 Record = Fingerprint | P2PEnd | Status | Done | Blocked
