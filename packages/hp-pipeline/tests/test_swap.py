@@ -337,3 +337,35 @@ def test_count_only_counts_the_same_bytes() -> None:
     outs[1].square().sum().backward()
     session.release((0, 0))
     assert (session.resident_bytes, session.peak_bytes) == (0, MANAGED)
+
+
+def test_compiled_module_swaps_exactly() -> None:
+    """A ``torch.compile``d stage: AOTAutograd's saved tensors go through the session too."""
+    xs = micro_batches(3)
+    model = make_model()
+    compiled = torch.compile(model)  # one compile for both runs (no optimizer step between them)
+
+    def train(swap: bool) -> tuple[list[torch.Tensor], int]:
+        session = SwapSession(SwapPolicy(min_bytes=0), CPU)
+        for _ in range(2):  # the second step reuses the compiled graphs
+            model.zero_grad(set_to_none=True)
+            session.begin_step()
+            losses = []
+            for i, x in enumerate(xs):
+                outs: list[torch.Tensor] = [x]
+                with session.recording((0, i), held=outs.copy, count_only=not swap):
+                    outs.append(compiled(x))
+                if swap:
+                    session.swap_out((0, i))
+                losses.append(outs[1].square().sum())
+            for i, loss in enumerate(losses):
+                if swap:
+                    session.swap_in((0, i))
+                loss.backward()
+                session.release((0, i))
+        return [p.grad.clone() for p in model.parameters()], session.stats().swapped_out
+
+    (plain, _), (swapped, moved) = train(False), train(True)
+    assert moved == 3
+    for a, b in zip(swapped, plain, strict=True):
+        assert torch.equal(a, b)

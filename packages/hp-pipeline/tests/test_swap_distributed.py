@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hp_pipeline import (
     MetaStepType,
     PipelineStage,
+    PipelineStepError,
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
@@ -242,3 +243,32 @@ def test_swap_without_host_memory_is_refused_before_communicating(rank: int, wor
         with pytest.raises(SwapError, match=r"tensors live on 'meta'.*pass swap_policy=None"):
             Schedule1F1B(stage, 4, nn.functional.mse_loss, swap_policy=SwapPolicy())
     dist.barrier()  # nothing was sent: the group still works
+
+
+class Exploding(nn.Module):
+    """A block whose forward raises on one chosen call."""
+
+    def __init__(self, inner: nn.Module, fail_on_call: int | None) -> None:
+        super().__init__()
+        self.inner, self.calls, self.fail_on_call = inner, 0, fail_on_call
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise ValueError(f"boom in call {self.calls}")
+        return self.inner(h)
+
+
+@pytest.mark.distributed(world_size=4, timeout=120)
+def test_failed_step_with_swap_leaves_nothing_behind(rank: int, world_size: int) -> None:
+    """Stage 0 fails in its 3rd forward of step 2, with micro-batches 0 and 1 on the host; step 3 is whole."""
+    module = Exploding(make_blocks(4)[rank], 11 if rank == 0 else None)
+    schedule = Schedule1F1B(PipelineStage(module, rank, 4), 8, nn.functional.mse_loss, swap_policy=POLICY)
+    x, y = batch(0)
+    args, target = ((x,) if rank == 0 else ()), (y if rank == 3 else None)
+    schedule.step(*args, target=target)
+    with pytest.raises(PipelineStepError, match="boom in call 11"):
+        schedule.step(*args, target=target)
+    schedule.step(*args, target=target)
+    swap_outs = sum(s.type is MetaStepType("SWAP_OUT") for s in schedule.order[rank])
+    check_accounting(schedule, rank, swap_outs)
