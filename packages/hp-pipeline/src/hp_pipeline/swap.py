@@ -33,9 +33,8 @@ followed at once by its ``B`` never swaps, nor does stage ``p-2`` of 1F1B,
 whose only step between a micro-batch's forward and its backward is another
 micro-batch's backward; the last micro-batches of stage 0, whose backwards
 come after the last forward, do, because the swap-ins prefetched for the
-backwards before theirs would otherwise pile up on the device.
-``stages=()`` swaps
-nothing but still installs the session, so the accounting measures the
+backwards before theirs would otherwise pile up on the device. ``stages=()``
+swaps nothing but still installs the session, so the accounting measures the
 activations a schedule keeps (the baseline of a comparison).
 
 [Note: where swaps go]
@@ -84,21 +83,24 @@ streams and events are no-ops and the copies are synchronous; the "host" copy
 is a separate CPU tensor, so the whole path (and its accounting) runs in tests.
 
 [Note: activation accounting]
-The session counts the bytes of its handles that are on the compute device:
-a micro-batch's handles join at the end of its forward, leave at its
-``SWAP_OUT``, come back at its ``SWAP_IN`` and leave for good when the
+The session counts the bytes of the saved tensors it manages that are on the
+compute device: a micro-batch's bytes join at the end of its forward, leave at
+its ``SWAP_OUT``, come back at its ``SWAP_IN`` and leave for good when the
 executor releases the micro-batch after its last backward (``B`` or ``W``).
 ``peak_bytes`` is the most resident at any of those points; transient
 tensors inside a forward or backward are not activations kept between steps
-and are not counted. This is exactly what the simulator's
-``peak_activations_per_rank`` counts in units of micro-batches, so with
-micro-batches of equal size the two agree: measured peak = simulated peak x one
-micro-batch's managed bytes.
+and are not counted. The simulator walks an order the same way
+(``StepKind.resident``; [Note: device activations] in
+:mod:`hp_pipeline.simulate`), so the two agree exactly:
+``simulate(order).peak_device_bytes(rank, stats.bytes_by_micro)`` equals the
+rank's measured ``peak_bytes``, and with micro-batches of equal size that is
+``peak_device_activations_per_rank[rank]`` times one micro-batch's bytes.
 
 [Note: counting without swapping]
 Wrapping a saved tensor in a handle costs a Python object at pack time and a
 lookup at unpack time, on the compute thread. A micro-batch the order never
-swaps (the last stage's, the cool-down's, every one under ``stages=()``) does
+swaps (the last stage's, those of stage ``p-2`` of 1F1B, every one under
+``stages=()``) does
 not need one: it is recorded with ``count_only=True``, which selects the same
 tensors and counts the same bytes but hands autograd the tensors themselves.
 So the accounting covers every micro-batch while only those that move pay for
@@ -245,9 +247,6 @@ def check_swap_platform(platform: Platform) -> bool:
     return platform.handle.is_accelerator
 
 
-# -- the pass ------------------------------------------------------------------
-
-
 # -- the step kinds ------------------------------------------------------------
 
 
@@ -333,6 +332,9 @@ SWAP_IN = register_step_kind(
         handler=_run_swap,
     )
 )
+
+
+# -- the pass ------------------------------------------------------------------
 
 
 def insert_swaps(order: Mapping[int, Sequence[MetaStep]], policy: SwapPolicy) -> Order:
