@@ -8,9 +8,9 @@ their own client of the rendezvous store, created after the script
 initialised its process group.
 
 Strict mode is the layer's own (``Layer.strict``, as for the marker's
-``strict=True``): async outputs are poisoned until ``wait()``, inputs and
-outputs touched before it raise there, and once the script has ended
-normally, async work it never waited is reported and the rank exits 1.
+``strict=True``): a read of a pending async call's output, or a write to
+its input, raises where it happens, naming both lines, and once the script
+has ended normally, async work it never waited is reported and the rank exits 1.
 """
 
 from __future__ import annotations

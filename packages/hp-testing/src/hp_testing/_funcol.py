@@ -16,7 +16,7 @@ order, both kinds share one sequence per group, and a rank that issues a
 functional all-gather where its peers issue a classic one of the same size is
 not flagged (it works on the real backend too).
 
-What is not done for functional collectives: strict-mode poisoning (their
+What is not done for functional collectives: strict mode's read guard (their
 results are ``AsyncCollectiveTensor``s that wait on first use, so reading one
 early is not a hazard), and the ``*_coalesced`` and ``*_inplace`` variants,
 which no torch component in 2.13 calls on the training path.

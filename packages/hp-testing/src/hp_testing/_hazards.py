@@ -1,15 +1,22 @@
-"""Async hazards in strict mode: poisoned outputs, inputs changed before ``wait()``, works never waited.
+"""What strict mode keeps of an async call until ``wait()``: its buffers, input snapshots, the work handle.
 
 On a GPU an async collective writes its output some time before ``wait()``
 returns and reads its input until then; gloo on a CPU usually finishes before
-the caller looks, so races stay invisible. In strict mode the collective runs
-on private copies (a *shadow* of each output, taken at issue), the caller's
-output is filled with a poison value (NaN, or the dtype's largest integer)
-until ``wait()`` copies the result in, and each input is compared at
-``wait()`` with a snapshot taken at issue. This is the backstop behind the
-read guard (:mod:`hp_testing._read_guard`), which raises at the touch itself:
-a read the guard cannot see (another thread, the buffer protocol) still finds
-poison, and a write it cannot see is reported at ``wait()`` with the call's site.
+the caller looks, so races stay invisible. The read guard
+(:mod:`hp_testing._read_guard`) raises at the touch itself; this module is
+what it watches and its backstop: :class:`AsyncBuffers` records a call's
+outputs and inputs, snapshots each input at issue and compares it at
+``wait()``, so a write the guard cannot see (another thread, the buffer
+protocol) is still reported, with the call's site.
+
+[Note: why outputs are not shadowed]
+Strict mode once ran each async collective on private copies of its outputs
+and filled the caller's with NaN until ``wait()``. An early read then showed
+up, if at all, as a wrong number somewhere later, and the copies, the fill,
+the check and the copy back cost more than the rest of strict mode together
+(2.4x a plain gloo step in ``benchmarks/emulation_overhead.py``, against 1.5x
+without them). With the guard every read on the rank's thread raises where
+it happens, so the outputs are now the caller's own tensors, written by gloo.
 
 :class:`CheckedWork` is what a wrapped call returns whenever something must
 happen at ``wait()``; every other attribute is the torch ``Work``'s.
@@ -23,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AsyncHazardError", "CheckedWork", "DoneWork", "Shadows", "poison_value"]
+__all__ = ["AsyncBuffers", "AsyncHazardError", "CheckedWork", "DoneWork"]
 
 
 class AsyncHazardError(RuntimeError):
@@ -50,76 +57,33 @@ class DoneWork:
         return []
 
 
-def poison_value(tensor: torch.Tensor) -> float | int | bool:
-    if tensor.is_floating_point() or tensor.is_complex():
-        return float("nan")
-    if tensor.dtype == torch.bool:
-        return True
-    return int(torch.iinfo(tensor.dtype).max)
-
-
-def _is_poisoned(tensor: torch.Tensor) -> bool:
-    if tensor.numel() == 0:
-        return True
-    if tensor.is_floating_point() or tensor.is_complex():
-        return bool(torch.isnan(tensor).all())
-    return bool((tensor == poison_value(tensor)).all())
-
-
-class Shadows:
-    """The strict-mode bookkeeping of one async call."""
+class AsyncBuffers:
+    """The buffers of one async call in strict mode: outputs (written by it), inputs (read by it)."""
 
     def __init__(self, what: str, site: str) -> None:
         self.what = what
         self.site = site
-        self.outputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # label, user tensor, shadow
-        self.inputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # label, user tensor, snapshot
+        self.outputs: list[tuple[str, torch.Tensor]] = []  # label, the caller's tensor
+        self.inputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # label, tensor, snapshot at issue
 
-    def shadow_output(self, label: str, tensor: torch.Tensor) -> torch.Tensor:
-        for _, user, shadow in self.outputs:
-            if user is tensor:
-                return shadow
-        shadow = tensor.detach().clone()
-        self.outputs.append((label, tensor, shadow))
-        return shadow
+    def output(self, label: str, tensor: torch.Tensor) -> None:
+        if all(user is not tensor for _, user in self.outputs):
+            self.outputs.append((label, tensor))
 
-    def alias_in_shadow(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The shadow's view of ``tensor`` when it is a piece of a shadowed output, else None.
+    def _inside_output(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` shares storage with an output (an in-place collective's input)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(user.untyped_storage().data_ptr() == ptr for _, user in self.outputs)
 
-        An in-place all-gather passes its input as this rank's chunk of the
-        output (FSDP's gathers do): poisoning the output poisons that input
-        too, so the collective must read the chunk from the shadow, and the
-        input is covered by the output's check instead of a snapshot of its own.
-        """
-        for _, user, shadow in self.outputs:
-            if tensor.untyped_storage().data_ptr() != user.untyped_storage().data_ptr():
-                continue
-            offset = tensor.storage_offset() - user.storage_offset()
-            if (
-                tensor.is_contiguous()
-                and user.is_contiguous()
-                and 0 <= offset <= user.numel() - tensor.numel()
-            ):
-                return shadow.view(-1)[offset : offset + tensor.numel()].view(tensor.shape)
-        return None
-
-    def snapshot_input(self, label: str, tensor: torch.Tensor) -> None:
-        if any(user is tensor for _, user, _ in self.outputs):
-            return
-        self.inputs.append((label, tensor, tensor.detach().clone()))
-
-    def poison(self) -> None:
-        with torch.no_grad():
-            for _, user, _ in self.outputs:
-                if user.numel():
-                    user.fill_(poison_value(user))
+    def input(self, label: str, tensor: torch.Tensor) -> None:
+        """Snapshot an input, unless it is (part of) an output: an all-reduce's tensor, FSDP's
+        in-place all-gather chunk; the output's own check covers those."""
+        if tensor.numel() and not self._inside_output(tensor):
+            self.inputs.append((label, tensor, tensor.detach().clone()))
 
     def settle(self) -> None:
-        """At ``wait()``: check nothing was touched, then hand the results over."""
+        """At ``wait()``: every input must still equal its snapshot."""
         problems = []
-        for label, user, _ in self.outputs:
-            if not _is_poisoned(user):
-                problems.append(f"its output {label} was written to")
         for label, user, snapshot in self.inputs:
             same = user.shape == snapshot.shape and bool(
                 torch.equal(user.detach(), snapshot)
@@ -131,9 +95,6 @@ class Shadows:
             )
             if not same:
                 problems.append(f"its input {label} was modified")
-        with torch.no_grad():
-            for _, user, shadow in self.outputs:
-                user.copy_(shadow)
         if problems:
             raise AsyncHazardError(
                 f"{self.what} issued with async_op=True at {self.site}: between the issue and wait(), "

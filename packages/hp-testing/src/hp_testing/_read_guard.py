@@ -21,7 +21,7 @@ View and metadata ops (``view``, slicing, ``split``, ``detach``,
 ``empty_like``, ...) read no data and pass. ``print`` and ``.tolist()`` read
 without dispatching an op (torch's printing switches dispatch modes off), so
 ``Tensor.__repr__``, ``tolist`` and ``numpy`` are wrapped for as long as the
-mode is on. The layer's own work (shadow copies, the hand-over at ``wait()``,
+mode is on. The layer's own work (input snapshots, the check at ``wait()``,
 gloo's threads) runs nested or on other threads and is not seen
 ([Note: one call through the layer]).
 
@@ -29,8 +29,13 @@ The cost is paid only in strict mode and only while something is pending:
 the mode is pushed when the first async call of a quiet rank is issued and
 popped when the last one is waited. If the program pushed a dispatch mode of
 its own in between, ours stays under it (inert) until it is on top again.
-Reads that escape the mode (another thread, a buffer protocol) still find the
-poisoned values of :mod:`hp_testing._hazards`, checked at ``wait()``.
+Writes that escape the mode (another thread, a buffer protocol) to an input
+are still found at ``wait()`` by the snapshots of :mod:`hp_testing._hazards`;
+reads that escape it are not caught ([Note: why outputs are not shadowed]).
+
+``__torch_dispatch__`` is not wrapped in ``torch._disable_dynamo`` (as torch
+does by default for a mode): that wrapper costs more per op than the check
+itself, and the mode is never compiled (it is pushed and popped in eager code).
 """
 
 from __future__ import annotations
@@ -142,6 +147,10 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.guard = guard
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # see the module docstring: no _disable_dynamo wrapper per op
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.guard.buffers and not depth():
@@ -183,12 +192,13 @@ class ReadGuard:
             self._disarm()
 
     def warm_up(self) -> None:
-        """Run the mode once, before the program does: its first use imports ``torch._dynamo``.
+        """Run the mode once, before the program does: a first use may import parts of torch.
 
-        That import takes seconds on a busy machine. Paid inside a read check,
-        it would delay this rank's error past the pool's grace period while its
-        peers, which already reported theirs, wait; paid here, at the start of a
-        strict test, it only delays the first collective.
+        With torch's default ``_disable_dynamo`` wrapper the first op imported
+        ``torch._dynamo`` (seconds on a busy machine): paid inside a read check,
+        that delayed a rank's error past the pool's grace period while its peers,
+        which had reported theirs, waited. Whatever a first use still costs is
+        paid here, at the start of a strict test, before any collective.
         """
         if self._warm:
             return

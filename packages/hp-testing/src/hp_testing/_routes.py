@@ -7,8 +7,8 @@ Each wrapped call, in order:
 3. fire a planned fault, if one is due (:mod:`hp_testing._fault_plan`);
 4. compare its fingerprint with the other ranks' through the store
    (:mod:`hp_testing._sidechannel`), or post/await its p2p other end;
-5. in strict mode, refuse pending buffers, swap outputs for shadows and
-   watch the buffers until ``wait()`` (:mod:`hp_testing._strict`);
+5. in strict mode, refuse pending buffers, snapshot the inputs and watch
+   the buffers until ``wait()`` (:mod:`hp_testing._strict`);
 6. run it on gloo, emulating what gloo lacks (:mod:`hp_testing._backend_emulation`).
 
 Every function here runs nested ([Note: one call through the layer] in
@@ -50,7 +50,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from hp_testing._backend_emulation import AllWork, execute, transfer_view
 from hp_testing._calls import Call, call_site, describe, describe_p2p, object_p2p
-from hp_testing._hazards import CheckedWork, DoneWork, Shadows
+from hp_testing._hazards import AsyncBuffers, CheckedWork, DoneWork
 from hp_testing.profiles import check_call
 
 if TYPE_CHECKING:
@@ -91,17 +91,17 @@ def run_collective(layer: Layer, name: str, orig: Callable[..., Any], args: dict
     """One classic collective (``all_reduce``, ``all_gather_single``, the object collectives, ...)."""
     call = describe(name, args)
     finish = check_collective(layer, call, defer=call.async_op and not layer.profile.stream_ordered_p2p)
-    shadows: Shadows | None = None
+    buffers: AsyncBuffers | None = None
     if layer.strict and call.async_op and call.kind == "collective":
-        shadows = layer.hazards.shadow_collective(name, call, args, dist.get_rank())
+        buffers = layer.hazards.collective_buffers(name, call, dist.get_rank())
     result = execute(layer.profile, name, orig, args, call, _gather_single())
-    if not call.async_op or (shadows is None and finish is None):
+    if not call.async_op or (buffers is None and finish is None):
         return result
     return CheckedWork(
         result,
         [finish] if finish is not None else [],
-        [shadows.settle] if shadows is not None else [],
-        layer.hazards.watch(shadows, call.shown, call.site) if shadows is not None else None,
+        [buffers.settle] if buffers is not None else [],
+        layer.hazards.watch(buffers, call.shown, call.site) if buffers is not None else None,
     )
 
 
@@ -132,22 +132,20 @@ def run_p2p(layer: Layer, name: str, orig: Callable[..., Any], args: dict[str, A
         if ticket is not None and channel is not None:
             channel.p2p_wait(ticket)  # gloo's send also waits for its receive
         return None if dropped else orig(**args)
-    shadows = None
-    if layer.strict:
-        shadows, args["tensor"] = layer.hazards.shadow_p2p(call, args["tensor"], send=send)
+    buffers = layer.hazards.p2p_buffers(call, tensor, send=send) if layer.strict else None
     if ticket is not None and channel is not None and channel.posted(ticket):
         channel.p2p_wait(ticket)  # see [Note: checking both ends at issue]
     work: Any = DoneWork() if dropped else orig(**args)
     before: list[Callable[[], None]] = []
     if ticket is not None and channel is not None:
         before.append(functools.partial(channel.p2p_wait, ticket))
-    if shadows is None and not before:
+    if buffers is None and not before:
         return work
     return CheckedWork(
         work,
         before,
-        [shadows.settle] if shadows is not None else [],
-        layer.hazards.watch(shadows, call.shown, call.site) if shadows is not None else None,
+        [buffers.settle] if buffers is not None else [],
+        layer.hazards.watch(buffers, call.shown, call.site) if buffers is not None else None,
     )
 
 
@@ -157,7 +155,7 @@ def run_batch(layer: Layer, orig: Callable[..., Any], ops: list[Any], isend: Cal
     token = object()
     tickets = []
     real_ops = []
-    shadows = Shadows("batch_isend_irecv", "") if layer.strict else None
+    buffers = AsyncBuffers("batch_isend_irecv", "") if layer.strict else None
     for index, op in enumerate(ops):
         send = op.op is isend or op.op is c10d.isend
         call = describe_p2p("isend" if send else "irecv", op.tensor, op.peer, op.group, op.tag)
@@ -173,15 +171,14 @@ def run_batch(layer: Layer, orig: Callable[..., Any], ops: list[Any], isend: Cal
             tickets.append(ticket)
         if dropped:
             continue
-        tensor = op.tensor
-        if shadows is not None:
-            shadows.site = shadows.site or call.site
+        if buffers is not None:
+            buffers.site = buffers.site or call.site
             label = f"the buffer of {call.shown}"
             if send:
-                shadows.snapshot_input(label, tensor)
+                buffers.input(label, op.tensor)
             else:
-                tensor = shadows.shadow_output(label, tensor)
-        tensor = transfer_view(layer.profile, tensor)
+                buffers.output(label, op.tensor)
+        tensor = transfer_view(layer.profile, op.tensor)
         tag = op.tag if layer.profile.p2p_tags else 0  # order matching, as on NCCL/HCCL
         if ticket is not None and channel is not None and channel.posted(ticket):
             channel.p2p_wait(ticket)  # see [Note: checking both ends at issue]
@@ -193,17 +190,17 @@ def run_batch(layer: Layer, orig: Callable[..., Any], ops: list[Any], isend: Cal
     before: list[Callable[[], None]] = []
     if channel is not None:
         before = [functools.partial(channel.p2p_wait, t) for t in tickets]
-    if not before and shadows is None:
+    if not before and buffers is None:
         return works
     handles = works or [DoneWork()]
     # Waiting on any handle settles the whole batch: checks, every transfer, then the hand-over.
     first = CheckedWork(
         AllWork(handles),
         before,
-        [shadows.settle] if shadows is not None else [],
+        [buffers.settle] if buffers is not None else [],
         # a batch never waited is not reported (it never was): hp_core waits batches for the caller
-        layer.hazards.watch(shadows, "batch_isend_irecv", shadows.site, unwaited=False)
-        if shadows is not None
+        layer.hazards.watch(buffers, "batch_isend_irecv", buffers.site, unwaited=False)
+        if buffers is not None
         else None,
     )
     # (the others must not wait their torch work again: a gloo send waited twice blocks forever)

@@ -1,13 +1,12 @@
-"""Strict mode on one rank: which buffers of an async call are shadowed, watched and waited for.
+"""Strict mode on one rank: which buffers of an async call are watched, and the work not waited yet.
 
 Strict mode (the marker's ``strict=True``, ``HP_TEST_STRICT=1``, ``hp-run``
 under ``--emulate``) has three layers of defence, from the earliest to the last:
 
 1. the read guard (:mod:`hp_testing._read_guard`) raises when the program
    touches a pending output or writes a pending input, naming both call sites;
-2. the shadows (:mod:`hp_testing._hazards`): the collective runs on private
-   copies and the caller's outputs hold poison until ``wait()``, which checks
-   that nothing escaped the guard (another thread, a buffer protocol);
+2. the input snapshots (:mod:`hp_testing._hazards`), compared at ``wait()``,
+   for writes the guard cannot see (another thread, a buffer protocol);
 3. work never waited is listed at the end of the test or script.
 
 :class:`StrictMode` decides, per kind of call, which tensors are outputs
@@ -19,28 +18,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from hp_testing._calls import Call
-from hp_testing._hazards import AsyncHazardError, CheckedWork, Shadows
+from hp_testing._hazards import AsyncBuffers, AsyncHazardError, CheckedWork
 from hp_testing._read_guard import ReadGuard
 
 __all__ = ["StrictMode"]
-
-#: The argument that holds the output of each collective (written until ``wait()``).
-_OUTPUT_ARG = {
-    "all_reduce": "tensor",
-    "reduce": "tensor",
-    "all_gather_single": "output_tensor",
-    "all_gather_into_tensor": "output_tensor",
-    "reduce_scatter_single": "output",
-    "reduce_scatter_tensor": "output",
-    "reduce_scatter": "output",
-    "all_to_all_single": "output",
-}
-_OUTPUT_LIST_ARG = {"all_gather": "tensor_list", "all_to_all": "output_tensor_list"}
 
 
 class StrictMode:
@@ -60,49 +45,41 @@ class StrictMode:
             tensors += [(label, t, False) for label, t in call.inputs if all(t is not o for o in outputs)]
             self.guard.check_passed(tensors, call.shown)
 
-    def shadow_collective(self, name: str, call: Call, args: dict[str, Any], rank: int) -> Shadows:
-        """Swap the outputs in ``args`` for shadows and snapshot the inputs (see :mod:`._hazards`)."""
-        shadows = Shadows(call.shown, call.site)
-        key = _OUTPUT_ARG.get(name)
-        if name == "broadcast" and call.root != rank:
-            key = "tensor"  # the root's tensor is an input: it is only read
-        if key is not None:
-            args[key] = shadows.shadow_output(key, args[key])
-        elif name in _OUTPUT_LIST_ARG:
-            key = _OUTPUT_LIST_ARG[name]
-            args[key] = [shadows.shadow_output(f"{key}[{i}]", t) for i, t in enumerate(args[key])]
+    def collective_buffers(self, name: str, call: Call, rank: int) -> AsyncBuffers:
+        """The outputs and inputs of collective ``name``, inputs snapshotted (see :mod:`._hazards`)."""
+        buffers = AsyncBuffers(call.shown, call.site)
+        root_reads = name == "broadcast" and call.root == rank  # the root's tensor is only read
+        if not root_reads:
+            for label, tensor in call.outputs:
+                buffers.output(label, tensor)
         for label, tensor in call.inputs:
-            aliased = shadows.alias_in_shadow(tensor)
-            if aliased is not None and label in args:
-                args[label] = aliased  # an in-place collective's input: read it from the shadow
-                continue
-            shadows.snapshot_input(label, tensor)
-        return shadows
+            buffers.input(label, tensor)
+        return buffers
 
-    def shadow_p2p(
+    def p2p_buffers(
         self, call: Call, tensor: torch.Tensor, *, send: bool, label: str = "tensor"
-    ) -> tuple[Shadows, torch.Tensor]:
-        """One isend (its buffer is an input) or irecv (an output); returns what gloo gets."""
-        shadows = Shadows(call.shown, call.site)
+    ) -> AsyncBuffers:
+        """One isend (its buffer is an input) or irecv (an output)."""
+        buffers = AsyncBuffers(call.shown, call.site)
         if send:
-            shadows.snapshot_input(label, tensor)
-            return shadows, tensor
-        return shadows, shadows.shadow_output(label, tensor)
+            buffers.input(label, tensor)
+        else:
+            buffers.output(label, tensor)
+        return buffers
 
     def watch(
-        self, shadows: Shadows, what: str, site: str, *, unwaited: bool = True
+        self, buffers: AsyncBuffers, what: str, site: str, *, unwaited: bool = True
     ) -> Callable[[CheckedWork], None]:
-        """Poison the outputs, start watching the buffers; the returned hook ends it at ``wait()``.
+        """Start watching the call's buffers; the returned hook ends it at ``wait()``.
 
         ``unwaited``: list the call at the end if it is never waited.
         """
-        shadows.poison()
         token = next(self._tokens)
         if unwaited:
             self.unwaited[token] = (what, site)
-        buffers = [(user, _phrase("output", label), True) for label, user, _ in shadows.outputs]
-        buffers += [(user, _phrase("input", label), False) for label, user, _ in shadows.inputs]
-        self.guard.add(token, buffers, what, site)
+        watched = [(user, _phrase("output", label), True) for label, user in buffers.outputs]
+        watched += [(user, _phrase("input", label), False) for label, user, _ in buffers.inputs]
+        self.guard.add(token, watched, what, site)
 
         def waited(_: CheckedWork) -> None:
             self.unwaited.pop(token, None)

@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_const",
         const=True,
         default=None,
-        help="async hazards become errors (outputs poisoned until wait(), buffers touched before it, "
+        help="async hazards become errors (a read or write of a pending async call's buffers, "
         f"work never waited), as the pytest marker's strict=True; the default under --emulate "
         f"(or set {ENV_STRICT}=1/0)",
     )
