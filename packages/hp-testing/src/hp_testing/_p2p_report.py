@@ -41,19 +41,24 @@ def _describe(op: Posted, matched: bool) -> tuple[str, str, str]:
 
 
 def exchange_report(
-    world_size: int, posted: dict[int, list[Posted] | None], exists: Callable[[str], bool]
+    world_size: int,
+    posted: dict[int, list[Posted] | None],
+    exists: Callable[[str], bool],
+    notes: dict[int, str] | None = None,
 ) -> str:
     """Every rank's current exchange, each op marked matched or not ([Note: the current exchange]).
 
-    ``posted[r]`` is None when rank ``r`` published nothing (still running).
-    ``exists`` tells whether a store key is set.
+    ``posted[r]`` is None when rank ``r`` published nothing: ``notes[r]`` says
+    why (it failed or exited), else it is still running. ``exists`` tells
+    whether a store key is set.
     """
     rows: list[tuple[str, str, str, str, str]] = []  # rank label, op, message, verdict, site
     for rank in range(world_size):
         label = f"rank {rank}:"
         ops = posted.get(rank)
         if ops is None:
-            rows.append((label, "(unknown: still running, it has not stopped to wait)", "", "", ""))
+            note = (notes or {}).get(rank, "(unknown: still running, it has not stopped to wait)")
+            rows.append((label, note, "", "", ""))
             continue
         if not ops:
             rows.append((label, "(no point-to-point op in flight)", "", "", ""))

@@ -140,7 +140,9 @@ def _is_p2p(key: str) -> bool:
     return key.startswith(("s/", "r/"))
 
 
-_REPORT_WAIT = (0.1,) * 50  # seconds between looks for the exchanges of ranks still running
+# Seconds between looks for the exchanges of ranks still running: 2 s in all, well inside the
+# pool's grace period (3 s) and hp-run's (5 s) for the peers of a rank that failed.
+_REPORT_WAIT = (0.1,) * 20
 
 
 def _line(rank: int, posted: Fingerprint | None, width: int) -> str:
@@ -298,14 +300,15 @@ class SideChannel:
         return [t.posted() for t in self.exchange[-32:]]
 
     def _exchange_report(self) -> str:
-        """Every rank's current exchange; waits up to 5 s for ranks that have not published one yet."""
+        """Every rank's current exchange; waits up to 2 s for live ranks that have not published one."""
         posted: dict[int, list[Posted] | None] = {self.rank: self._exchange()}
+        notes: dict[int, str] = {}
         others = [r for r in range(self.world_size) if r != self.rank]
         for pause in (0.0, *_REPORT_WAIT):
             if pause:
                 time.sleep(pause)
             for rank in others:
-                if posted.get(rank) is not None:
+                if posted.get(rank) is not None or rank in notes:
                     continue
                 blocked = self._get(f"blocked/{rank}", Blocked)
                 if blocked is not None and blocked.missing:
@@ -314,9 +317,14 @@ class SideChannel:
                 done = self._get(f"done/{rank}", Done)
                 if done is not None:
                     posted[rank] = done.posted
-            if all(posted.get(r) is not None for r in others):
+                    continue
+                status = self._get(status_key(rank), Status)
+                if status is not None:  # it will publish nothing more
+                    code = f" (code {status.code})" if status.code is not None else ""
+                    notes[rank] = f"({status.kind}{code} before publishing its exchange)"
+            if all(posted.get(r) is not None or r in notes for r in others):
                 break
-        return exchange_report(self.world_size, posted, self._exists)
+        return exchange_report(self.world_size, posted, self._exists, notes)
 
     def _raise_unmatched(self, cycle: list[int], lines: list[str], report: str) -> None:
         """Ranks that all wait in ``wait()`` for sends and receives whose other ends were never posted."""
