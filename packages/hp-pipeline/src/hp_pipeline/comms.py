@@ -33,6 +33,7 @@ import heapq
 from collections.abc import Collection, Mapping, Sequence
 from fractions import Fraction
 
+from hp_pipeline._checks import check_costs, check_order_mapping
 from hp_pipeline._deps import Edge, OrderView
 from hp_pipeline.errors import ScheduleError
 from hp_pipeline.ir import MetaStep, MetaStepType, Order
@@ -81,6 +82,15 @@ def insert_comms(
         ValueError: the input already has communication or data steps, or
             ``data_stages`` names a stage that does not exist.
     """
+    check_order_mapping("insert_comms", order)
+    check_costs("insert_comms", costs)
+    if data_stages is not None and (
+        isinstance(data_stages, (str, bytes)) or not isinstance(data_stages, Collection)
+    ):
+        raise TypeError(
+            f"insert_comms: data_stages={data_stages!r} is a {type(data_stages).__name__}, not a collection "
+            f"of stage indices; pass e.g. data_stages=[{data_stages!r}] (or None: no data transfers)"
+        )
     view = OrderView(order)
     present = sorted({s.type.name for s in view.position if s.type.is_comm})
     if present:

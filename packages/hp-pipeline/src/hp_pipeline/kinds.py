@@ -395,7 +395,10 @@ def register_step_kind(kind: StepKind) -> MetaStepType:
     kind with a taken name or code raises ``ValueError``.
     """
     if not isinstance(kind, StepKind):
-        raise TypeError(f"register_step_kind takes a StepKind, got {type(kind).__name__}")
+        raise TypeError(
+            f"register_step_kind takes a StepKind, got {type(kind).__name__} ({kind!r}); declare the kind "
+            "as StepKind(name=..., code=..., ...) and pass that"
+        )
     same_code = MetaStepType._by_code.get(kind.code)
     same_name = MetaStepType._by_name.get(kind.name)
     if same_code is not None and same_code is same_name and _same_declaration(same_code.spec, kind):

@@ -16,6 +16,7 @@ from fractions import Fraction
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from hp_pipeline._checks import check_costs, check_order_mapping
 from hp_pipeline._deps import matching
 from hp_pipeline.ir import MetaStep, MetaStepType, format_order
 from hp_pipeline.simulate import SimulationResult, StepCosts, simulate
@@ -55,6 +56,17 @@ def render_order(
         ScheduleError: the order is invalid.
         ValueError: ``path`` does not end in ``.svg``.
     """
+    check_order_mapping("render_order", order)
+    check_costs("render_order", costs)
+    if title is not None and not isinstance(title, str):
+        raise TypeError(
+            f"render_order: title={title!r} is a {type(title).__name__}, not a str; pass a str or None"
+        )
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"render_order: path={path!r} is a {type(path).__name__}; pass a file name ending in '.svg' "
+            "(a str or a pathlib.Path), or None for the text timeline only"
+        )
     if path is not None and Path(path).suffix.lower() != ".svg":
         raise ValueError(
             f"render_order writes SVG; got path {os.fspath(path)!r}, use a name ending in '.svg'"

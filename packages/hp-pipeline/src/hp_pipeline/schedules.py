@@ -29,12 +29,21 @@ the others with neither.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hp_pipeline._checks import (
+    check_bool,
+    check_callable,
+    check_chunk_specs,
+    check_options,
+    check_positive_number,
+    describe_fingerprint,
+)
 from hp_pipeline.builders import (
     build_1f1b_order,
     build_dualpipev_order,
@@ -136,6 +145,17 @@ class PipelineSchedule:
                 f"{type(self).__name__} is a base class (get_schedule_class returns it, as torch's does, "
                 "for issubclass checks); build a schedule such as Schedule1F1B or ScheduleInterleaved1F1B"
             )
+        # Every argument is checked before any rank communicates or any attribute is set (issue 17).
+        check_callable(self._name, "loss_fn", loss_fn, "loss_fn=torch.nn.functional.mse_loss")
+        check_chunk_specs(self._name, args_chunk_spec, kwargs_chunk_spec)
+        if isinstance(output_merge_spec, bool) or not isinstance(output_merge_spec, int):
+            raise TypeError(
+                f"{self._name}: output_merge_spec={output_merge_spec!r} is a "
+                f"{type(output_merge_spec).__name__}, not an int; pass the dim along which the last "
+                "stage's outputs are concatenated (default 0)"
+            )
+        check_bool(self._name, "scale_grads", scale_grads)
+        check_positive_number(self._name, "abort_timeout", abort_timeout)
         if recv_lookahead is not None and (
             isinstance(recv_lookahead, bool) or not isinstance(recv_lookahead, int) or recv_lookahead < 1
         ):
@@ -152,7 +172,8 @@ class PipelineSchedule:
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
             raise TypeError(
                 f"{self._name} needs PipelineStage objects, got "
-                f"{[type(s).__name__ for s in stages] or 'nothing'}"
+                f"{[type(s).__name__ for s in stages] or 'nothing'}; wrap each of this rank's model "
+                "chunks as PipelineStage(module, stage_index, num_stages)"
             )
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"{self._name}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
@@ -164,7 +185,16 @@ class PipelineSchedule:
         self.scale_grads = scale_grads
         groups = {id(s.group) for s in stages}
         if len(groups) != 1:
-            raise ValueError(f"{self._name}: all stages of a rank must use the same process group")
+            named = {
+                s.stage_index: "the default group"
+                if s.group is None
+                else f"group of ranks {dist.get_process_group_ranks(s.group)}"
+                for s in stages
+            }
+            raise ValueError(
+                f"{self._name}: all stages of a rank must use the same process group, got {named}; build "
+                "every stage of the schedule with the same group= (the pipeline's group)"
+            )
         self.group: dist.ProcessGroup | None = stages[0].group
         self.num_ranks = dist.get_world_size(self.group)
         self.group_rank = dist.get_rank(self.group)
@@ -187,6 +217,7 @@ class PipelineSchedule:
         self._swap = None if swap_policy is None else attach_swap(self._runner, swap_policy)
         self._runner.recv_lookahead = recv_lookahead
         self._learned = False
+        self._agreed = False  # [Note: cross-rank agreement] in hp_pipeline._checks
         self._tied: list[TiedGroup] = []
 
     # -- construction -------------------------------------------------------------
@@ -242,6 +273,46 @@ class PipelineSchedule:
     def _peer_rank(self, stage: int) -> int:
         return self._global_ranks[stage_to_rank(stage, self.num_ranks, style=self._style)]
 
+    def _fingerprint(self) -> dict[str, Any]:
+        """What every rank of the pipeline must agree on for the orders' transfers to pair up.
+
+        Local choices (chunk specs, merge dim, ``recv_lookahead``, a swap
+        policy, which only adds local steps) are left out: ranks may differ there.
+        """
+        return {
+            "schedule": self._name,
+            "n_microbatches": self._n_microbatches,
+            "num_stages": self.num_stages,
+            "ranks": self.num_ranks,
+            "loss_fn": None if self._loss_fn is None else "given",
+            "scale_grads": self.scale_grads,
+        }
+
+    def _agree_across_ranks(self) -> None:
+        """Once per schedule: every rank raises if any rank built a different schedule.
+
+        One ``all_gather_object`` over the pipeline group, before any
+        point-to-point transfer ([Note: cross-rank agreement] in hp_pipeline._checks).
+        """
+        if self._agreed or self.num_ranks == 1:
+            self._agreed = True
+            return
+        from hp_core import all_gather_object
+
+        mine = self._fingerprint()
+        every = all_gather_object(mine, self.group)
+        if any(f != mine for f in every):
+            rows = "; ".join(
+                f"rank {rank}: {describe_fingerprint(f)}"
+                for rank, f in zip(self._global_ranks, every, strict=True)
+            )
+            raise ValueError(
+                f"the ranks of the pipeline built different schedules ({rows}); their transfers would not "
+                "pair up. Build the same schedule on every rank: the same class, n_microbatches, "
+                "num_stages, loss_fn (given or not) and the options listed above"
+            )
+        self._agreed = True
+
     # -- running ------------------------------------------------------------------
 
     def step(
@@ -256,6 +327,7 @@ class PipelineSchedule:
         pre_failure: StageFailure | None = None
         arg_mbs = kwarg_mbs = targets = None
         try:
+            self._check_losses(losses)
             for stage in self._stages.values():
                 stage._check_materialized()
             arg_mbs, kwarg_mbs, targets = self._split_inputs(args, kwargs, target, "schedule.step(x)")
@@ -267,12 +339,32 @@ class PipelineSchedule:
             sync_tied(self._tied, self._modules(), self._rank_of_stage(), self.group, values=False)
         return self._finish(losses)
 
+    @staticmethod
+    def _check_losses(losses: object) -> None:
+        """``losses`` is appended to after the step, so a wrong type must fail before it runs.
+
+        Raised inside ``step``'s pre-step ``try``, so every rank raises it (as a
+        :class:`~hp_pipeline.PipelineStepError`) and no rank computes.
+        """
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(
+                f"step(losses=...) takes a list to append each micro-batch's loss to, got a "
+                f"{type(losses).__name__} ({losses!r}); pass losses=[] (or leave it None)"
+            )
+
     def _split_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, example: str
     ) -> tuple[Any, Any, list[Any] | None]:
         """Stage 0's inputs and the last stage's targets, split into micro-batches (None elsewhere)."""
         m = self._n_microbatches
         arg_mbs = kwarg_mbs = targets = None
+        last = self.num_stages - 1
+        if last in self._stages and self._loss_fn is not None and target is None:
+            raise ValueError(
+                f"rank {dist.get_rank()} hosts the last stage ({last}) and the schedule has a loss_fn, "
+                "but step() got target=None; pass the batch's targets there, e.g. "
+                "schedule.step(target=y, losses=losses)"
+            )
         if 0 in self._stages:
             if not args and not kwargs:
                 raise ValueError(
@@ -295,6 +387,7 @@ class PipelineSchedule:
         pre_failure: StageFailure | None,
     ) -> None:
         """Run this rank's order, then agree with every rank on failures ([Note: failure vote])."""
+        self._agree_across_ranks()  # the first step only: before any transfer, nothing run yet
         if self._swap is not None:
             self._swap.begin_step()
         own = self._runner.run(
@@ -397,6 +490,14 @@ class PipelineSchedule:
         )
 
 
+SCHEDULE_OPTIONS: frozenset[str] = frozenset(
+    name
+    for name, param in inspect.signature(PipelineSchedule.__init__).parameters.items()
+    if param.kind is inspect.Parameter.KEYWORD_ONLY
+)
+"""The keyword options every schedule takes; an unknown one is listed with these (issue 17)."""
+
+
 def _failure_outside_steps(exc: Exception) -> StageFailure:
     import traceback
 
@@ -420,13 +521,14 @@ class PipelineScheduleSingle(PipelineSchedule):
         loss_fn: LossFn | None = None,
         **options: Any,
     ) -> None:
+        check_options(self._name, options, SCHEDULE_OPTIONS)
         if not isinstance(stage, PipelineStage):
             if isinstance(stage, Sequence) and len(stage) == 1:
                 stage = stage[0]
             else:
                 raise TypeError(
-                    f"{self._name} runs one stage per rank; pass this rank's PipelineStage, got "
-                    f"{type(stage).__name__}"
+                    f"{self._name} runs one stage per rank; pass this rank's PipelineStage "
+                    f"(PipelineStage(module, rank, num_ranks)), got {type(stage).__name__}"
                     + (
                         f" of {len(stage)} stages (use ScheduleInterleaved1F1B)"
                         if isinstance(stage, Sequence)
@@ -476,6 +578,7 @@ class PipelineScheduleMulti(PipelineSchedule):
         loss_fn: LossFn | None = None,
         **options: Any,
     ) -> None:
+        check_options(self._name, options, SCHEDULE_OPTIONS)
         self._v = 1 if isinstance(stages, PipelineStage) else len(stages)
         super().__init__(stages, n_microbatches, loss_fn, **options)
 

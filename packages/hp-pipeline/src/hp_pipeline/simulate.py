@@ -246,6 +246,11 @@ def simulate(
     Raises:
         ScheduleError: the order is invalid (or, with ``validate=False``, stalls).
     """
+    from hp_pipeline._checks import check_bool, check_costs, check_order_mapping
+
+    check_order_mapping("simulate", order)
+    check_costs("simulate", costs)
+    check_bool("simulate", "validate", validate)
     if validate:
         validate_order(order)
     costs = StepCosts() if costs is None else costs

@@ -86,6 +86,23 @@ def _flatten_outputs(stage_index: int, out: Any) -> tuple[torch.Tensor, ...]:
     )
 
 
+def _as_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device``, or an error naming the value and the accepted forms."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, (str, int)) and not isinstance(device, bool):
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            cause: Exception | None = exc
+    else:
+        cause = None
+    raise ValueError(
+        f"PipelineStage: device={device!r} is not a device; pass a torch.device, a string such as "
+        "'cpu' or 'cuda:0', or None for hp_core.get_platform().device()"
+    ) from cause
+
+
 def _detached(out: Any) -> Any:
     if isinstance(out, torch.Tensor):
         return out.detach()
@@ -132,28 +149,39 @@ class PipelineStage:
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        # Every argument is checked before any attribute is set: a refused stage is not half-built.
         if not isinstance(module, nn.Module):
-            raise TypeError(f"PipelineStage needs an nn.Module, got {type(module).__name__}")
-        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise TypeError(
+                f"PipelineStage needs an nn.Module, got {type(module).__name__}; wrap a function in a "
+                "module (e.g. a small nn.Module subclass whose forward calls it)"
+            )
+        for name, value in (("num_stages", num_stages), ("stage_index", stage_index)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"PipelineStage: {name}={value!r} is a {type(value).__name__}, not an int; pass an int"
+                )
+        if num_stages < 1:
             raise ValueError(f"PipelineStage: num_stages must be an int >= 1, got {num_stages!r}")
-        if (
-            isinstance(stage_index, bool)
-            or not isinstance(stage_index, int)
-            or not 0 <= stage_index < num_stages
-        ):
+        if not 0 <= stage_index < num_stages:
             raise ValueError(
                 f"PipelineStage: stage_index must be in 0 .. {num_stages - 1} (num_stages={num_stages}), "
                 f"got {stage_index!r}"
             )
-        self.submod = module
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self._device = None if device is None else torch.device(device)
-        if self._device is not None and self._device.type == "meta":
+        resolved = None if device is None else _as_device(device)
+        if resolved is not None and resolved.type == "meta":
             raise ValueError(
                 "PipelineStage: device='meta' cannot hold received activations; pass the device the "
                 "stage computes on (or leave it None to use hp_core.get_platform().device())"
             )
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"PipelineStage: group={group!r} is a {type(group).__name__}, not a ProcessGroup; pass "
+                "the pipeline's group (e.g. mesh['pp'].get_group()) or None for the default group"
+            )
+        self.submod = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self._device = resolved
         self.group = group
         # [Note: tensor metadata]: micro-batch -> metadata of that micro's inputs / outputs.
         self.inputs_meta: dict[int, tuple[TensorMeta, ...]] = {}

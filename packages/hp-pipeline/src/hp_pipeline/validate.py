@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
+from hp_pipeline._checks import check_bool, check_int, check_order_mapping
 from hp_pipeline._deps import OrderView, matching, walk_order
 from hp_pipeline.errors import ScheduleError
 from hp_pipeline.ir import MetaStep, MetaStepType
@@ -75,6 +76,10 @@ def validate_order(
         ScheduleError: (a ``ValueError``) naming the rule, each offending step,
             and the grid with those steps marked.
     """
+    check_order_mapping("validate_order", order)
+    check_int("validate_order", "n_microbatches", n_microbatches, least=1, allow_none=True)
+    check_int("validate_order", "num_stages", num_stages, least=1, allow_none=True)
+    check_bool("validate_order", "require_comms", require_comms)
     view = OrderView(order)
     _check_structure(view, num_stages)
     _check_counts(view, n_microbatches)

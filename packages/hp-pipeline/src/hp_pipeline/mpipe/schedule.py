@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hp_pipeline._checks import check_bool, check_options
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.errors import StageFailure
 from hp_pipeline.executor import StepRunner
@@ -51,7 +52,7 @@ from hp_pipeline.microbatch import split_args_kwargs
 from hp_pipeline.mpipe.order import MPIPE_BASES, build_mpipe_order, mpipe_base_layout
 from hp_pipeline.mpipe.ownership import OverflowMode, check_owns_data, mpipe_owned_micros
 from hp_pipeline.mpipe.runner import MPipeRunner
-from hp_pipeline.schedules import LossFn, PipelineSchedule, _failure_outside_steps
+from hp_pipeline.schedules import SCHEDULE_OPTIONS, LossFn, PipelineSchedule, _failure_outside_steps
 from hp_pipeline.stage import PipelineStage
 
 __all__ = ["ScheduleMPipe"]
@@ -61,6 +62,59 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """The local piece of a DTensor-like tensor (``to_local``), else the tensor: elementwise ops act on it."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def _check_mpipe_keywords(
+    *,
+    preprocess: object,
+    overflow_mode: object,
+    flags: Mapping[str, object],
+    keys: Mapping[str, object],
+    target_key: object,
+    ignore_index: object,
+    dp_group: object,
+    options: Mapping[str, Any],
+) -> None:
+    """ScheduleMPipe's own keywords, checked before the base class builds anything (issue 17)."""
+    where = "ScheduleMPipe"
+    check_options(where, options, SCHEDULE_OPTIONS)
+    if not isinstance(preprocess, nn.Module):
+        raise TypeError(
+            f"{where}: preprocess must be an nn.Module, got {type(preprocess).__name__}; pass the "
+            "preprocess tower (e.g. the vision encoder) as a module"
+        )
+    if overflow_mode not in ("full", "min"):
+        raise ValueError(f"{where}: overflow_mode must be 'full' or 'min', got {overflow_mode!r}")
+    for name, value in flags.items():
+        check_bool(where, name, value)
+    for name, value in keys.items():
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise TypeError(
+                f"{where}: {name}={value!r} is a {type(value).__name__}, not a sequence of key names"
+                + (
+                    f"; pass a tuple, e.g. {name}=({value!r},)"
+                    if isinstance(value, str)
+                    else "; pass a tuple of str"
+                )
+            )
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{where}: {name} holds {bad}, which are not str; name each key as a str")
+    if not isinstance(target_key, str):
+        raise TypeError(
+            f"{where}: target_key={target_key!r} is a {type(target_key).__name__}, not a str; pass the "
+            "key of the labels in each loaded micro-batch, e.g. target_key='labels'"
+        )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(
+            f"{where}: ignore_index={ignore_index!r} is a {type(ignore_index).__name__}, not an int; pass "
+            "the label value the loss ignores (e.g. -100)"
+        )
+    if dp_group is not None and not isinstance(dp_group, dist.ProcessGroup):
+        raise TypeError(
+            f"{where}: dp_group={dp_group!r} is a {type(dp_group).__name__}, not a ProcessGroup; pass "
+            "the data-parallel group (e.g. mesh['dp'].get_group()) or None"
+        )
 
 
 def _base_name(base: str | type | None) -> str | None:
@@ -170,12 +224,23 @@ class ScheduleMPipe(PipelineSchedule):
         dp_group: dist.ProcessGroup | None = None,
         **options: Any,
     ) -> None:
-        if not isinstance(preprocess, nn.Module):
-            raise TypeError(
-                f"ScheduleMPipe: preprocess must be an nn.Module, got {type(preprocess).__name__}"
-            )
-        if overflow_mode not in ("full", "min"):
-            raise ValueError(f"ScheduleMPipe: overflow_mode must be 'full' or 'min', got {overflow_mode!r}")
+        _check_mpipe_keywords(
+            preprocess=preprocess,
+            overflow_mode=overflow_mode,
+            flags={
+                "owner_backward": owner_backward,
+                "batched_recv": batched_recv,
+                "in_schedule_loading": in_schedule_loading,
+                "normalize_by_tokens": normalize_by_tokens,
+                "broadcast_tower": broadcast_tower,
+                "check_tower_sync": check_tower_sync,
+            },
+            keys={"input_keys": input_keys, "preprocess_keys": preprocess_keys},
+            target_key=target_key,
+            ignore_index=ignore_index,
+            dp_group=dp_group,
+            options=options,
+        )
         self.preprocess = preprocess
         self.owner_backward = bool(owner_backward)
         self.overflow_mode: OverflowMode = overflow_mode
@@ -198,9 +263,22 @@ class ScheduleMPipe(PipelineSchedule):
         if self.in_schedule_loading:
             check_owns_data(p, m, self.group_rank, overflow_mode)
         if broadcast_tower and p > 1:
+            # Construction communicates here, so the ranks agree first ([Note: cross-rank agreement]).
+            self._agree_across_ranks()
             self.broadcast_tower()
 
     # -- construction hooks ---------------------------------------------------------
+
+    def _fingerprint(self) -> dict[str, Any]:
+        """The base's settings plus the MPipe keywords that shape the order on every rank."""
+        return {
+            **super()._fingerprint(),
+            "base": self.base,
+            "overflow_mode": self.overflow_mode,
+            "owner_backward": self.owner_backward,
+            "in_schedule_loading": self.in_schedule_loading,
+            "tower_trainable": self.tower_trainable,
+        }
 
     def _expected_num_stages(self, p: int, local: int) -> int:
         return p * local

@@ -1,0 +1,163 @@
+"""Up-front argument checks shared by the public entry points (issue 17).
+
+Each helper raises a ``TypeError`` or ``ValueError`` that names the argument,
+the value it saw and what to pass instead, before the caller changes any
+state or any rank communicates. They run once per call of a constructor or a
+pass, never per compute step.
+
+[Note: cross-rank agreement]
+Ranks that build different schedules (another class, ``n_microbatches``,
+``num_stages``, a ``loss_fn`` on some ranks only, ...) run orders whose
+transfers do not pair up: they hang in the first point-to-point transfer that
+has no partner, or, worse, pair transfers of different micro-batches and
+compute on the wrong data. Schedule construction itself does not communicate
+(placement is checked against this rank's own stages; the failure vote only
+resolves the group), so there is nothing at construction to piggyback a
+comparison on, and adding a collective there would make every constructor a
+collective, which torch's are not.
+
+Could the first step's first exchange carry it? The first step already sends
+a small header object ahead of every transfer ([Note: first step] in
+:mod:`hp_pipeline.executor`), so a fingerprint would cost nothing extra there.
+But a header reaches only the downstream neighbour: the receiver would learn
+of the mismatch, the sender would not, and the sender goes on through an
+order its peers do not share, so the draining that reports failures
+([Note: failures]) cannot be relied on, since it follows each rank's own
+order. And with different orders the first transfer two ranks meet may
+already be a different one on each side (a forward-only rank's gradient
+receive that never comes), which hangs before any header is read.
+
+So the first step starts with one ``all_gather_object`` of a small fingerprint
+over the pipeline group, before any point-to-point transfer: a step
+communicates anyway, the first one is already blocking and sends an object per
+transfer, and it happens once per schedule (``_agreed``), so later steps carry
+nothing. When the fingerprints differ every rank raises the same
+``ValueError`` listing each rank's values, before any rank has computed or
+sent anything. ``ScheduleMPipe``, whose construction broadcasts the tower,
+runs the same agreement there, before the broadcast.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+__all__: list[str] = []
+
+
+def type_name(value: object) -> str:
+    """The type of ``value`` as an error message writes it."""
+    return type(value).__name__
+
+
+def check_bool(where: str, name: str, value: object) -> None:
+    """A flag must be a real bool: ``"no"`` and ``0`` would otherwise read as a silent choice."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name}={value!r} is a {type_name(value)}, not a bool; pass True or False")
+
+
+def check_int(where: str, name: str, value: object, *, least: int, allow_none: bool = False) -> None:
+    """An int ``>= least`` (bool refused: ``True`` is not a count)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        none = " or None" if allow_none else ""
+        raise TypeError(
+            f"{where}: {name}={value!r} is a {type_name(value)}, not an int; pass an int >= {least}{none}"
+        )
+    if value < least:
+        raise ValueError(f"{where}: {name}={value!r} is below {least}; pass an int >= {least}")
+
+
+def check_positive_number(where: str, name: str, value: object) -> None:
+    """A real number > 0 (a timeout)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name}={value!r} is a {type_name(value)}, not a number; pass seconds > 0")
+    if not float(value) > 0:
+        raise ValueError(f"{where}: {name}={value!r} must be > 0 (seconds); pass e.g. {name}=10.0")
+
+
+def check_callable(where: str, name: str, value: object, example: str, *, allow_none: bool = True) -> None:
+    """A function (or None where allowed): a string such as ``"mse"`` is refused at once, not mid-step."""
+    if value is None and allow_none:
+        return
+    if not callable(value):
+        raise TypeError(
+            f"{where}: {name}={value!r} is a {type_name(value)}, not a callable; pass e.g. {example}"
+        )
+
+
+def check_chunk_specs(where: str, args_spec: object, kwargs_spec: object) -> None:
+    """``args_chunk_spec`` a sequence, ``kwargs_chunk_spec`` a str-keyed mapping, of specs or None."""
+    from hp_pipeline.microbatch import TensorChunkSpec, _Replicate
+
+    fix = "TensorChunkSpec(dim), REPLICATE or None (the default)"
+
+    def check_entry(label: str, spec: object) -> None:
+        if spec is not None and not isinstance(spec, (TensorChunkSpec, _Replicate)):
+            raise TypeError(f"{where}: {label} is {spec!r} ({type_name(spec)}); each entry must be {fix}")
+
+    if args_spec is not None:
+        if not isinstance(args_spec, Sequence) or isinstance(args_spec, (str, bytes)):
+            raise TypeError(
+                f"{where}: args_chunk_spec={args_spec!r} is a {type_name(args_spec)}, not a sequence; "
+                f"pass one spec per positional argument of step(), e.g. args_chunk_spec=[TensorChunkSpec(0)]"
+            )
+        for i, spec in enumerate(args_spec):
+            check_entry(f"args_chunk_spec[{i}]", spec)
+    if kwargs_spec is not None:
+        if not isinstance(kwargs_spec, Mapping):
+            raise TypeError(
+                f"{where}: kwargs_chunk_spec={kwargs_spec!r} is a {type_name(kwargs_spec)}, not a mapping; "
+                "pass a dict from keyword name to spec, e.g. kwargs_chunk_spec={'mask': REPLICATE}"
+            )
+        for key, spec in kwargs_spec.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"{where}: kwargs_chunk_spec has the key {key!r} ({type_name(key)}); keys are the "
+                    "names of step()'s keyword arguments (str)"
+                )
+            check_entry(f"kwargs_chunk_spec[{key!r}]", spec)
+
+
+def check_options(where: str, options: Mapping[str, Any], valid: Collection[str]) -> None:
+    """Unknown keyword options, listed with the valid ones (Python's own error names only the first)."""
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise TypeError(
+            f"{where} got unknown keyword option(s) {unknown}; the valid options are {sorted(valid)}"
+        )
+
+
+def check_order_mapping(where: str, order: object) -> None:
+    """An order is ``rank -> steps``: a list of lists (or ``None``) is refused with the fix."""
+    if not isinstance(order, Mapping):
+        raise TypeError(
+            f"{where}: order is a {type_name(order)}, not a mapping; pass a dict rank -> list of MetaStep, "
+            "e.g. build_1f1b_order(p, m) or {0: [MetaStep(0, MetaStepType.FWD, 0)]}"
+        )
+    for rank, steps in order.items():
+        if isinstance(steps, (str, bytes)) or not isinstance(steps, Sequence):
+            raise TypeError(
+                f"{where}: rank {rank!r}'s steps are a {type_name(steps)} ({steps!r}), not a list of "
+                "MetaStep; parse text with MetaStep.parse or read_order_csv"
+            )
+
+
+def check_costs(where: str, costs: object) -> None:
+    """``costs`` must be a :class:`StepCosts` (or None): a plain dict would silently mean nothing."""
+    from hp_pipeline.simulate import StepCosts
+
+    if costs is not None and not isinstance(costs, StepCosts):
+        raise TypeError(
+            f"{where}: costs={costs!r} is a {type_name(costs)}, not a StepCosts; pass e.g. "
+            "StepCosts(forward=1, backward=2) or StepCosts(by_code={'F': 1}), or None for the defaults"
+        )
+
+
+def describe_fingerprint(fingerprint: Mapping[str, Any]) -> str:
+    """One rank's schedule settings as ``Name(key=value, ...)`` for the agreement error."""
+    name = fingerprint.get("schedule", "?")
+    rest = ", ".join(f"{k}={v!r}" for k, v in fingerprint.items() if k != "schedule")
+    return f"{name}({rest})"
