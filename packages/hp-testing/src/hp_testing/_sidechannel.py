@@ -202,6 +202,28 @@ class SideChannel:
             self.store.set_timeout(datetime.timedelta(seconds=seconds))
             self._timeout = seconds
 
+    def _arrived(self, keys: list[str], seconds: float) -> bool:
+        """Whether all ``keys`` exist within about ``seconds`` ([Note: quiet waits]).
+
+        [Note: quiet waits]
+        A store read that times out makes torch's C++ client print two
+        ``waitForInput ... timed out`` warnings on stderr, and a rank running
+        late made every peer print them every poll: noise that buried the
+        program's own output (and read like a fault). So a wait asks
+        ``check`` (answered at once) and sleeps between asks, from 0.2 ms
+        doubling to 20 ms, which keeps a peer that is about to arrive cheap;
+        the blocking read comes only once every key is there.
+        """
+        deadline = time.monotonic() + seconds
+        pause = 0.0002
+        while not self.store.check(keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.02)
+        return True
+
     def _exists(self, key: str) -> bool:
         return bool(self.store.check([key]))
 
@@ -234,13 +256,16 @@ class SideChannel:
         attempt = 0
         try:
             while True:
-                self._set_timeout(_POLLS[min(attempt, len(_POLLS) - 1)])
-                try:
-                    raws = self.store.multi_get(keys)
-                except dist.DistStoreError:
-                    pass
-                else:
-                    return [decode(raw, self._where(key), kind) for raw, key in zip(raws, keys, strict=True)]
+                poll = _POLLS[min(attempt, len(_POLLS) - 1)]
+                self._set_timeout(poll)
+                if self._arrived(keys, poll):
+                    try:
+                        raws = self.store.multi_get(keys)
+                    except dist.DistStoreError:
+                        pass
+                    else:
+                        pairs = zip(raws, keys, strict=True)
+                        return [decode(raw, self._where(key), kind) for raw, key in pairs]
                 attempt += 1
                 missing = [(k, o) for k, o in zip(keys, owners, strict=True) if not self._exists(k)]
                 self._check_missing(missing, what, site, group)
