@@ -31,6 +31,13 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+# Imported before any group exists, on purpose: this module binds ``group.WORLD`` into its
+# functions' defaults when first imported (the first torch.optim optimizer imports it, through
+# torch._dynamo). Imported after init, those defaults keep the default group alive past
+# ``destroy_process_group()``, and gloo's worker threads with it, into interpreter exit, where a
+# worker releasing its last work aborts the process ("terminate called without an active exception").
+import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed import distributed_c10d as _c10d
 
 from hp_core import mesh as _mesh_module
