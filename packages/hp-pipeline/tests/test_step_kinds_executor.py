@@ -66,8 +66,8 @@ register_step_handler(NOTE, _note)
 class NotedSchedule(Schedule1F1B):
     """1F1B with a ``TNOTE`` after every forward (a schedule adds a kind through its order)."""
 
-    def _build(self, p: int, m: int) -> Order:
-        order = super()._build(p, m)
+    def build_order(self, p: int, m: int) -> Order:
+        order = super().build_order(p, m)
         return {
             rank: [
                 s

@@ -25,6 +25,27 @@ stage modules are sharded, FSDP steps) inserted; ``.step()`` runs this rank's
 row of it. Every rank of the pipeline calls ``step()``: the rank of stage 0
 with the batch, the rank of the last stage with ``target=`` (and ``losses=``),
 the others with neither.
+
+[Note: schedule subclass hooks]
+A new schedule derives from :class:`PipelineScheduleSingle` or
+:class:`PipelineScheduleMulti` and overrides public hooks that the
+constructor calls in this order, never the private machinery around them:
+
+1. ``expected_num_stages(num_ranks, stages_per_rank)``: the stage count the
+   stages must agree on (the two bases already give the usual answers);
+2. ``build_order(num_ranks, n_microbatches)``: the compute-only order, the
+   one hook every schedule defines (a base class without it refuses to be
+   built);
+3. ``add_comms(order)``: the communication pass (default ``insert_comms``);
+4. ``make_runner(training=..., abort_timeout=...)``: the executor of this
+   rank's row (default a ``StepRunner``);
+5. ``fingerprint()``: the settings every rank must share, checked once
+   across ranks before the first transfer ([Note: cross-rank agreement] in
+   :mod:`hp_pipeline._checks`); extend ``super().fingerprint()``.
+
+torch.distributed.pipelining has no public equivalent (its schedules
+override private methods), so the names are ours. ``ScheduleMPipe`` is built
+this way: it overrides all five.
 """
 
 from __future__ import annotations
@@ -140,7 +161,7 @@ class PipelineSchedule:
         recv_lookahead: int | None = None,
         swap_policy: SwapPolicy | None = None,
     ) -> None:
-        if type(self)._build is PipelineSchedule._build:
+        if type(self).build_order is PipelineSchedule.build_order:
             raise TypeError(
                 f"{type(self).__name__} is a base class (get_schedule_class returns it, as torch's does, "
                 "for issubclass checks); build a schedule such as Schedule1F1B or ScheduleInterleaved1F1B"
@@ -203,17 +224,17 @@ class PipelineSchedule:
         self._check_placement(stages)
         if swap_policy is not None:
             swap_policy.check(self.num_stages)  # before any rank communicates
-        order = self._build(self.num_ranks, n_microbatches)
+        order = self.build_order(self.num_ranks, n_microbatches)
         units = {index: sharded_units(s.submod) for index, s in self._stages.items()}
         for index, stage_units in units.items():
             stage_units.check_covers_all(f"{self._name}: stage {index}")
         if any(units.values()):
             # [Note: FSDP protocol]: every rank is assumed to compose the same way.
             order = add_fsdp_steps_with_overlaps(order, range(self.num_stages))
-        self.order: Order = self._with_comms(order)
+        self.order: Order = self.add_comms(order)
         if swap_policy is not None and loss_fn is not None:
             self.order = insert_swaps(self.order, swap_policy)
-        self._runner = self._make_runner(training=loss_fn is not None, abort_timeout=abort_timeout)
+        self._runner = self.make_runner(training=loss_fn is not None, abort_timeout=abort_timeout)
         self._swap = None if swap_policy is None else attach_swap(self._runner, swap_policy)
         self._runner.recv_lookahead = recv_lookahead
         self._learned = False
@@ -231,16 +252,42 @@ class PipelineSchedule:
         """This rank's stages, by stage index."""
         return list(self._stages.values())
 
-    def _expected_num_stages(self, p: int, local: int) -> int:
-        return p
+    # -- subclass hooks ([Note: schedule subclass hooks]) ----------------------------
 
-    def _build(self, p: int, m: int) -> Order:
+    def expected_num_stages(self, num_ranks: int, stages_per_rank: int) -> int:
+        """How many stages the pipeline has when each of ``num_ranks`` ranks holds ``stages_per_rank``.
+
+        The constructor checks every stage's ``num_stages`` against it. The
+        default is one stage per rank (``num_ranks``); schedules that take a
+        list of stages return ``num_ranks * stages_per_rank``.
+        """
+        return num_ranks
+
+    def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
+        """The whole pipeline's compute-only order (rank -> steps); the one hook every schedule defines.
+
+        Called once, by the constructor, on every rank, so it must give the
+        same order everywhere. Communication (:meth:`add_comms`) and, for
+        sharded stages, FSDP steps are added to what it returns.
+        """
         raise NotImplementedError
 
-    def _with_comms(self, order: Order) -> Order:
+    def add_comms(self, order: Order) -> Order:
+        """``order`` with its point-to-point steps (default: :func:`~hp_pipeline.insert_comms`).
+
+        Override to pass ``insert_comms`` more (MPipe's data stages, say); the
+        result becomes ``.order``.
+        """
         return insert_comms(order)
 
-    def _make_runner(self, *, training: bool, abort_timeout: float) -> StepRunner:
+    def make_runner(self, *, training: bool, abort_timeout: float) -> StepRunner:
+        """The executor of this rank's row of ``.order``: a :class:`~hp_pipeline.executor.StepRunner`.
+
+        Override to return a subclass that runs the schedule's own step kinds
+        or feeds stage 0 differently (the runner's public hooks, [Note: running
+        a kind] in :mod:`hp_pipeline.kinds`). ``training`` is whether a
+        ``loss_fn`` was given.
+        """
         return StepRunner(
             self._stages,
             self.order[self.group_rank],
@@ -252,7 +299,7 @@ class PipelineSchedule:
 
     def _check_placement(self, stages: list[PipelineStage]) -> None:
         p = self.num_ranks
-        total = self._expected_num_stages(p, len(stages))
+        total = self.expected_num_stages(p, len(stages))
         counts = {s.num_stages for s in stages}
         if counts != {total}:
             raise ValueError(
@@ -273,11 +320,13 @@ class PipelineSchedule:
     def _peer_rank(self, stage: int) -> int:
         return self._global_ranks[stage_to_rank(stage, self.num_ranks, style=self._style)]
 
-    def _fingerprint(self) -> dict[str, Any]:
+    def fingerprint(self) -> dict[str, Any]:
         """What every rank of the pipeline must agree on for the orders' transfers to pair up.
 
-        Local choices (chunk specs, merge dim, ``recv_lookahead``, a swap
-        policy, which only adds local steps) are left out: ranks may differ there.
+        A subclass hook: a schedule with settings that shape the order adds
+        them to ``super().fingerprint()``. Local choices (chunk specs, merge
+        dim, ``recv_lookahead``, a swap policy, which only adds local steps)
+        are left out: ranks may differ there.
         """
         return {
             "schedule": self._name,
@@ -299,7 +348,7 @@ class PipelineSchedule:
             return
         from hp_core import all_gather_object
 
-        mine = self._fingerprint()
+        mine = self.fingerprint()
         every = all_gather_object(mine, self.group)
         if any(f != mine for f in every):
             rows = "; ".join(
@@ -543,7 +592,7 @@ class ScheduleGPipe(PipelineScheduleSingle):
 
     _name = "ScheduleGPipe"
 
-    def _build(self, p: int, m: int) -> Order:
+    def build_order(self, p: int, m: int) -> Order:
         return build_gpipe_order(p, m)
 
 
@@ -552,7 +601,7 @@ class Schedule1F1B(PipelineScheduleSingle):
 
     _name = "Schedule1F1B"
 
-    def _build(self, p: int, m: int) -> Order:
+    def build_order(self, p: int, m: int) -> Order:
         return build_1f1b_order(p, m)
 
 
@@ -561,7 +610,7 @@ class ScheduleZeroBubble(PipelineScheduleSingle):
 
     _name = "ScheduleZeroBubble"
 
-    def _build(self, p: int, m: int) -> Order:
+    def build_order(self, p: int, m: int) -> Order:
         return build_zero_bubble_h1_order(p, m)
 
 
@@ -582,8 +631,9 @@ class PipelineScheduleMulti(PipelineSchedule):
         self._v = 1 if isinstance(stages, PipelineStage) else len(stages)
         super().__init__(stages, n_microbatches, loss_fn, **options)
 
-    def _expected_num_stages(self, p: int, local: int) -> int:
-        return p * local
+    def expected_num_stages(self, num_ranks: int, stages_per_rank: int) -> int:
+        """``num_ranks * stages_per_rank``: every rank holds the same number of stages."""
+        return num_ranks * stages_per_rank
 
 
 class ScheduleInterleaved1F1B(PipelineScheduleMulti):
@@ -591,7 +641,7 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
 
     _name = "ScheduleInterleaved1F1B"
 
-    def _build(self, p: int, m: int) -> Order:
+    def build_order(self, p: int, m: int) -> Order:
         return build_interleaved_1f1b_order(p, m, self._v)
 
 
@@ -604,7 +654,7 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
 
     _name = "ScheduleLoopedBFS"
 
-    def _build(self, p: int, m: int) -> Order:
+    def build_order(self, p: int, m: int) -> Order:
         return build_looped_bfs_order(p, m, self._v)
 
 
@@ -618,7 +668,7 @@ class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
 
     _name = "ScheduleInterleavedZeroBubble"
 
-    def _build(self, p: int, m: int) -> Order:
+    def build_order(self, p: int, m: int) -> Order:
         return build_interleaved_zero_bubble_order(p, m, self._v)
 
 
@@ -648,7 +698,7 @@ class ScheduleZBVZeroBubble(_VSchedule):
 
     _name = "ScheduleZBVZeroBubble"
 
-    def _build(self, p: int, m: int) -> Order:
+    def build_order(self, p: int, m: int) -> Order:
         return build_zbv_order(p, m)
 
 
@@ -666,7 +716,7 @@ class ScheduleDualPipeV(_VSchedule):
 
     _name = "ScheduleDualPipeV"
 
-    def _build(self, p: int, m: int) -> Order:
+    def build_order(self, p: int, m: int) -> Order:
         least = dualpipev_min_microbatches(p)
         if m < least:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""MPipe's order: the tower's steps woven into a 1F1B, interleaved 1F1B, ZB-H1 or ZB-V order.
+"""MPipe's order: the tower's steps woven into a base pipeline order (:data:`MPIPE_BASES`).
 
 [Note: MPipe steps]
 A multimodal model runs a *preprocess tower* (a vision encoder) on each
@@ -37,18 +37,52 @@ Transfers are placed by :func:`~hp_pipeline.insert_comms`, so the order cannot
 deadlock, and ``validate_order`` checks the MPipe rules too.
 
 [Note: MPipe bases]
-The MPipe steps only need three things of the base order, all of which hold
-for 1F1B, interleaved 1F1B (loop placement), ZB-H1 and ZB-V (V placement):
-stage 0 lives on rank 0, each rank has a first ("home") stage that can name
-the rank's tower steps (rank ``r``'s is stage ``r`` in both placements), and
+The MPipe steps only need three things of the base order: stage 0 lives on
+rank 0, each rank has a first ("home") stage that can name the rank's tower
+steps (rank ``r``'s is stage ``r`` in the loop and in the V placement), and
 stage 0 has exactly one step that produces the gradient of its inputs for
-each micro-batch: ``B``, or ``I`` when the base splits the backward. dL/dfeatures
-is ready after that step, so the tower's backward (``PB``, or the
-``SEND_PG`` that feeds it) hangs off stage 0's ``I``, not its ``W``: the
+each micro-batch: ``B``, or ``I`` when the base splits the backward.
+dL/dfeatures is ready after that step, so the tower's backward (``PB``, or
+the ``SEND_PG`` that feeds it) hangs off stage 0's ``I``, not its ``W``: the
 tower's backward then overlaps stage 0's deferred weight gradients, like any
-other input gradient in a zero-bubble schedule. GPipe is not offered: it
-has 1F1B's bubble with ``m`` live micro-batches instead of ``p``, and MPipe
-would keep every owner's tower graphs alive just as long.
+other input gradient in a zero-bubble schedule. These bases have all three:
+
+====================  =================================  ===============  =========
+name                  schedule class                     stages per rank  placement
+====================  =================================  ===============  =========
+``"1f1b"``            ``Schedule1F1B``                   1                loop
+``"interleaved"``     ``ScheduleInterleaved1F1B``        ``v >= 1``       loop
+``"looped-bfs"``      ``ScheduleLoopedBFS``              ``v >= 2``       loop
+``"zb-h1"``           ``ScheduleZeroBubble``             1                loop
+``"interleaved-zb"``  ``ScheduleInterleavedZeroBubble``  ``v >= 1``       loop
+``"zbv"``             ``ScheduleZBVZeroBubble``          2                V
+``"dualpipev"``       ``ScheduleDualPipeV``              2                V
+====================  =================================  ===============  =========
+
+GPipe is not offered: it has 1F1B's bubble with ``m`` live micro-batches
+instead of ``p``, and MPipe would keep every owner's tower graphs alive just
+as long. Looped BFS with one stage per rank *is* GPipe's order, so it needs
+two stages or more; with them it keeps GPipe's memory (every owner's tower
+graph lives until the backward pass) in exchange for interleaved 1F1B's
+bubble, which is its point.
+
+[Note: MPipe over overlapped pairs]
+DualPipeV runs most backwards inside ``OVERLAP_F_B`` pairs ([Note: DualPipeV]
+in :mod:`hp_pipeline.builders.dualpipev`): on rank 0 the pair
+``(F of stage 2p-1; B of stage 0)`` holds stage 0's input-gradient step, so
+dL/dfeatures is made *inside* a pair. Nothing in the weave needs the pair
+taken apart: the dependency model already places both halves at the pair's
+position ([Note: dependency model] in :mod:`hp_pipeline._deps`), so the half
+``0Bi`` is the producer of dL/dfeatures like a plain ``0Bi``, and the tower's
+backward goes after the *pair* (``PB`` on rank 0, or ``SEND_PG``, which the
+executor keeps after the backward half because its kind says it carries the
+backward's result: [Note: running overlapped steps] in
+:mod:`hp_pipeline.overlap`). The pair itself stays whole, so its forward's
+communication still hides behind its backward. The weave only has to look
+into the halves (a pair carries its *forward's* micro-batch) and never put a
+tower step between them; the placement ([Note: tower placement over pairs]
+in :mod:`hp_pipeline.mpipe.placement`) also keeps every pair runnable with
+both halves started at once, which is what ``validate_order`` demands.
 
 [Note: MPipe receive posting]
 Every MPipe transfer into stage 0 (features and data) is sent before its
@@ -76,12 +110,16 @@ does not batch them (``ScheduleMPipe.batched`` is ``False``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, cast
 
 from hp_pipeline.builders import (
     build_1f1b_order,
+    build_dualpipev_order,
     build_interleaved_1f1b_order,
+    build_interleaved_zero_bubble_order,
+    build_looped_bfs_order,
     build_zbv_order,
     build_zero_bubble_h1_order,
     stages_on_rank,
@@ -99,6 +137,7 @@ __all__ = [
     "MPipeBase",
     "build_mpipe_order",
     "mpipe_base_layout",
+    "mpipe_base_schedules",
     "mpipe_order",
     "mpipe_receives_lead",
     "strip_mpipe",
@@ -111,9 +150,41 @@ _MPIPE_RECVS = frozenset({T.PREPROCESS_RECV, T.DATA_RECV})
 _INPUT_GRAD = frozenset({T.BWD, T.BWD_INPUT})
 
 
-MPipeBase = Literal["1f1b", "interleaved", "zb-h1", "zbv"]
+MPipeBase = Literal["1f1b", "interleaved", "looped-bfs", "zb-h1", "interleaved-zb", "zbv", "dualpipev"]
+
+
+@dataclass(frozen=True)
+class _Base:
+    """What MPipe needs to know of a base ([Note: MPipe bases]): its builder, class and layout."""
+
+    build: Callable[[int, int, int], Order]  # (p, m, stages per rank) -> compute-only order
+    schedule: str  # the schedule class of hp_pipeline.schedules that runs the base alone
+    fixed: int | None  # the one stage count per rank it runs, or None: any count from `least`
+    default: int  # the stage count per rank when the caller gives none
+    style: Style
+    least: int = 1
+
+
+_BASES: dict[str, _Base] = {
+    "1f1b": _Base(lambda p, m, v: build_1f1b_order(p, m), "Schedule1F1B", 1, 1, "loop"),
+    "interleaved": _Base(build_interleaved_1f1b_order, "ScheduleInterleaved1F1B", None, 2, "loop"),
+    # One stage per rank would be GPipe's order ([Note: MPipe bases]).
+    "looped-bfs": _Base(build_looped_bfs_order, "ScheduleLoopedBFS", None, 2, "loop", least=2),
+    "zb-h1": _Base(lambda p, m, v: build_zero_bubble_h1_order(p, m), "ScheduleZeroBubble", 1, 1, "loop"),
+    "interleaved-zb": _Base(
+        build_interleaved_zero_bubble_order, "ScheduleInterleavedZeroBubble", None, 2, "loop"
+    ),
+    "zbv": _Base(lambda p, m, v: build_zbv_order(p, m), "ScheduleZBVZeroBubble", 2, 2, "v"),
+    "dualpipev": _Base(lambda p, m, v: build_dualpipev_order(p, m), "ScheduleDualPipeV", 2, 2, "v"),
+}
+
 #: The base orders MPipe weaves its steps into ([Note: MPipe bases]).
-MPIPE_BASES: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zbv")
+MPIPE_BASES: tuple[str, ...] = tuple(_BASES)
+
+
+def mpipe_base_schedules() -> dict[str, str]:
+    """Base name -> the name of the schedule class that runs that base alone (for ``base=`` as a class)."""
+    return {name: spec.schedule for name, spec in _BASES.items()}
 
 
 def mpipe_base_layout(base: str | None, stages_per_rank: int | None) -> tuple[MPipeBase, int, Style]:
@@ -121,43 +192,54 @@ def mpipe_base_layout(base: str | None, stages_per_rank: int | None) -> tuple[MP
 
     ``base=None`` keeps the historical choice: 1F1B for one stage per rank,
     interleaved 1F1B for more. ``stages_per_rank=None`` means the base's own
-    count (1; 2 for ZB-V). ZB-H1 runs one stage per rank, ZB-V exactly two
-    in the V placement; a mismatch is an error naming the fix.
+    count (1 for 1F1B and ZB-H1, 2 for the others). Each base's table row in
+    [Note: MPipe bases] says which counts it runs; a mismatch is an error
+    naming the fix.
     """
     if stages_per_rank is None:
-        stages_per_rank = 2 if base in ("zbv", "interleaved") else 1
+        stages_per_rank = _BASES[base].default if base in _BASES else 1
     if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
         raise ValueError(f"MPipe: stages_per_rank must be an int >= 1, got {stages_per_rank!r}")
     if base is None:
         return ("1f1b" if stages_per_rank == 1 else "interleaved"), stages_per_rank, "loop"
-    if base not in MPIPE_BASES:
+    spec = _BASES.get(base) if isinstance(base, str) else None
+    if spec is None:
         raise ValueError(
             f"MPipe cannot build on base {base!r}; it weaves its steps into one of {list(MPIPE_BASES)} "
             "(see [Note: MPipe bases] in hp_pipeline.mpipe.order)"
         )
-    want = {"1f1b": 1, "zb-h1": 1, "zbv": 2}.get(base)
-    if want is not None and stages_per_rank != want:
-        hint = (
-            "pass this rank's single PipelineStage"
-            if want == 1
-            else "pass [PipelineStage(chunk_a, r, 2 * p), PipelineStage(chunk_b, 2 * p - 1 - r, 2 * p)]"
-        )
+    fits = stages_per_rank == spec.fixed if spec.fixed is not None else stages_per_rank >= spec.least
+    if not fits:
+        want = spec.fixed if spec.fixed is not None else f">= {spec.least}"
+        if spec.fixed == 1:
+            hint = "pass this rank's single PipelineStage"
+        elif spec.style == "v":
+            hint = "pass [PipelineStage(chunk_a, r, 2 * p), PipelineStage(chunk_b, 2 * p - 1 - r, 2 * p)]"
+        else:
+            hint = f"pass a list of {spec.least} or more PipelineStages (loop placement)"
+        others = [
+            n
+            for n, b in _BASES.items()
+            if (b.fixed == stages_per_rank if b.fixed is not None else stages_per_rank >= b.least)
+        ]
         raise ValueError(
             f"MPipe over base {base!r} runs {want} stage(s) per rank, got stages_per_rank="
             f"{stages_per_rank}; {hint}, or pick a base for {stages_per_rank} stage(s) per rank "
-            f"({'interleaved' if stages_per_rank > 1 else '1f1b or zb-h1'})"
+            f"({' or '.join(others)})"
         )
-    return base, stages_per_rank, ("v" if base == "zbv" else "loop")  # type: ignore[return-value]
+    return cast(MPipeBase, base), stages_per_rank, spec.style
 
 
-def _base(base: MPipeBase, num_ranks: int, n_microbatches: int, stages_per_rank: int) -> Order:
-    if base == "1f1b":
-        return build_1f1b_order(num_ranks, n_microbatches)
-    if base == "zb-h1":
-        return build_zero_bubble_h1_order(num_ranks, n_microbatches)
-    if base == "zbv":
-        return build_zbv_order(num_ranks, n_microbatches)
-    return build_interleaved_1f1b_order(num_ranks, n_microbatches, stages_per_rank)
+def _input_grad_of_stage0(node: MetaStep) -> MetaStep | None:
+    """Stage 0's input-gradient step in ``node`` (itself, or the backward half of a pair), else ``None``.
+
+    A pair carries its forward's micro-batch, so the half is what names the
+    micro-batch whose dL/dfeatures is ready ([Note: MPipe over overlapped pairs]).
+    """
+    for part in node.parts:
+        if part.type in _INPUT_GRAD and part.stage_index == 0:
+            return part
+    return None
 
 
 def build_mpipe_order(
@@ -177,28 +259,29 @@ def build_mpipe_order(
 
     Args:
         num_ranks, n_microbatches: ``p`` and ``m``.
-        stages_per_rank: 1 for 1F1B / ZB-H1, ``v > 1`` for interleaved 1F1B
-            (loop placement), 2 for ZB-V (V placement); ``None``: the base's own
-            (1, or 2 for interleaved and ZB-V).
+        stages_per_rank: 1 for 1F1B / ZB-H1, ``v >= 1`` for interleaved 1F1B
+            and interleaved zero bubble, ``v >= 2`` for looped BFS (loop
+            placement), 2 for ZB-V and DualPipeV (V placement); ``None``: the
+            base's own (1 for 1F1B and ZB-H1, else 2).
         overflow_mode: ``"full"`` or ``"min"`` ([Note: MPipe ownership]).
         owner_backward: the owner backpropagates through its kept graph
             (``True``) or stage 0 recomputes the tower (``False``).
         tower_backward: ``False`` for a frozen tower: no ``PB`` and no ``REDUCE_P``.
         load_data: each owner loads its micro-batches (``LOAD`` before ``PF``).
-        base: ``"1f1b"``, ``"interleaved"``, ``"zb-h1"`` or ``"zbv"``; ``None``
-            picks 1F1B or interleaved by ``stages_per_rank`` ([Note: MPipe bases]).
+        base: a name in :data:`MPIPE_BASES`; ``None`` picks 1F1B or
+            interleaved by ``stages_per_rank`` ([Note: MPipe bases]).
         place_forward: move each ``PF`` to the slot that shortens the simulated
             step most ([Note: tower forward placement]); ``False`` keeps every
             ``PF`` at the start of its owner's list.
         place_backward: move each ``PB`` to the slot that shortens the simulated
             step most ([Note: tower backward placement]); ``False`` keeps them
-            where they are first put (after ``0Bi`` / ``0Ii`` on rank 0, at the
-            end of the list on the other owners).
+            where they are first put (after ``0Bi`` / ``0Ii``, or the pair that
+            holds it, on rank 0; at the end of the list on the other owners).
     """
     kind, v, style = mpipe_base_layout(base, stages_per_rank)
     p, m = num_ranks, n_microbatches
     order: Order = {}
-    for rank, steps in _base(kind, p, m, v).items():
+    for rank, steps in _BASES[kind].build(p, m, v).items():
         home = stages_on_rank(rank, p, v, style=style)[0]
         owned = mpipe_owned_micros(p, m, rank, overflow_mode)
         out: list[MetaStep] = []
@@ -208,14 +291,12 @@ def build_mpipe_order(
             out.append(MetaStep(i, T.PREPROCESS_FWD, home))
         for step in steps:
             out.append(step)
-            if (
-                tower_backward
-                and rank == 0
-                and step.type in _INPUT_GRAD
-                and step.stage_index == 0
-                and (not owner_backward or mpipe_owner(p, m, step.micro_index or 0, overflow_mode) == 0)
+            grad = _input_grad_of_stage0(step) if tower_backward and rank == 0 else None
+            if grad is not None and (
+                not owner_backward or mpipe_owner(p, m, grad.micro_index or 0, overflow_mode) == 0
             ):
-                out.append(MetaStep(step.micro_index, T.PREPROCESS_BWD, 0))
+                # After the pair, when the half is in one ([Note: MPipe over overlapped pairs]).
+                out.append(MetaStep(grad.micro_index, T.PREPROCESS_BWD, 0))
         if tower_backward:
             if owner_backward and rank != 0:
                 out += [MetaStep(i, T.PREPROCESS_BWD, home) for i in owned]

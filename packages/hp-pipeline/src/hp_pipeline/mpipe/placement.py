@@ -58,6 +58,25 @@ arrives late, and on device-measured costs (one CPU core per rank, tower
 about one stage, a load about 0.7 ``F``, a transfer about 0.1 ``F``) the
 step it then finds is 2-4% shorter for 1F1B at ``p=4`` (``m=32`` and
 ``m=16``). Other costs can be passed.
+
+[Note: tower placement over pairs]
+On a base with ``OVERLAP_F_B`` pairs (DualPipeV, [Note: MPipe over
+overlapped pairs] in :mod:`hp_pipeline.mpipe.order`) the placement works on
+the rows in their split form, each pair as its forward half then its backward
+half, which is how the executor runs a pair and how ``simulate`` times it;
+no ``PF`` or ``PB`` may go between the halves, and the pairs are closed again
+afterwards. One more rule keeps the result valid: ``validate_order`` holds a
+pair to the strict meaning that both halves may start at once, so everything
+the backward half receives must not need the forward half's output
+([Note: running overlapped steps] in :mod:`hp_pipeline.overlap`). A ``PB``
+can break that without any stall in the split form: put on rank ``r-1``
+before the step that feeds a pair's backward on rank ``r``, it waits for
+stage 0's input gradient, which may come after the pair's forward made its
+way round the V. So the simulation *gates* each forward half on the
+backward half's inputs from other ranks: the forward may not run before they
+have run (a slot that makes them wait for the pair stalls and is skipped),
+while its start time is still its own inputs' (the gate changes what may
+run, never when something runs, so the makespan stays the split form's).
 """
 
 from __future__ import annotations
@@ -84,7 +103,10 @@ class _Timer:
     is a list insert and one pass without hashing a step.
     """
 
-    def __init__(self, rows: list[list[MetaStep]], costs: StepCosts) -> None:
+    def __init__(
+        self, rows: list[list[MetaStep]], costs: StepCosts, halves: dict[MetaStep, MetaStep] | None = None
+    ) -> None:
+        """``rows`` in split form; ``halves`` maps each pair's forward half to its backward half."""
         view = OrderView(dict(enumerate(rows)))
         steps = [s for row in rows for s in row]
         self.number = {s: n for n, s in enumerate(steps)}
@@ -101,6 +123,11 @@ class _Timer:
             )
             for s in steps
         ]
+        # [Note: tower placement over pairs]: a forward half runs only once its backward half's
+        # cross-rank inputs have.
+        self.gate: list[tuple[int, ...]] = [()] * len(steps)
+        for forward, backward in (halves or {}).items():
+            self.gate[self.number[forward]] = self.inputs[self.number[backward]]
 
     def makespan(self, rows: list[list[int]], beat: int | None = None) -> int | None:
         """The makespan, or ``None`` when some rank would wait forever or it cannot be below ``beat``.
@@ -121,7 +148,7 @@ class _Timer:
         return idle
 
     def _run(self, rows: list[list[int]], beat: int | None, starts: list[int] | None) -> int | None:
-        cost, inputs, comm = self.cost, self.inputs, self.comm
+        cost, inputs, comm, gate = self.cost, self.inputs, self.comm, self.gate
         end = [-1] * len(cost)
         head = [0] * len(rows)
         clock = [0] * len(rows)
@@ -134,6 +161,8 @@ class _Timer:
                 h, now, work = head[k], clock[k], left_work[k]
                 while h < len(row):
                     n = row[h]
+                    if gate[n] and any(end[x] < 0 for x in gate[n]):
+                        break
                     ready = now
                     for producer in inputs[n]:
                         done = end[producer]
@@ -228,8 +257,10 @@ def _place(
     order = dict(key)
     ranks = sorted(order)
     tails = {r: [s for s in order[r] if s.type is T.PREPROCESS_REDUCE] for r in ranks}
-    steps = [[s for s in order[r] if s.type is not T.PREPROCESS_REDUCE] for r in ranks]
-    timer = _Timer(steps, costs)
+    # [Note: tower placement over pairs]: the rows in split form; the pairs are closed at the end.
+    pair_of = {s.parts[0]: s for r in ranks for s in order[r] if s.sub_steps is not None}
+    steps = [[part for s in order[r] if s.type is not T.PREPROCESS_REDUCE for part in s.parts] for r in ranks]
+    timer = _Timer(steps, costs, {forward: pair.parts[1] for forward, pair in pair_of.items()})
     number = timer.number
     by_number = [s for row in steps for s in row]
     rows = [[number[s] for s in row] for row in steps]
@@ -251,15 +282,18 @@ def _place(
         ((k, s) for k, row in enumerate(steps) for s in row if s.type is kind),
         key=lambda ks: (ks[1].micro_index, ks[0]),
     )
+    second_halves = {number[pair.parts[1]] for pair in pair_of.values()}
     for k, moving in moves:
         row, n = rows[k], number[moving]
         here = row.index(n)
         del row[here]
         first, last = _bounds([by_number[x] for x in row], moving, feeds_rank0)
+        if last < len(row) and row[last] in second_halves:
+            last -= 1  # a bound inside a pair: before the pair
         # The candidates: slots where the rank would otherwise wait as long as the step takes (it
-        # fits there), the far bound, and the current slot.
+        # fits there), the far bound, and the current slot; never between the halves of a pair.
         idle = timer.idle_before(rows, timer.cost[n])
-        slots = [j for j in range(first, last) if idle[row[j]]] + [last]
+        slots = [j for j in range(first, last) if idle[row[j]] and row[j] not in second_halves] + [last]
         choice = here
         for j in slots:
             if j == here:
@@ -270,4 +304,20 @@ def _place(
             if t is not None and (t < best or (t == best and j < choice)):
                 choice, best = j, t
         row.insert(choice, n)
-    return tuple((r, (*(by_number[n] for n in rows[k]), *tails[r])) for k, r in enumerate(ranks))
+    return tuple(
+        (r, (*_closed([by_number[n] for n in rows[k]], pair_of), *tails[r])) for k, r in enumerate(ranks)
+    )
+
+
+def _closed(row: list[MetaStep], pair_of: dict[MetaStep, MetaStep]) -> list[MetaStep]:
+    """``row`` in split form with each pair's halves (adjacent: nothing goes between) made one pair again."""
+    out: list[MetaStep] = []
+    skip = False
+    for step in row:
+        if skip:
+            skip = False
+            continue
+        pair = pair_of.get(step)
+        out.append(step if pair is None else pair)
+        skip = pair is not None
+    return out

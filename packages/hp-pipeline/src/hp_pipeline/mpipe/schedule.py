@@ -1,4 +1,4 @@
-"""``ScheduleMPipe``: 1F1B, interleaved 1F1B, ZB-H1 or ZB-V with the preprocess tower spread over the ranks.
+"""``ScheduleMPipe``: a base schedule (1F1B, ZB-V, DualPipeV, ...) with the preprocess tower spread out.
 
 See [Note: MPipe steps] (:mod:`hp_pipeline.mpipe.order`) for the order and
 :mod:`hp_pipeline.mpipe.runner` for how each step runs.
@@ -49,7 +49,7 @@ from hp_pipeline.executor import StepRunner
 from hp_pipeline.grads import clip_grad_norm_, sync_tied
 from hp_pipeline.ir import Order
 from hp_pipeline.microbatch import split_args_kwargs
-from hp_pipeline.mpipe.order import MPIPE_BASES, build_mpipe_order, mpipe_base_layout
+from hp_pipeline.mpipe.order import MPIPE_BASES, build_mpipe_order, mpipe_base_layout, mpipe_base_schedules
 from hp_pipeline.mpipe.ownership import OverflowMode, check_owns_data, mpipe_owned_micros
 from hp_pipeline.mpipe.runner import MPipeRunner
 from hp_pipeline.schedules import SCHEDULE_OPTIONS, LossFn, PipelineSchedule, _failure_outside_steps
@@ -121,18 +121,10 @@ def _base_name(base: str | type | None) -> str | None:
     """A base given as a schedule class or a name, as a name of ``MPIPE_BASES`` ([Note: MPipe bases])."""
     if base is None or isinstance(base, str):
         return base
-    from hp_pipeline.schedules import (
-        Schedule1F1B,
-        ScheduleInterleaved1F1B,
-        ScheduleZBV,
-        ScheduleZeroBubble,
-    )
+    from hp_pipeline import schedules
 
     by_class: dict[type, str] = {
-        Schedule1F1B: "1f1b",
-        ScheduleInterleaved1F1B: "interleaved",
-        ScheduleZeroBubble: "zb-h1",
-        ScheduleZBV: "zbv",
+        getattr(schedules, cls_name): name for name, cls_name in mpipe_base_schedules().items()
     }
     if isinstance(base, type) and base in by_class:
         return by_class[base]
@@ -152,9 +144,12 @@ class ScheduleMPipe(PipelineSchedule):
     """MPipe: micro-batch ``k``'s preprocess tower runs on its owning rank, features go to stage 0.
 
     One stage per rank gives the 1F1B base order; a list of ``v > 1`` stages
-    per rank (loop placement) the interleaved one; ``base=`` picks ZB-H1 (one
-    stage per rank) or ZB-V (two per rank, V placement) instead
-    ([Note: MPipe bases]). Every rank holds a replica
+    per rank (loop placement) the interleaved one; ``base=`` picks another
+    of :data:`~hp_pipeline.mpipe.MPIPE_BASES` instead: ZB-H1 (one stage per
+    rank), looped BFS or interleaved zero bubble (a list, loop placement),
+    ZB-V or DualPipeV (two per rank, V placement) ([Note: MPipe bases]). It
+    extends :class:`~hp_pipeline.schedules.PipelineSchedule` through its
+    public subclass hooks ([Note: schedule subclass hooks]). Every rank holds a replica
     of ``preprocess`` (include its parameters in every rank's optimizer);
     stage 0's module is called as ``module(*text_args, *features, **kwargs)``.
 
@@ -188,8 +183,11 @@ class ScheduleMPipe(PipelineSchedule):
             parameters are identical on every rank (raises otherwise).
         base: the base schedule: ``None`` (1F1B or interleaved by the stage
             count), a name in ``MPIPE_BASES`` (``"1f1b"``, ``"interleaved"``,
-            ``"zb-h1"``, ``"zbv"``) or the class ``Schedule1F1B``,
-            ``ScheduleInterleaved1F1B``, ``ScheduleZeroBubble`` or ``ScheduleZBV``.
+            ``"looped-bfs"``, ``"zb-h1"``, ``"interleaved-zb"``, ``"zbv"``,
+            ``"dualpipev"``) or the class of that schedule (``Schedule1F1B``,
+            ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
+            ``ScheduleZeroBubble``, ``ScheduleInterleavedZeroBubble``,
+            ``ScheduleZBV`` / ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``).
             Any other raises ``ValueError`` naming the ones MPipe serves.
         dp_group: the data-parallel group across pipeline replicas when the
             stages are sharded or replicated over data parallelism (e.g.
@@ -267,12 +265,12 @@ class ScheduleMPipe(PipelineSchedule):
             self._agree_across_ranks()
             self.broadcast_tower()
 
-    # -- construction hooks ---------------------------------------------------------
+    # -- construction hooks ([Note: schedule subclass hooks]) ---------------------------
 
-    def _fingerprint(self) -> dict[str, Any]:
+    def fingerprint(self) -> dict[str, Any]:
         """The base's settings plus the MPipe keywords that shape the order on every rank."""
         return {
-            **super()._fingerprint(),
+            **super().fingerprint(),
             "base": self.base,
             "overflow_mode": self.overflow_mode,
             "owner_backward": self.owner_backward,
@@ -280,13 +278,15 @@ class ScheduleMPipe(PipelineSchedule):
             "tower_trainable": self.tower_trainable,
         }
 
-    def _expected_num_stages(self, p: int, local: int) -> int:
-        return p * local
+    def expected_num_stages(self, num_ranks: int, stages_per_rank: int) -> int:
+        """Every base runs the same number of stages on each rank."""
+        return num_ranks * stages_per_rank
 
-    def _build(self, p: int, m: int) -> Order:
+    def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
+        """The base order with the tower's steps woven in ([Note: MPipe steps])."""
         return build_mpipe_order(
-            p,
-            m,
+            num_ranks,
+            n_microbatches,
             base=self.base,
             stages_per_rank=self._v,
             overflow_mode=self.overflow_mode,
@@ -295,11 +295,13 @@ class ScheduleMPipe(PipelineSchedule):
             load_data=self.in_schedule_loading,
         )
 
-    def _with_comms(self, order: Order) -> Order:
+    def add_comms(self, order: Order) -> Order:
+        """With in-schedule loading the data goes from each owner to stage 0 and the last stage too."""
         data_stages = [0, self.num_ranks * self._v - 1] if self.in_schedule_loading else None
         return insert_comms(order, data_stages=data_stages)
 
-    def _make_runner(self, *, training: bool, abort_timeout: float) -> StepRunner:
+    def make_runner(self, *, training: bool, abort_timeout: float) -> StepRunner:
+        """An :class:`~hp_pipeline.mpipe.runner.MPipeRunner`: the base executor plus the tower's steps."""
         runner = MPipeRunner(
             self._stages,
             self.order[self.group_rank],
