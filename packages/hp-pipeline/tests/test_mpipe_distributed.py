@@ -32,7 +32,7 @@ from hp_pipeline import (
     mpipe_owned_micros,
     stages_on_rank,
 )
-from hp_pipeline.mpipe import is_mpipe_kind
+from hp_pipeline.mpipe import is_mpipe_kind, mpipe_base_layout
 from hp_pipeline.mpipe.runner import MPipeRunner
 from hp_testing import record_collectives
 from torch import nn
@@ -134,7 +134,7 @@ class Case:
     mode: str = "full"
     tokens: bool = True
     accumulate: int = 1  # step() calls per optimizer step
-    base: str | None = None  # None: 1F1B (v == 1) or interleaved; "zb-h1" or "zbv"
+    base: str | None = None  # None: 1F1B (v == 1) or interleaved; else a name in MPIPE_BASES
 
 
 CASES = {
@@ -170,7 +170,16 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 @pytest.mark.parametrize("name", [_param(n) for n in CASES])
 def test_mpipe_matches_single_process(rank, world_size, name, monkeypatch):
-    case = CASES[name]
+    check_mpipe_parity(rank, CASES[name], monkeypatch)
+
+
+def check_mpipe_parity(rank: int, case: Case, monkeypatch: Any) -> None:
+    """Losses, every gradient and the parameters after each of ``STEPS`` AdamW steps, against one process.
+
+    Also the collectives each step issues and where ``REDUCE_P`` found its sum
+    ([Note: early tower reduction]). ``test_mpipe_bases.py`` runs it over the
+    other bases.
+    """
     # [Note: early tower reduction]: record whether each REDUCE_P found its sum already posted.
     found_posted: list[bool] = []
     reduce_tower = MPipeRunner._reduce_tower
@@ -184,7 +193,7 @@ def test_mpipe_matches_single_process(rank, world_size, name, monkeypatch):
     num_stages = p * v
     tower, modules = build_model(num_stages, case.frozen)
     ref_tower, ref_stages = copy.deepcopy(tower), copy.deepcopy(modules)
-    mine = stages_on_rank(rank, p, v, style="v" if case.base == "zbv" else "loop")
+    mine = stages_on_rank(rank, p, v, style=mpipe_base_layout(case.base, v)[2])
     my_tower = copy.deepcopy(tower)
     if rank != 0:  # replicas start different: the schedule's broadcast must fix them
         with torch.no_grad():
