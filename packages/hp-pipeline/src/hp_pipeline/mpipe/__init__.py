@@ -1,7 +1,7 @@
 """MPipe: multimodal pipelines whose preprocess tower runs on the rank that owns each micro-batch.
 
 * :mod:`~hp_pipeline.mpipe.ownership`: which rank owns which micro-batch;
-* :mod:`~hp_pipeline.mpipe.order`: the MPipe order over 1F1B, interleaved 1F1B, ZB-H1 or ZB-V;
+* :mod:`~hp_pipeline.mpipe.order`: the MPipe order over one of the base orders in ``MPIPE_BASES``;
 * :mod:`~hp_pipeline.mpipe.placement`: where each owner runs the tower's forward and backward;
 * :mod:`~hp_pipeline.mpipe.runner`: how the MPipe steps run;
 * :mod:`~hp_pipeline.mpipe.schedule`: :class:`ScheduleMPipe`;
