@@ -200,6 +200,7 @@ def test_same_orders_as_torch(p: int, m: int) -> None:
             assert got == _torch_order("ScheduleInterleavedZeroBubble", p, m, v)
     if m >= 2 * p:
         assert ours(build_dualpipev_order(p, m)) == _torch_order("ScheduleDualPipeV", p, m, 2)
+    assert ours(build_zbv_order(p, m)) == _torch_order("ScheduleZBVZeroBubble", p, m, 2)
 
 
 @pytest.mark.parametrize(
