@@ -30,6 +30,7 @@ import torch.distributed as dist
 from hp_dtensor import DTensor
 from hp_fsdp import FSDPModule, fully_shard
 from hp_pipeline import PipelineStage, PPRankOwnedSampler, mpipe_owned_micros, stages_on_rank
+from hp_pipeline.mpipe import mpipe_base_layout
 from hp_testing import record_collectives
 from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, Subset
@@ -116,6 +117,8 @@ CASES = {
     "1f1b-nested": Case(4, nested=True),
     "zbv-load-nested": Case(3, base="zbv", loading=True, nested=True),
     "1f1b-load-compiled": Case(4, loading=True, compiled=True),
+    # Stage 0's input gradient inside OVERLAP_F_B pairs ([Note: MPipe over overlapped pairs]).
+    "dualpipev-load-tokens": Case(4, base="dualpipev", loading=True),
 }
 
 
@@ -144,7 +147,7 @@ def test_mpipe_fsdp_2x2_matches_single_process(
 ) -> None:
     case = CASES[name]
     m = case.m
-    v, style = (2, "v") if case.base == "zbv" else (1, "loop")
+    _, v, style = mpipe_base_layout(case.base, None)
     num_stages = PP * v
     mesh = device_mesh_factory((PP, DP), ("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
