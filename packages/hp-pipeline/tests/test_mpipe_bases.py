@@ -75,6 +75,7 @@ IR_CASES = [
     for m in _micros(base, p)
     for owner, tower, load, mode in (
         (True, True, False, "full"),
+        (True, True, True, "full"),
         (True, True, True, "min"),
         (False, True, True, "full"),
         (True, False, True, "full"),

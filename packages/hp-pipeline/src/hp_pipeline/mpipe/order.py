@@ -23,7 +23,8 @@ and ships the features to stage 0. For each micro-batch ``i`` owned by rank
   the tower from the inputs that travelled with the features: every ``PB``
   is ``0PBi``. Each ``PB`` first goes where it is surely ready (rank 0's
   right after its ``0Bi``, or ``0Ii`` on a zero-bubble base, see [Note:
-  MPipe bases]; another owner's at the end of its list), then moves to the
+  MPipe bases], or after the pair that holds it on DualPipeV, see [Note:
+  MPipe over overlapped pairs]; another owner's at the end of its list), then moves to the
   slot where it shortens the step most ([Note: tower backward placement]
   in :mod:`hp_pipeline.mpipe.placement`): an owner's idle slot in the
   steady state instead of a tail after its last pipeline step;
