@@ -13,21 +13,34 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["Nested", "depth"]
+__all__ = ["STATE", "Nested", "depth"]
 
-_local = threading.local()
+
+class _State(threading.local):
+    """Per-thread nesting depth; a class default, so reading it on a fresh thread raises nothing.
+
+    The strict read guard reads it on every aten op while work is pending:
+    ``getattr(local, "depth", 0)`` on a thread that never set it raises and
+    catches an AttributeError inside each read, which cost more than the check.
+    """
+
+    depth = 0
+
+
+#: This thread's nesting state; the read guard reads ``STATE.depth`` directly (one attribute load).
+STATE = _State()
 
 
 def depth() -> int:
     """How many layer calls are open on this thread (0: the user's own code is running)."""
-    return getattr(_local, "depth", 0)
+    return STATE.depth
 
 
 class Nested:
     """``with Nested():`` marks the block as the layer's own work ([Note: one call through the layer])."""
 
     def __enter__(self) -> None:
-        _local.depth = depth() + 1
+        STATE.depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        _local.depth = depth() - 1
+        STATE.depth -= 1

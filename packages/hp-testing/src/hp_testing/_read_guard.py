@@ -36,12 +36,44 @@ reads that escape it are not caught ([Note: why outputs are not shadowed]).
 ``__torch_dispatch__`` is not wrapped in ``torch._disable_dynamo`` (as torch
 does by default for a mode): that wrapper costs more per op than the check
 itself, and the mode is never compiled (it is pushed and popped in eager code).
+
+[Note: the read guard's fast path]
+In an FSDP-like step some collective is pending during nearly every op, so
+the per-op check is the whole cost of strict mode. What it does per op:
+
+- the op's facts (reads no data / which arguments it writes) are looked up by
+  ``id(func)`` in a plain dict: aten overloads live as long as the process,
+  and hashing an ``OpOverload`` runs a Python ``__hash__``;
+- the ranges are laid out when work is posted or waited, not per op: the
+  outputs' ranges (any touch counts) and all ranges (for arguments the op
+  writes), each with the highest end address among them;
+- an argument costs one ``data_ptr()`` call in the common case: torch strides
+  are never negative, so a tensor covers bytes from ``data_ptr()`` upwards, and
+  one that starts at or above a buffer's end cannot touch it. Only a tensor
+  that starts below a buffer needs its extent (size, strides), and only one
+  that overlaps needs the call site (a stack walk, made when raising);
+- the nesting depth is one attribute load (:data:`hp_testing._nesting.STATE`),
+  and the op itself is called through ``func._op``, skipping a Python frame.
+
+[Note: the guard and torch.compile]
+Without torch's ``_disable_dynamo`` wrapper, an eager op run while a compiled
+function is on the stack (between two graphs of a graph break) reached
+``__torch_dispatch__`` with dynamo's frame hook still set, and dynamo compiled
+the guard's own frames (``inspect``, ``_extent``), once per tensor rank, until
+its recompile limit ("torch._dynamo hit config.recompile_limit ... function:
+'_extent'" in hp-pipeline's compiled tests under strict mode): seconds per
+test, spent tracing the harness. Instead of the wrapper (a Python call and two
+eval-frame switches per op), the code objects of ``__torch_dispatch__`` and of
+the print/tolist wrapper are marked once with dynamo's frame strategy "skip
+this frame and every frame it calls", a flag on the code object that the C
+frame hook reads at no cost per op.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +82,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from hp_testing._calls import call_site
 from hp_testing._hazards import AsyncHazardError
-from hp_testing._nesting import depth
+from hp_testing._nesting import STATE
 
 __all__ = ["PendingBuffer", "ReadGuard"]
 
@@ -115,29 +147,34 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int] | None:
     return start, start + span * size
 
 
-@functools.cache
-def _op_info(func: Any) -> tuple[bool, frozenset[int], frozenset[str]]:
-    """(reads no data, positions written, keyword arguments written) of an aten overload."""
+#: ``id(op)`` -> (op, reads no data, positions written, keyword arguments written); see [Note: the
+#: read guard's fast path]. The op itself is kept in the value, so its id is never reused.
+_OP_INFO: dict[int, tuple[Any, bool, frozenset[int], frozenset[str]]] = {}
+
+
+def _op_info(func: Any) -> tuple[Any, bool, frozenset[int], frozenset[str]]:
+    """(op, reads no data, positions written, keyword arguments written) of an aten overload."""
+    info = _OP_INFO.get(id(func))
+    if info is not None:
+        return info
     schema = func._schema
     base = schema.name.split("::")[-1]
-    if getattr(func, "is_view", False) or base in _METADATA_OPS:
-        return True, frozenset(), frozenset()
-    positions, names = set(), set()
-    for index, argument in enumerate(schema.arguments):
-        info = argument.alias_info
-        if info is not None and info.is_write:
-            positions.add(index)
-            names.add(argument.name)
-    return False, frozenset(positions), frozenset(names)
+    positions: set[int] = set()
+    names: set[str] = set()
+    reads_nothing = bool(getattr(func, "is_view", False)) or base in _METADATA_OPS
+    if not reads_nothing:
+        for index, argument in enumerate(schema.arguments):
+            alias = argument.alias_info
+            if alias is not None and alias.is_write:
+                positions.add(index)
+                names.add(argument.name)
+    info = (func, reads_nothing, frozenset(positions), frozenset(names))
+    _OP_INFO[id(func)] = info
+    return info
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            if isinstance(item, torch.Tensor):
-                yield item
+#: One watched range: (start, end, buffer).
+_Range = tuple[int, int, PendingBuffer]
 
 
 class _Mode(TorchDispatchMode):
@@ -152,10 +189,11 @@ class _Mode(TorchDispatchMode):
         return False  # see the module docstring: no _disable_dynamo wrapper per op
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if self.guard.buffers and not depth():
+        if self.guard.buffers and not STATE.depth:
             self.guard.inspect(func, args, kwargs)
-        return func(*args, **kwargs)
+        if kwargs:
+            return func._op(*args, **kwargs)
+        return func._op(*args)
 
 
 class ReadGuard:
@@ -164,9 +202,15 @@ class ReadGuard:
     def __init__(self) -> None:
         self.buffers: list[PendingBuffer] = []
         self._by_token: dict[int, list[PendingBuffer]] = {}
+        # [Note: the read guard's fast path]: laid out at add/remove, read per op.
+        self._outputs: tuple[_Range, ...] = ()
+        self._outputs_end = 0
+        self._all: tuple[_Range, ...] = ()
+        self._all_end = 0
         self._mode: _Mode | None = None
         self._patched: dict[str, Any] = {}
         self._warm = False
+        self._dynamo_told = False
 
     # -- pending work ----------------------------------------------------------------
 
@@ -180,16 +224,26 @@ class ReadGuard:
         if not pending:
             return
         self._by_token[token] = pending
-        self.buffers = [b for group in self._by_token.values() for b in group]
+        self._lay_out()
+        if not self._dynamo_told:
+            self._skip_dynamo()
         self._arm()
 
     def remove(self, token: int) -> None:
         """The call of ``token`` was waited: its buffers are the program's again."""
         if self._by_token.pop(token, None) is None:
             return
-        self.buffers = [b for group in self._by_token.values() for b in group]
+        self._lay_out()
         if not self.buffers:
             self._disarm()
+
+    def _lay_out(self) -> None:
+        """Recompute what :meth:`inspect` reads per op from the pending buffers."""
+        self.buffers = [b for group in self._by_token.values() for b in group]
+        self._all = tuple((b.start, b.end, b) for b in self.buffers)
+        self._outputs = tuple(r for r in self._all if r[2].output)
+        self._all_end = max((r[1] for r in self._all), default=0)
+        self._outputs_end = max((r[1] for r in self._outputs), default=0)
 
     def warm_up(self) -> None:
         """Run the mode once, before the program does: a first use may import parts of torch.
@@ -203,13 +257,31 @@ class ReadGuard:
         if self._warm:
             return
         self._warm = True
+        self._skip_dynamo()
         with _Mode(self):
             torch.zeros(1).add_(0)
+
+    def _skip_dynamo(self) -> None:
+        """Tell torch.compile never to trace the guard's frames ([Note: the guard and torch.compile]).
+
+        Only once ``torch._dynamo`` is loaded (by the program): importing it
+        here would cost seconds, and without it nothing compiles.
+        """
+        if "torch._dynamo" not in sys.modules:
+            return
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # this frame and all it calls
+        reader = self._reader(lambda tensor: None, "")
+        for code in (_Mode.__torch_dispatch__.__code__, reader.__code__):
+            set_code_exec_strategy(code, skip)
+        self._dynamo_told = True
 
     def clear(self) -> None:
         """End of a test (or script): forget everything and take the mode off."""
         self._by_token.clear()
-        self.buffers = []
+        self._lay_out()
         self._disarm(force=True)
 
     # -- checks ----------------------------------------------------------------------
@@ -219,30 +291,68 @@ class ReadGuard:
         if not self.buffers:
             return
         for label, tensor, output in tensors:
-            self._touch(tensor, output, f"{what} (its {label})", call_site(3))
+            self._touch(tensor, output, f"{what} (its {label})")
 
-    def inspect(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        """Raise if aten op ``func`` touches a pending output or writes a pending input."""
-        reads_nothing, positions, names = _op_info(func)
-        if reads_nothing:
-            return
+    def inspect(self, func: Any, args: Any, kwargs: dict[str, Any] | None) -> None:
+        """Raise if aten op ``func`` touches a pending output or writes a pending input.
+
+        The hot path of strict mode: see [Note: the read guard's fast path].
+        """
+        info = _OP_INFO.get(id(func)) or _op_info(func)
+        if info[1]:
+            return  # views and metadata read no data
+        positions = info[2]
+        if not positions and not self._outputs:
+            return  # a pure read, and only inputs are pending: reading those is fine
+        tensor_type = torch.Tensor
         for index, value in enumerate(args):
-            for tensor in _tensors(value):
-                self._touch(tensor, index in positions, func, None)
-        for name, value in kwargs.items():
-            for tensor in _tensors(value):
-                self._touch(tensor, name in names, func, None)
+            if isinstance(value, tensor_type):
+                self._touch(value, index in positions, func)
+            elif isinstance(value, (list, tuple)):
+                writes = index in positions
+                for item in value:
+                    if isinstance(item, tensor_type):
+                        self._touch(item, writes, func)
+        if kwargs:
+            names = info[3]
+            for name, value in kwargs.items():
+                if isinstance(value, tensor_type):
+                    self._touch(value, name in names, func)
+                elif isinstance(value, (list, tuple)):
+                    for item in value:
+                        if isinstance(item, tensor_type):
+                            self._touch(item, name in names, func)
 
-    def _touch(self, tensor: torch.Tensor, writes: bool, op: Any, site: str | None) -> None:
-        extent = _extent(tensor)
-        if extent is None:
-            return
-        start, end = extent
-        for buffer in self.buffers:
-            if start < buffer.end and buffer.start < end and (buffer.output or writes):
-                self._raise(buffer, op, writes, site or call_site(3))
+    def _touch(self, tensor: torch.Tensor, writes: bool, op: Any) -> None:
+        """Raise if ``tensor`` overlaps a pending output (or, when ``writes``, any pending buffer)."""
+        if writes:
+            ranges, top = self._all, self._all_end
+        else:
+            ranges, top = self._outputs, self._outputs_end
+        try:
+            start = tensor.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return  # no plain storage (fake, meta, wrapper subclasses)
+        if start >= top or start == 0:
+            return  # starts above every buffer: torch strides are never negative
+        end = -1
+        for low, high, buffer in ranges:
+            if start >= high:
+                continue
+            if start < low:  # starts below this buffer: does it reach into it?
+                if end < 0:
+                    extent = _extent(tensor)
+                    if extent is None:
+                        return
+                    end = extent[1]
+                if end <= low:
+                    continue
+            elif tensor.numel() == 0:
+                return  # an empty tensor at the buffer's address touches nothing
+            self._raise(buffer, op, writes)
 
-    def _raise(self, buffer: PendingBuffer, op: Any, writes: bool, site: str) -> None:
+    def _raise(self, buffer: PendingBuffer, op: Any, writes: bool) -> None:
+        site = call_site(2)  # walks out of torch and hp_testing to the program's line
         if isinstance(op, str):
             shown = op
         else:
@@ -305,8 +415,8 @@ class ReadGuard:
 
         @functools.wraps(original)
         def reader(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if guard.buffers and not depth():
-                guard._touch(tensor, False, label, call_site(2))
+            if guard.buffers and not STATE.depth:
+                guard._touch(tensor, False, label)
             return original(tensor, *args, **kwargs)
 
         return reader

@@ -1,0 +1,111 @@
+"""The strict read guard's overlap test, on one process without any collective.
+
+The guard's per-op check skips most of the work for tensors that start above
+a pending buffer ([Note: the read guard's fast path] in ``_read_guard.py``);
+these cases pin that shortcut to the full byte-range answer: a tensor that
+starts below a buffer and reaches into it is caught, one that ends where the
+buffer begins is not, an empty tensor touches nothing, and the ranges follow
+the pending set as work is posted and waited. The planted-bug sessions
+(``test_planted_hazards.py``, ``test_checks.py``) cover the same guard end to end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hp_testing._hazards import AsyncHazardError
+from hp_testing._read_guard import ReadGuard
+
+
+@pytest.fixture
+def guard() -> Iterator[ReadGuard]:
+    g = ReadGuard()
+    g.warm_up()
+    yield g
+    g.clear()
+
+
+def _raises(fn: object) -> bool:
+    try:
+        fn()  # type: ignore[operator]
+    except AsyncHazardError:
+        return True
+    return False
+
+
+def test_reads_that_overlap_a_pending_output_raise(guard: ReadGuard) -> None:
+    whole = torch.ones(100)
+    pending = whole[40:60]
+    guard.add(0, [(pending, "the output tensor", True)], "all_reduce(x)", "t.py:1")
+    assert _raises(lambda: pending.sum())
+    assert _raises(lambda: pending[5:].sum())  # starts inside
+    assert _raises(lambda: whole[:50].sum())  # starts below, reaches into it
+    assert _raises(lambda: whole[::10].sum())  # strided over it
+    assert _raises(lambda: whole.view(10, 10).t().sum())  # a transposed view over all of it
+    assert not _raises(lambda: whole[:40].sum())  # ends where it begins
+    assert not _raises(lambda: whole[60:].sum())  # begins where it ends
+    assert not _raises(lambda: whole[40:40].sum())  # empty, at its address
+    assert not _raises(lambda: torch.ones(100).sum())  # elsewhere
+
+
+def test_a_pending_input_may_be_read_not_written(guard: ReadGuard) -> None:
+    source = torch.ones(8)
+    guard.add(0, [(source, "the input tensor", False)], "isend(x)", "t.py:1")
+    assert not _raises(lambda: source.sum())
+    assert not _raises(lambda: torch.zeros(8).add_(source))  # read as the second argument
+    assert _raises(lambda: source.add_(1))
+    assert _raises(lambda: source[2:].mul_(2))
+    assert _raises(lambda: torch.add(torch.ones(8), 1, out=source))  # written through a keyword
+
+
+def test_the_ranges_follow_the_pending_set(guard: ReadGuard) -> None:
+    first, second = torch.ones(4), torch.ones(4)
+    guard.add(0, [(first, "the output tensor", True)], "all_reduce(a)", "t.py:1")
+    guard.add(1, [(second, "the output tensor", True)], "all_reduce(b)", "t.py:2")
+    with pytest.raises(AsyncHazardError, match=r"all_reduce\(b\) was issued at t.py:2"):
+        second.sum()
+    guard.remove(1)
+    assert not _raises(lambda: second.sum())
+    assert _raises(lambda: first.sum())
+    guard.remove(0)
+    assert not guard.buffers
+    assert not _raises(lambda: first.sum())
+
+
+def test_print_and_tolist_of_a_pending_output_raise(guard: ReadGuard) -> None:
+    pending = torch.ones(3)
+    guard.add(0, [(pending, "the output tensor", True)], "all_reduce(x)", "t.py:1")
+    with pytest.raises(AsyncHazardError, match=r"print / repr\(\) at .*test_read_guard_ranges.py"):
+        repr(pending)
+    assert _raises(lambda: pending.tolist())
+    assert not _raises(lambda: repr(torch.ones(3)))
+
+
+def test_compiled_code_is_checked_and_the_guard_is_never_compiled(guard: ReadGuard) -> None:
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        torch._dynamo.graph_break()  # the rest runs eagerly with dynamo's frame hook set
+        return y.sum(0) + 1
+
+    compiled = torch.compile(step, backend="eager")
+    pending = torch.ones(6)
+    guard.add(0, [(pending, "the output tensor", True)], "all_reduce(x)", "t.py:1")
+    for shape in [(3,), (3, 3), (2, 2, 2)]:
+        compiled(torch.ones(shape))
+    assert _raises(lambda: compiled(pending))
+    guard.clear()
+    from hp_testing import _read_guard
+
+    for code in (
+        _read_guard._Mode.__torch_dispatch__.__code__,
+        _read_guard.ReadGuard.inspect.__code__,
+        _read_guard.ReadGuard._touch.__code__,
+        _read_guard._extent.__code__,
+    ):
+        assert not _debug_get_cache_entry_list(code), f"dynamo compiled the guard's {code.co_name}"
+    torch._dynamo.reset()
