@@ -341,10 +341,13 @@ class ReadGuard:
                 continue
             if start < low:  # starts below this buffer: does it reach into it?
                 if end < 0:
-                    extent = _extent(tensor)
-                    if extent is None:
-                        return
-                    end = extent[1]
+                    if tensor.is_contiguous():
+                        end = start + tensor.nbytes  # two calls; _extent makes a device object too
+                    else:
+                        extent = _extent(tensor)
+                        if extent is None:
+                            return
+                        end = extent[1]
                 if end <= low:
                     continue
             elif tensor.numel() == 0:
