@@ -113,8 +113,10 @@ timeout, with the real error on one rank only. Instead:
 * every handle is waited, then all ranks of the pipeline group exchange one
   failure flag ([Note: failure vote] in :mod:`hp_pipeline.vote`: on gloo a
   star of point-to-point flags whose receives are posted when the step starts,
-  elsewhere a one-element all-reduce); when any is set they gather the
-  failure records and every rank raises the same :class:`PipelineStepError`,
+  elsewhere a one-element all-reduce on a side stream, which spares the host
+  a sync of the compute stream but not the wait for every rank's last
+  transfer: [Note: vote off the compute stream]); when any is set they gather
+  the failure records and every rank raises the same :class:`PipelineStepError`,
   naming the rank, stage and step that failed and the original traceback.
   The process group stays healthy, so the caller may catch it, fix the input
   and step again;
@@ -126,7 +128,8 @@ timeout, with the real error on one rank only. Instead:
 We chose in-band draining over a store-based side channel because it needs
 no polling of a store in the hot path, keeps working without a TCPStore (any
 launcher), and leaves the communicator usable; its cost is the vote per step (one hop after
-the last rank finishes, on gloo). ``KeyboardInterrupt`` and other ``BaseException``\\ s are
+the last rank finishes, on gloo; on NCCL/HCCL a one-element all-reduce queued behind the
+step's last transfers). ``KeyboardInterrupt`` and other ``BaseException``\\ s are
 not drained: they propagate at once.
 """
 
