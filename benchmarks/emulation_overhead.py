@@ -14,7 +14,7 @@ and the pool remain):
   then async reduce-scatters of the gradients overlapped with the next
   layer's gradient), timed inside the ranks, under ``nccl-emu`` with strict
   mode on (the read guard watches every op while a collective is pending,
-  outputs are shadowed) and with it off, against plain gloo.
+  inputs are snapshotted) and with it off, against plain gloo.
 
 - strict suites (``--strict-suites [PKG ...]``): the issue's aim as stated,
   "the whole suite under nccl-emu with strict on within 1.5x of plain gloo":
