@@ -109,3 +109,86 @@ def test_compiled_code_is_checked_and_the_guard_is_never_compiled(guard: ReadGua
     ):
         assert not _debug_get_cache_entry_list(code), f"dynamo compiled the guard's {code.co_name}"
     torch._dynamo.reset()
+
+
+class _Wrapper(torch.Tensor):
+    """A toy wrapper subclass built like hp-dtensor's DTensor: its attribute is set after construction."""
+
+    _inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapper:
+        return cls._wrap(inner)
+
+    @classmethod
+    def _wrap(cls, inner: torch.Tensor) -> _Wrapper:
+        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        out._inner = inner  # a frame resumed after _make_wrapper_subclass sees it unset
+        return out
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["_inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], meta: None, size: object, stride: object
+    ) -> _Wrapper:
+        return _Wrapper(inner["_inner"])
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"_Wrapper({self._inner!r})"
+
+    @classmethod
+    def __torch_dispatch__(
+        cls, func: object, types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
+        plain = [a._inner if isinstance(a, _Wrapper) else a for a in args]
+        local = func(*plain, **(kwargs or {}))  # type: ignore[operator]
+        out = torch.Tensor._make_wrapper_subclass(cls, local.shape, dtype=local.dtype)
+        out._inner = local
+        return out
+
+
+def test_strict_mode_compiles_what_a_plain_run_compiles(guard: ReadGuard) -> None:
+    """A compiled frame entered while work is pending is compiled, not run eagerly under dynamo's hook.
+
+    The composition matrix's fsdp-nested-tp-zbv-fp32-noac-compiled case failed
+    only under strict mode: dynamo declined the compiled block (a dispatch mode
+    was pushed), a hook inside it waited the pending all-gather (the mode
+    popped), and dynamo then compiled hp-dtensor's ``__torch_dispatch__`` on its
+    own, whose resume frame met a half-built wrapper ([Note: the guard and
+    torch.compile]). The toy wrapper here is built the same way.
+    """
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    gathered, prefetched = torch.ones(4), torch.ones(4)
+
+    # FSDP's hooks run eagerly inside the compiled block: the pre-forward hook waits this block's
+    # all-gather (the mode pops), the post-forward hook issues the next block's (it is pushed again).
+    @torch._dynamo.disable
+    def pre_forward() -> None:
+        guard.remove(0)
+
+    @torch._dynamo.disable
+    def post_forward() -> None:
+        guard.add(1, [(prefetched, "the output tensor", True)], "all_gather(next)", "t.py:2")
+
+    def block(x: torch.Tensor, w: _Wrapper) -> tuple[torch.Tensor, _Wrapper]:
+        y = x + 1
+        pre_forward()
+        out = w * 2  # without the fix: dynamo compiles _Wrapper.__torch_dispatch__ here, and fails
+        post_forward()
+        return y, out
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(block, backend="eager")
+        guard.add(0, [(gathered, "the output tensor", True)], "all_gather(this)", "t.py:1")
+        _, out = compiled(torch.ones(3), _Wrapper(torch.ones(3)))
+        guard.remove(1)
+        assert isinstance(out, _Wrapper) and torch.equal(out._inner, torch.full((3,), 2.0))
+        assert _debug_get_cache_entry_list(block.__code__), "strict mode kept dynamo from compiling the block"
+        assert not _debug_get_cache_entry_list(_Wrapper.__torch_dispatch__.__code__)
+    finally:
+        torch._dynamo.reset()

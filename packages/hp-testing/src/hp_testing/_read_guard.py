@@ -66,7 +66,33 @@ test, spent tracing the harness. Instead of the wrapper (a Python call and two
 eval-frame switches per op), the code objects of ``__torch_dispatch__`` and of
 the print/tolist wrapper are marked once with dynamo's frame strategy "skip
 this frame and every frame it calls", a flag on the code object that the C
-frame hook reads at no cost per op.
+frame hook reads at no cost per op. The flag covers the frames re-entered from
+C++ below it too (a tensor subclass's ``__torch_dispatch__`` reached through
+``func._op``).
+
+The mode also says ``ignore_compile_internals() -> True``. With the default,
+dynamo declines any frame it meets while a user dispatch mode is pushed
+("non-infra torch dispatch mode present") and runs it eagerly with its frame
+hook still set, and it remembers that for the code object. Strict mode pushes
+the mode whenever a collective is pending, so a compiled block entered then
+(an FSDP prefetch still in flight) was not compiled; once a hook inside it
+waited the last collective and popped the mode, the next DTensor op entered
+hp-dtensor's ``__torch_dispatch__`` from C++ with the hook set and no mode
+above it, and dynamo compiled that frame on its own. Its resume frame after
+``_make_wrapper_subclass`` received the half-built wrapper and failed in
+``__tensor_flatten__`` ("'DTensor' object has no attribute '_layout'"), a
+failure strict mode alone created (fsdp-nested-tp-zbv-fp32-noac-compiled in
+the composition matrix, both emulated backends). Ignoring compile internals is
+what torch's selective-checkpoint modes declare: dynamo traces as if the mode
+were absent (it takes the modes off while compiling), so strict mode compiles
+the same graphs as a plain run, and the compiled code runs under the mode,
+whose checks still see the aten ops a graph runs (the eager and aot_eager
+backends; inductor's generated kernels are not aten ops and go unseen). The
+method is read when the mode is pushed and when dynamo meets a frame, never
+per op. Still open: torch's compiled-call wrapper restores the dispatch-key
+include set it saw on entry, so a mode pushed before a compiled call and
+popped inside it with nothing left pending leaves the Python keys on with no
+mode (README, "Every suite under the emulated backends, strict").
 """
 
 from __future__ import annotations
@@ -187,6 +213,21 @@ class _Mode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False  # see the module docstring: no _disable_dynamo wrapper per op
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: strict mode must not change what dynamo compiles ([Note: the guard and torch.compile]).
+
+        With the default (False) dynamo declines every frame it meets while the
+        mode is pushed and runs it eagerly with its frame hook still set, so a
+        tensor subclass's ``__torch_dispatch__`` reached from such a frame after
+        the mode was popped is compiled on its own. True is what torch's own
+        selective-checkpoint modes say: dynamo compiles as if the mode were
+        absent (it takes the modes off while tracing) and the compiled code
+        runs under it. Read when the mode is pushed and when dynamo meets a
+        frame, never per op.
+        """
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.guard.buffers and not STATE.depth:
