@@ -15,6 +15,7 @@ micro-batches swapped out are the rank's ``SWAP_OUT`` steps.
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -28,6 +29,9 @@ from hp_pipeline import (
     ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
     ScheduleZeroBubble,
     SwapError,
     SwapPolicy,
@@ -37,7 +41,7 @@ from hp_pipeline import (
 from torch import nn
 
 RTOL, ATOL = 1e-5, 1e-6
-WIDTH, BATCH, STEPS = 16, 32, 3
+WIDTH, BATCH, STEPS = 16, 48, 3  # BATCH: every m here divides it (uneven micro-batches weigh the mean loss differently)
 POLICY = SwapPolicy(keep_newest=0, min_bytes=0)
 
 CASES: dict[str, tuple[type, int, int, int, str]] = {
@@ -48,7 +52,23 @@ CASES: dict[str, tuple[type, int, int, int, str]] = {
     "interleaved-2x2": (ScheduleInterleaved1F1B, 2, 4, 2, "loop"),
     "zb-h1-4": (ScheduleZeroBubble, 4, 8, 1, "loop"),  # split backward: held until W
     "dualpipev-2-m4": (ScheduleDualPipeV, 2, 4, 2, "v"),  # overlapped pairs
+    # torch's other schedules, at 2 and 4 ranks, m equal to and larger than the stage count
+    "looped-bfs-2x2-m4": (ScheduleLoopedBFS, 2, 4, 2, "loop"),
+    "looped-bfs-4x2-m12": (ScheduleLoopedBFS, 4, 12, 2, "loop"),
+    "interleaved-zb-2x2-m6": (ScheduleInterleavedZeroBubble, 2, 6, 2, "loop"),
+    "interleaved-zb-4x2-m8": (ScheduleInterleavedZeroBubble, 4, 8, 2, "loop"),
+    "zbv-2-m4": (ScheduleZBVZeroBubble, 2, 4, 2, "v"),
+    "zbv-4-m12": (ScheduleZBVZeroBubble, 4, 12, 2, "v"),
+    "dualpipev-2-m6": (ScheduleDualPipeV, 2, 6, 2, "v"),
+    "dualpipev-4-m8": (ScheduleDualPipeV, 4, 8, 2, "v"),
 }
+# The default run takes each of torch's other schedules once, on one backend
+# each; HP_COMPOSITION=full (tox -e composition) runs every case on all three.
+FULL = os.environ.get("HP_COMPOSITION") == "full"
+NEW_SCHEDULES = [
+    n for n in CASES if n.startswith(("looped-bfs", "interleaved-zb", "zbv", "dualpipev-2-m6", "dualpipev-4"))
+]
+BACKENDS = ("gloo", "nccl-emu", "hccl-emu")
 
 
 class Block(nn.Module):
@@ -91,8 +111,16 @@ def _cases(names: list[str], backends: tuple[str, ...]) -> list[Any]:
 
 @pytest.mark.parametrize(
     "name",
-    _cases(["gpipe-2", "1f1b-4"], ("gloo", "nccl-emu", "hccl-emu"))
-    + _cases(["1f1b-2", "interleaved-2x2", "zb-h1-4", "dualpipev-2-m4"], ("gloo",)),
+    _cases(["gpipe-2", "1f1b-4"], BACKENDS)
+    + _cases(["1f1b-2", "interleaved-2x2", "zb-h1-4", "dualpipev-2-m4"], ("gloo",) if not FULL else BACKENDS)
+    + (
+        _cases(NEW_SCHEDULES, BACKENDS)
+        if FULL
+        else _cases(["looped-bfs-2x2-m4"], ("gloo",))
+        + _cases(["interleaved-zb-2x2-m6"], ("nccl-emu",))
+        + _cases(["zbv-4-m12"], ("hccl-emu",))
+        + _cases(["dualpipev-4-m8"], ("nccl-emu",))
+    ),
 )
 def test_swap_matches_single_process_and_no_swap(rank: int, world_size: int, name: str) -> None:
     cls, p, m, v, style = CASES[name]
