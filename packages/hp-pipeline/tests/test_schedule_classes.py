@@ -99,3 +99,21 @@ def test_constructor_arguments_follow_torch(cls: type) -> None:
     common = [name for name in list(theirs.parameters)[3:] if name in shared]
     assert {"output_merge_spec", "scale_grads"} <= set(common)
     assert all(shared[name].kind is inspect.Parameter.KEYWORD_ONLY for name in common)
+
+
+def test_subclass_hooks_keep_the_base_signatures() -> None:
+    """Every schedule's hooks take the base class's argument names, so keyword calls work on all of them."""
+    from hp_pipeline.schedules import PipelineSchedule
+
+    hooks = ("build_order", "add_comms", "make_runner", "expected_num_stages", "fingerprint")
+    classes = [
+        obj
+        for obj in vars(hp_pipeline).values()
+        if isinstance(obj, type) and issubclass(obj, PipelineSchedule) and obj is not PipelineSchedule
+    ]
+    assert len(classes) >= 9, [c.__name__ for c in classes]
+    for cls in classes:
+        for hook in hooks:
+            want = list(inspect.signature(getattr(PipelineSchedule, hook)).parameters)
+            got = list(inspect.signature(getattr(cls, hook)).parameters)
+            assert got == want, f"{cls.__name__}.{hook}{got} differs from PipelineSchedule.{hook}{want}"

@@ -41,7 +41,8 @@ from hp_pipeline import (
 from torch import nn
 
 RTOL, ATOL = 1e-5, 1e-6
-WIDTH, BATCH, STEPS = 16, 48, 3  # BATCH: every m here divides it (uneven micro-batches weigh the mean loss differently)
+# Every m here divides BATCH: uneven micro-batches would weigh the mean loss differently from one process.
+WIDTH, BATCH, STEPS = 16, 48, 3
 POLICY = SwapPolicy(keep_newest=0, min_bytes=0)
 
 CASES: dict[str, tuple[type, int, int, int, str]] = {

@@ -592,8 +592,8 @@ class ScheduleGPipe(PipelineScheduleSingle):
 
     _name = "ScheduleGPipe"
 
-    def build_order(self, p: int, m: int) -> Order:
-        return build_gpipe_order(p, m)
+    def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
+        return build_gpipe_order(num_ranks, n_microbatches)
 
 
 class Schedule1F1B(PipelineScheduleSingle):
@@ -601,8 +601,8 @@ class Schedule1F1B(PipelineScheduleSingle):
 
     _name = "Schedule1F1B"
 
-    def build_order(self, p: int, m: int) -> Order:
-        return build_1f1b_order(p, m)
+    def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
+        return build_1f1b_order(num_ranks, n_microbatches)
 
 
 class ScheduleZeroBubble(PipelineScheduleSingle):
@@ -610,8 +610,8 @@ class ScheduleZeroBubble(PipelineScheduleSingle):
 
     _name = "ScheduleZeroBubble"
 
-    def build_order(self, p: int, m: int) -> Order:
-        return build_zero_bubble_h1_order(p, m)
+    def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
+        return build_zero_bubble_h1_order(num_ranks, n_microbatches)
 
 
 class PipelineScheduleMulti(PipelineSchedule):
@@ -641,8 +641,8 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
 
     _name = "ScheduleInterleaved1F1B"
 
-    def build_order(self, p: int, m: int) -> Order:
-        return build_interleaved_1f1b_order(p, m, self._v)
+    def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
+        return build_interleaved_1f1b_order(num_ranks, n_microbatches, self._v)
 
 
 class ScheduleLoopedBFS(PipelineScheduleMulti):
@@ -654,8 +654,8 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
 
     _name = "ScheduleLoopedBFS"
 
-    def build_order(self, p: int, m: int) -> Order:
-        return build_looped_bfs_order(p, m, self._v)
+    def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
+        return build_looped_bfs_order(num_ranks, n_microbatches, self._v)
 
 
 class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
@@ -668,8 +668,8 @@ class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
 
     _name = "ScheduleInterleavedZeroBubble"
 
-    def build_order(self, p: int, m: int) -> Order:
-        return build_interleaved_zero_bubble_order(p, m, self._v)
+    def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
+        return build_interleaved_zero_bubble_order(num_ranks, n_microbatches, self._v)
 
 
 class _VSchedule(PipelineScheduleMulti):
@@ -698,8 +698,8 @@ class ScheduleZBVZeroBubble(_VSchedule):
 
     _name = "ScheduleZBVZeroBubble"
 
-    def build_order(self, p: int, m: int) -> Order:
-        return build_zbv_order(p, m)
+    def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
+        return build_zbv_order(num_ranks, n_microbatches)
 
 
 ScheduleZBV = ScheduleZBVZeroBubble
@@ -716,14 +716,15 @@ class ScheduleDualPipeV(_VSchedule):
 
     _name = "ScheduleDualPipeV"
 
-    def build_order(self, p: int, m: int) -> Order:
+    def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
+        p, m = num_ranks, n_microbatches
         least = dualpipev_min_microbatches(p)
         if m < least:
             raise ValueError(
                 f"ScheduleDualPipeV over {p} ranks runs {2 * p} stages and needs at least one "
                 f"micro-batch per stage, got n_microbatches={m}; use n_microbatches >= {least}"
             )
-        return build_dualpipev_order(p, m)
+        return build_dualpipev_order(num_ranks, n_microbatches)
 
 
 # torch.distributed.pipelining's names (get_schedule_class), then names of ours torch lacks.
