@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import runpy
 import sys
 import traceback
 from types import TracebackType
 from typing import Any
+
+from hp_testing._rank_main import run_and_exit, run_script
 
 
 def channel_prefix() -> str:
@@ -46,17 +47,6 @@ def _channel_factory() -> Any:
     return layer.new_channel(store, channel_prefix(), dist.get_rank(), dist.get_world_size())
 
 
-def _run_script(rest: list[str]) -> None:
-    """Run the user's script (``[path, *args]``) or module (``["-m", name, *args]``) as ``__main__``."""
-    if rest and rest[0] == "-m":
-        sys.argv = [rest[1], *rest[2:]]
-        runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = rest
-        sys.path.insert(0, os.path.dirname(os.path.abspath(rest[0])))
-        runpy.run_path(rest[0], run_name="__main__")
-
-
 def main(argv: list[str]) -> None:
     """``argv``: profile name, ``checks``/``no-checks``, ``strict``/``no-strict``, then the target."""
     profile, checks, strict, *rest = argv
@@ -71,13 +61,17 @@ def main(argv: list[str]) -> None:
         previous(kind, exc, tb)
 
     sys.excepthook = excepthook
-    try:
-        _run_script(rest)
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise  # the script failed: its own status stands
-    if layer.strict:
-        _report_unwaited(layer)
+
+    def body() -> None:
+        try:
+            run_script(rest)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise  # the script failed: its own status stands
+        if layer.strict:
+            _report_unwaited(layer)
+
+    run_and_exit(body)  # [Note: a rank ends without interpreter finalization]
 
 
 def _report_unwaited(layer: Any) -> None:

@@ -4,7 +4,10 @@ Every rank gets the environment ``torchrun --standalone`` gives it (RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), so a
 training script written for a cluster runs unchanged on a laptop, and the same
 script runs unchanged under ``torchrun`` later: nothing here is needed at run
-time.
+time. A rank runs the script as ``python script.py`` would and ends the same way,
+except that it skips interpreter finalization, where gloo's worker threads can
+abort a finished rank ([Note: a rank ends without interpreter finalization] in
+:mod:`hp_testing._rank_main`).
 
 When one rank fails, the others are given a few seconds to finish and are then
 stopped, and the launcher names the rank that failed first, so a crash never
@@ -179,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode,
             *target,
         ]
+    else:  # the bare launcher still ends ranks safely ([Note: a rank ends without interpreter finalization])
+        target = ["-m", "hp_testing._rank_main", *target]
     command = [sys.executable, "-u", *target, *args.script_args]
     if not checks:
         port = args.master_port or _free_port()
