@@ -374,6 +374,9 @@ def test_placement_never_lengthens_the_step(base, p, m, owner, mode, load) -> No
         ("zb-h1", 4, 16, 69, 64, 61),
         ("zb-h1", 8, 64, 237, 224, 217),
         ("zbv", 2, 8, 66, 61, 60),
+        ("looped-bfs", 4, 16, 121, 117, 117),
+        ("interleaved-zb", 4, 16, 117, 112, 110),
+        ("dualpipev", 4, 16, 114, 111, 110),
     ],
 )
 def test_placement_fills_the_owners_idle_slots(base, p, m, unplaced, backward, both) -> None:
@@ -391,6 +394,8 @@ def test_placement_fills_the_owners_idle_slots(base, p, m, unplaced, backward, b
         mpipe_order(p, m, base=base),
     ]
     assert [simulate(o, UNIT).makespan for o in orders] == [unplaced, backward, both]
+    if base == "looped-bfs":
+        return  # each rank's backwards are one block at the end: no steady state to fill
     row = [s for s in orders[2][1] if not s.type.is_comm]
     last_pipeline_backward = max(k for k, s in enumerate(row) if s.type in (T.BWD, T.BWD_INPUT, T.BWD_WEIGHT))
     tail = row[last_pipeline_backward:]
