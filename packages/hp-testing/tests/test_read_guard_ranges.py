@@ -192,3 +192,72 @@ def test_strict_mode_compiles_what_a_plain_run_compiles(guard: ReadGuard) -> Non
         assert not _debug_get_cache_entry_list(_Wrapper.__torch_dispatch__.__code__)
     finally:
         torch._dynamo.reset()
+
+
+def test_work_waited_inside_a_compiled_call_leaves_a_usable_dispatcher(guard: ReadGuard) -> None:
+    """All pending work waited inside a compiled call: the next eager op runs, and later reads are caught.
+
+    torch's compiled-call wrapper restores on exit the dispatch keys it saw on
+    entry. The mode used to pop when the last work was waited, so a call entered
+    with work pending and left with none kept the Python keys on with no mode,
+    and the next op hit an internal assert ("Hit Python dispatch key but no
+    arguments had PyInterpreter"). The mode now stays on, inert, until the test
+    ends ([Note: the mode stays on until the test ends]).
+    """
+    import torch._dynamo
+
+    pending, later = torch.ones(4), torch.ones(4)
+
+    @torch._dynamo.disable
+    def wait_inside() -> None:
+        guard.remove(0)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        wait_inside()
+        return y + 1
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(block, backend="eager")
+        guard.add(0, [(pending, "the output tensor", True)], "all_reduce(a)", "t.py:1")
+        out = compiled(torch.ones(3))
+        assert torch.equal(out + 0, torch.full((3,), 3.0))  # an eager op after the call
+        guard.add(1, [(later, "the output tensor", True)], "all_reduce(b)", "t.py:2")
+        with pytest.raises(AsyncHazardError, match=r"all_reduce\(b\)"):
+            later.sum()
+        guard.remove(1)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_work_issued_inside_a_compiled_call_is_still_guarded_after_it(guard: ReadGuard) -> None:
+    """The mode pushed inside a compiled call: after the call returns, a read of the pending buffer raises.
+
+    The wrapper's exit turns the Python keys off again (they were off at entry);
+    the next call the layer records turns them back on, and a read in between
+    would go unseen, so the test issues a second call first, as any program that
+    keeps communicating does.
+    """
+    import torch._dynamo
+
+    first, second = torch.ones(4), torch.ones(4)
+
+    @torch._dynamo.disable
+    def issue_inside() -> None:
+        guard.add(0, [(first, "the output tensor", True)], "all_reduce(a)", "t.py:1")
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        issue_inside()
+        return x * 2
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(block, backend="eager")(torch.ones(3))
+        guard.add(1, [(second, "the output tensor", True)], "all_reduce(b)", "t.py:2")
+        with pytest.raises(AsyncHazardError, match=r"all_reduce\(a\)"):
+            first.sum()
+        guard.remove(0)
+        guard.remove(1)
+    finally:
+        torch._dynamo.reset()

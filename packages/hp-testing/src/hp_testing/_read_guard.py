@@ -25,10 +25,11 @@ mode is on. The layer's own work (input snapshots, the check at ``wait()``,
 gloo's threads) runs nested or on other threads and is not seen
 ([Note: one call through the layer]).
 
-The cost is paid only in strict mode and only while something is pending:
-the mode is pushed when the first async call of a quiet rank is issued and
-popped when the last one is waited. If the program pushed a dispatch mode of
-its own in between, ours stays under it (inert) until it is on top again.
+The cost is paid only in strict mode, from a test's first async call on: the
+mode is pushed when the first async call is issued and stays on, inert while
+nothing is pending (one attribute test per op), until the test or script ends
+([Note: the mode stays on until the test ends]). A dispatch mode the program
+pushes later sits above ours, which sees the ops that mode passes down.
 Writes that escape the mode (another thread, a buffer protocol) to an input
 are still found at ``wait()`` by the snapshots of :mod:`hp_testing._hazards`;
 reads that escape it are not caught ([Note: why outputs are not shadowed]).
@@ -89,10 +90,20 @@ the same graphs as a plain run, and the compiled code runs under the mode,
 whose checks still see the aten ops a graph runs (the eager and aot_eager
 backends; inductor's generated kernels are not aten ops and go unseen). The
 method is read when the mode is pushed and when dynamo meets a frame, never
-per op. Still open: torch's compiled-call wrapper restores the dispatch-key
-include set it saw on entry, so a mode pushed before a compiled call and
-popped inside it with nothing left pending leaves the Python keys on with no
-mode (README, "Every suite under the emulated backends, strict").
+per op.
+
+[Note: the mode stays on until the test ends]
+torch's compiled-call wrapper restores on exit the dispatch-key include set it
+saw on entry. When the mode popped as the last pending call was waited, a call
+entered with work pending and left with none kept the Python keys on with no
+mode, and the next op failed inside torch ("Hit Python dispatch key but no
+arguments had PyInterpreter"). So the mode is not popped when nothing is
+pending: it stays, inert, until :meth:`ReadGuard.clear` at the end of the test
+or script, which runs outside any compiled call. The other direction (the mode
+pushed inside a compiled call that was entered without it) leaves the keys off
+at the call's exit; each later async call turns them back on (``_arm``), so
+only reads between that exit and the program's next async call go unseen.
+Both are tested in ``test_read_guard_ranges.py``.
 """
 
 from __future__ import annotations
@@ -104,7 +115,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch._C import DispatchKey
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
+)
 
 from hp_testing._calls import call_site
 from hp_testing._hazards import AsyncHazardError
@@ -274,9 +290,7 @@ class ReadGuard:
         """The call of ``token`` was waited: its buffers are the program's again."""
         if self._by_token.pop(token, None) is None:
             return
-        self._lay_out()
-        if not self.buffers:
-            self._disarm()
+        self._lay_out()  # the mode stays on, inert ([Note: the mode stays on until the test ends])
 
     def _lay_out(self) -> None:
         """Recompute what :meth:`inspect` reads per op from the pending buffers."""
@@ -323,7 +337,7 @@ class ReadGuard:
         """End of a test (or script): forget everything and take the mode off."""
         self._by_token.clear()
         self._lay_out()
-        self._disarm(force=True)
+        self._disarm()
 
     # -- checks ----------------------------------------------------------------------
 
@@ -426,15 +440,18 @@ class ReadGuard:
             self._mode = _Mode(self)
             self._mode.__enter__()
             self._patch()
+        elif self._mode in _get_current_dispatch_mode_stack():
+            # A compiled call entered before the mode was pushed restored, on exit, the keys
+            # it saw then: with the mode still on the stack, turn them back on.
+            for key in (DispatchKey.Python, DispatchKey.PythonTLSSnapshot):
+                torch._C._dispatch_tls_set_dispatch_key_included(key, True)
 
-    def _disarm(self, *, force: bool = False) -> None:
+    def _disarm(self) -> None:
         mode = self._mode
         if mode is None:
             return
         if _get_current_dispatch_mode() is mode:
             mode.__exit__(None, None, None)
-        elif not force:
-            return  # a mode of the program's is above ours: ours stays, inert, until it is on top
         self._mode = None
         self._unpatch()
 
