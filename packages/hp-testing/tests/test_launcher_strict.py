@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from hp_testing.launcher import main
+from hp_testing.launcher import _parser, _strict, main
 
 PLANTED = """
 import sys, torch, torch.distributed as dist, hp_core
@@ -69,11 +69,30 @@ def test_planted_async_bug_passes_plain_gloo_and_fails_emulated_nccl(
     assert expected.format(name=_site_name(tmp_path)) in emulated.stderr
 
 
-def test_strict_flags_and_environment(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flag", "emulate", "env", "strict"),
+    [
+        (None, "nccl", None, True),  # on by default under emulation
+        (None, None, None, False),  # plain hp-run stays a torchrun look-alike
+        (False, "nccl", None, False),  # --no-strict
+        (None, "hccl", "0", False),
+        (None, None, "yes", True),
+        (True, None, "0", True),  # the flag wins over the environment
+    ],
+)
+def test_strict_flag_environment_and_default(
+    monkeypatch: pytest.MonkeyPatch, flag: bool | None, emulate: str | None, env: str | None, strict: bool
+) -> None:
+    if env is None:
+        monkeypatch.delenv("HP_RUN_STRICT", raising=False)
+    else:
+        monkeypatch.setenv("HP_RUN_STRICT", env)
+    assert _strict(flag, emulate, _parser()) is strict
+
+
+def test_strict_by_environment_reaches_the_ranks(tmp_path: Path) -> None:
     off = _hp_run(tmp_path, "--emulate", "nccl", "--no-strict", "never-waited")
     assert off.returncode == 0, off.stdout + off.stderr
-    off_by_env = _hp_run(tmp_path, "--emulate", "nccl", "never-waited", env={"HP_RUN_STRICT": "0"})
-    assert off_by_env.returncode == 0, off_by_env.stdout + off_by_env.stderr
     # Without --emulate: the layer under gloo's own rules, strict because it was asked for.
     on_by_env = _hp_run(tmp_path, "never-waited", env={"HP_RUN_STRICT": "1"})
     assert on_by_env.returncode == 1, on_by_env.stdout + on_by_env.stderr
