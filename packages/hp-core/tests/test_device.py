@@ -26,6 +26,7 @@ def test_emulated_handle_acts_on_the_tensor_device():
     assert not handle.is_accelerator
     assert handle.current_device() == torch.device("cpu")
     assert isinstance(handle.new_stream(), CpuStream)
+    assert isinstance(handle.new_stream(device=torch.device("cuda", 1)), CpuStream)  # no device to switch
 
 
 def test_streams_and_events_satisfy_the_protocols():

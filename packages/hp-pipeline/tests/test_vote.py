@@ -102,7 +102,8 @@ class FakeHandle:
     def default_stream(self) -> FakeStream:
         return self.compute
 
-    def new_stream(self, priority: int = 0) -> FakeStream:
+    def new_stream(self, priority: int = 0, *, device: Any = None) -> FakeStream:
+        assert torch.device(device) == self.current_device(), device  # made on the flag's device
         stream = FakeStream(f"side{len(self.made)}", self.log)
         self.made.append(stream)
         return stream

@@ -297,11 +297,20 @@ class DeviceHandle:
 
     # -- streams and events ------------------------------------------------
 
-    def new_stream(self, priority: int = 0) -> StreamLike:
-        """A new stream (``torch.<device>.Stream`` or a :class:`CpuStream`)."""
+    def new_stream(self, priority: int = 0, *, device: torch.device | int | None = None) -> StreamLike:
+        """A new stream (``torch.<device>.Stream`` or a :class:`CpuStream`).
+
+        ``device``: the accelerator the stream belongs to (default: the current
+        one). A stream must live on the device of the tensors whose work it
+        orders, e.g. a side stream for a collective on a device that is not the
+        current one; passing it avoids switching the current device to create it.
+        """
         if not self.is_accelerator:
             return CpuStream(priority)
-        stream: StreamLike = self._module().Stream(priority=priority)
+        if device is None:
+            stream: StreamLike = self._module().Stream(priority=priority)
+        else:
+            stream = self._module().Stream(device=device, priority=priority)
         return stream
 
     def current_stream(self) -> StreamLike:

@@ -209,22 +209,14 @@ class FailureVote:
 
         The stream must live on the flag's device: a collective waits for the
         current stream *of its tensor's device*, so a stream on another device
-        would leave the compute stream in charge. When the compute device is
-        not the current one, it is made current just to create the stream.
+        would leave the compute stream in charge.
         """
         handle = get_platform().handle
         device = torch.device(self._device() if callable(self._device) else self._device)
         side: StreamLike | None = None
         if handle.is_accelerator:
-            current = handle.current_device()
-            switch = device.type == current.type and device.index is not None and device != current
-            if switch:
-                handle.set_device(device)
-            try:
-                side = handle.new_stream()
-            finally:
-                if switch:
-                    handle.set_device(current)
+            on_accelerator = device.type == handle.current_device().type
+            side = handle.new_stream(device=device if on_accelerator else None)
         with handle.stream(side):  # allocated for the side stream, their only user
             self._flag = torch.zeros(1, dtype=torch.int32, device=device)
             self._host = torch.zeros(1, dtype=torch.int32, pin_memory=device.type != "cpu")
