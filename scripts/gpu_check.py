@@ -1,4 +1,4 @@
-"""Checks for a machine with one CUDA GPU: NCCL at world size 1 and the compiled cases on inductor.
+"""Checks for a machine with one CUDA GPU: NCCL at world size 1, the compiled cases on inductor, swap.
 
 Run through ``scripts/gpu_check.sh`` (``torchrun --nproc-per-node 1``). Each
 check trains a few steps against an eager single-process copy on the same GPU
@@ -104,10 +104,41 @@ def tp_fullgraph_inductor(mesh: object) -> float:
     return _train(model, ref, torch.compile(model, backend="inductor", fullgraph=True))
 
 
+def pipeline_swap_zbv(mesh: object) -> float:
+    """ZB-V's two stages on this rank with every saved activation swapped to pinned host memory.
+
+    The accelerator path of hp-pipeline's swap (pinned buffers, the side stream, the
+    events the backward waits for) and the failure vote's side stream; gradients
+    against an eager copy on the same device, and the swap must have moved every
+    micro-batch of both stages out and back.
+    """
+    from hp_pipeline import PipelineStage, ScheduleZBVZeroBubble, SwapPolicy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block()).to(DEVICE)
+    ref = copy.deepcopy(model)
+    m, x = 4, torch.randn(16, 8, 64, device=DEVICE)
+    stages = [PipelineStage(model[s], s, 2) for s in (0, 1)]
+    schedule = ScheduleZBVZeroBubble(
+        stages, m, lambda out, _: out.square().mean(), swap_policy=SwapPolicy(keep_newest=0, min_bytes=0)
+    )
+    losses: list[torch.Tensor] = []
+    schedule.step(x, target=x, losses=losses)
+    sum(ref(chunk).square().mean() for chunk in x.chunk(m)).div(m).backward()
+    stats = schedule.activation_memory()
+    if stats is None or stats.swapped_out < m or stats.swapped_in != stats.swapped_out:
+        raise AssertionError(f"expected every micro-batch swapped out and back, got {stats}")
+    return max(
+        float((a.grad - b.grad).abs().max())  # type: ignore[operator]
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+
+
 CHECKS: dict[str, tuple[Callable[[object], float], float]] = {
     "fsdp: blocks compiled, inductor": (fsdp_blocks_inductor, 1e-4),
     "fsdp: whole model, bf16, inductor": (fsdp_whole_bf16_inductor, 5e-2),
     "tp: fullgraph, inductor": (tp_fullgraph_inductor, 1e-4),
+    "pipeline: ZB-V with activation swap to pinned memory": (pipeline_swap_zbv, 1e-5),
 }
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# On a machine with one CUDA GPU (nothing in CI needs one): NCCL at world size 1 and the compiled
-# cases (fully_shard per block and whole model, bf16, TP with fullgraph=True) on inductor, each
-# against an eager copy on the same GPU; prints PASS / FAIL per check and a summary. Under 5
+# On a machine with one CUDA GPU (nothing in CI needs one): NCCL at world size 1, the compiled
+# cases (fully_shard per block and whole model, bf16, TP with fullgraph=True) on inductor and
+# hp-pipeline's activation swap (ZB-V, pinned host memory, side stream), each against an eager
+# copy on the same GPU; prints PASS / FAIL per check and a summary. Under 5
 # minutes. Uses the python whose torch has CUDA (PYTHON=..., default python3) and installs the
 # packages into it editable, without dependencies.
 set -euo pipefail
