@@ -724,7 +724,7 @@ class ScheduleDualPipeV(_VSchedule):
                 f"ScheduleDualPipeV over {p} ranks runs {2 * p} stages and needs at least one "
                 f"micro-batch per stage, got n_microbatches={m}; use n_microbatches >= {least}"
             )
-        return build_dualpipev_order(num_ranks, n_microbatches)
+        return build_dualpipev_order(p, m)
 
 
 # torch.distributed.pipelining's names (get_schedule_class), then names of ours torch lacks.

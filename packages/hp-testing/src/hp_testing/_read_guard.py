@@ -74,9 +74,9 @@ C++ below it too (a tensor subclass's ``__torch_dispatch__`` reached through
 The mode also says ``ignore_compile_internals() -> True``. With the default,
 dynamo declines any frame it meets while a user dispatch mode is pushed
 ("non-infra torch dispatch mode present") and runs it eagerly with its frame
-hook still set, and it remembers that for the code object. Strict mode pushes
-the mode whenever a collective is pending, so a compiled block entered then
-(an FSDP prefetch still in flight) was not compiled; once a hook inside it
+hook still set, and it remembers that for the code object. Strict mode then
+pushed the mode only while a collective was pending, so a compiled block entered
+then (an FSDP prefetch still in flight) was not compiled; once a hook inside it
 waited the last collective and popped the mode, the next DTensor op entered
 hp-dtensor's ``__torch_dispatch__`` from C++ with the hook set and no mode
 above it, and dynamo compiled that frame on its own. Its resume frame after
