@@ -127,3 +127,38 @@ def test_scalar_operand_of_a_partial_sum_is_counted_once(rank, device_mesh_facto
     for result, expected in [(part * 2.0, full * 2.0), (part / 4.0, full / 4.0), (part + part, full * 2)]:
         assert result.placements == (Partial(),)
         torch.testing.assert_close(result.full_tensor(), expected)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_one_object_in_two_argument_slots(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """``x @ x``, ``cat([x, x])``, ``sdpa(q, q, q)``: each slot is moved on its own.
+
+    Rules find positions by identity; a repeated object once lost a slot's
+    target (a Partial multiplied unreduced, a row shard used as the other
+    operand's columns), and the wrong decision, cached by layouts, then
+    served two distinct tensors too ([Note: one object in two argument slots]).
+    """
+    from hp_dtensor.ops import dispatch as D
+
+    D.clear_caches()
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pieces = (3 * x, -2 * x)  # a Partial(sum) whose pieces differ by rank
+
+    def partial() -> DTensor:
+        return DTensor.from_local(pieces[rank].clone(), mesh, [Partial()])
+
+    p = partial()
+    torch.testing.assert_close((p @ p).full_tensor(), x @ x)
+    torch.testing.assert_close(torch.cat([p, p]).full_tensor(), torch.cat([x, x]))
+    # the same layouts, two objects: served from the decision cache filled just above
+    torch.testing.assert_close(torch.cat([partial(), partial()], 1).full_tensor(), torch.cat([x, x], 1))
+    torch.testing.assert_close(torch.cat([partial(), partial()]).full_tensor(), torch.cat([x, x]))
+    p.mul_(p)
+    torch.testing.assert_close(p.full_tensor(), x * x)
+    # values and gradients with a shard: the second operand must be gathered, not cut like the first
+    _check(lambda t: t @ t, [x], [[Shard(0)]], mesh)
+    _check(lambda t: torch.cat([t, t], 1), [x], [[Shard(0)]], mesh)
+    q = torch.randn(2, 3, 6, 4, dtype=torch.float64)
+    _check(lambda t: F.scaled_dot_product_attention(t, t, t), [q], [[Shard(2)]], mesh)

@@ -51,6 +51,17 @@ reduction's ``keepdim`` change the answer). Registering a rule by name
 (:func:`register`) takes the op out of the set; a rule put into
 :data:`RULES` by hand must do the same if it reads scalar values.
 
+[Note: one object in two argument slots]
+Rules find an argument's flat position by identity (:meth:`OpCall.position_of`)
+and decide per position. A DTensor passed twice (``x @ x``, ``torch.cat([x,
+x])``, ``sdpa(q, q, q)``) would give both slots the first one's position:
+one target would be lost and the other slot used unmoved, a wrong result
+without an error; and since decisions are cached by layouts, not identity,
+the wrong decision would then serve calls with two distinct tensors too.
+So before a rule sees a call, every repeat of an object is replaced by a new
+DTensor over the same local tensor and layout: each slot has its own
+object, and the cached decision holds for every call with those layouts.
+
 [Note: fallback]
 An op without a rule (or a rule that declines) runs replicated: every input
 is gathered to ``Replicate``, the op runs on full tensors on every rank, and
@@ -587,11 +598,32 @@ def _lift_plain(flat: list[Any], positions: list[int], mesh: Any) -> tuple[list[
     return out, [i for i, v in enumerate(out) if isinstance(v, DTensor)]
 
 
+def _distinct(flat: list[Any], positions: Sequence[int]) -> list[Any]:
+    """``flat`` with each repeat of a DTensor object replaced by a new one over the same local tensor.
+
+    See [Note: one object in two argument slots]; the first occurrence stays
+    itself (an in-place op writes into it).
+    """
+    if len(positions) < 2:
+        return flat
+    seen: set[int] = set()
+    out = flat
+    for p in positions:
+        dt = flat[p]
+        if id(dt) in seen:
+            if out is flat:
+                out = list(flat)
+            out[p] = DTensor(dt._local, dt._layout)
+        seen.add(id(dt))
+    return out
+
+
 def dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: Rule) -> Any:
     """``_foreach_*`` ops: ``rule`` decides per element; the op runs once over all local elements."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, v in enumerate(flat) if isinstance(v, DTensor)]
     mesh = _mesh_of(flat, positions, func)
+    flat = _distinct(flat, positions)
     a, k = pytree.tree_unflatten(flat, spec)
     decision = rule(OpCall(func, a, k, flat, positions))
     assert decision is not None
@@ -665,6 +697,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     mesh = _mesh_of(flat, positions, func)
     if len(positions) != sum(1 for v in flat if isinstance(v, torch.Tensor)):
         flat, positions = _lift_plain(flat, positions, mesh)
+    flat = _distinct(flat, positions)
     if func not in LAYOUT_PRESERVING and any(flat[p]._layout.ragged is not None for p in positions):
         signature = None
         flat = list(flat)
