@@ -162,3 +162,31 @@ def test_one_object_in_two_argument_slots(rank, device_mesh_factory) -> None:  #
     _check(lambda t: torch.cat([t, t], 1), [x], [[Shard(0)]], mesh)
     q = torch.randn(2, 3, 6, 4, dtype=torch.float64)
     _check(lambda t: F.scaled_dot_product_attention(t, t, t), [q], [[Shard(2)]], mesh)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_in_place_ops_on_partial_terms_with_whole_operands(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """``P.mul_(S)``, ``P.div_(S)``, ``P.copy_(R | S | P)``: every term meets the whole operand.
+
+    An in-place op sets no output shard from its other operands, so a row
+    shard stayed cut while the terms stayed partial: each rank scaled its term
+    by its own rows only (broadcast when a piece had one row, a size error
+    otherwise). ``copy_`` from a whole value kept the destination partial, so
+    the value was counted once per rank.
+    """
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    for rows in (2, 6):  # 2 rows over 2 ranks: one-row pieces, which broadcast silently
+        a, b = torch.randn(rows, 5, dtype=torch.float64), torch.randn(rows, 5, dtype=torch.float64) + 3
+
+        def terms(a: torch.Tensor = a) -> DTensor:
+            return DTensor.from_local((3 * a if rank == 0 else -2 * a).clone(), mesh, [Partial()])
+
+        for op in ("mul_", "div_"):
+            x = terms()
+            getattr(x, op)(distribute_tensor(b, mesh, [Shard(0)]))
+            torch.testing.assert_close(x.full_tensor(), getattr(a.clone(), op)(b))
+        for source in ([Replicate()], [Shard(0)], [Partial()]):
+            x = terms()
+            x.copy_(distribute_tensor(b, mesh, source))
+            torch.testing.assert_close(x.full_tensor(), b)

@@ -70,7 +70,8 @@ def _keeps_partial(
     if not isinstance(op, Partial) or op.reduce_op not in ("sum", "avg") or any(p != op for p in partials):
         return False
     if func in _LINEAR_UNARY:
-        return len(placements) == 1 or (func is aten.copy_.default and placements[0] == op)
+        # copy_ keeps its destination's terms only when the source holds terms of the same sum.
+        return len(placements) == 1 or (func is aten.copy_.default and len(partials) == len(placements))
     if func in _LINEAR_ADD:
         # A scalar or plain-tensor operand is a whole value, not a partial term: adding it to
         # every rank's term would count it once per rank.
@@ -130,6 +131,12 @@ def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bo
             if inplace and not isinstance(current[0], Partial):
                 keep = False
             if keep:
+                # The partial terms are scaled by the other operands' values, which must be whole
+                # here: a shard that set no output shard (an in-place op's other operand, a
+                # broadcast dim) is gathered, or each term would meet only a piece of it.
+                for i, placement in enumerate(current):
+                    if isinstance(placement, Shard):
+                        targets[i][m] = Replicate()
                 out.append(current[first])
                 continue
         for i in range(len(layouts)):
