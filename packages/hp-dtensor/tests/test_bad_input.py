@@ -122,6 +122,13 @@ CASES = [
         r"one placement per mesh dim",
     ),
     Bad(
+        "torch's placement",
+        lambda c: distribute_tensor(c.tensor, c.mesh, [torch.distributed.tensor.Shard(0)]),
+        TypeError,
+        r"torch\.distributed\.tensor\.placement_types\.Shard, not hp_dtensor's",
+        r"hp_dtensor\.Shard\(d\)",
+    ),
+    Bad(
         "a single placement",
         lambda c: distribute_tensor(c.tensor, c.mesh, S0),
         TypeError,

@@ -90,9 +90,12 @@ def normalize_placements(
     out: list[Placement] = []
     for index, placement in enumerate(values):
         if not isinstance(placement, Placement):
+            kind = type(placement)
+            origin = f" ({kind.__module__}.{kind.__qualname__}, not hp_dtensor's)" if kind.__module__ else ""
             raise TypeError(
-                f"{what}: placements[{index}]={placement!r} is not a Placement; use Shard(d), Replicate() "
-                "or Partial(op)."
+                f"{what}: placements[{index}]={placement!r}{origin} is not an hp_dtensor Placement; use "
+                "hp_dtensor.Shard(d), Replicate() or Partial(op) (to_torch_dtensor / from_torch_dtensor "
+                "convert whole tensors between the two libraries)."
             )
         if isinstance(placement, Shard):
             dim = placement.dim
