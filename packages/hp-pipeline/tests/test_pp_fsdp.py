@@ -182,3 +182,29 @@ def test_pp_fsdp_2x2_matches_single_process(
                 modules[s].named_parameters(), reference[s].parameters(), strict=True
             ):
                 close(full(got.detach()), want.detach(), f"step {step} stage {s} {pname} after AdamW")
+
+
+@pytest.mark.distributed(world_size=PP * DP, timeout=120)
+def test_stage_wrapped_after_the_schedule_is_refused(rank: int, device_mesh_factory: Any) -> None:
+    """``fully_shard`` after the schedule: a clear error on every rank, not a step that trains nothing.
+
+    The schedule decides at construction whether a stage gets the FSDP steps;
+    a stage wrapped later had units but no ``REDUCE_GRAD``, and the executor
+    turned their gradient sync off: every gradient stayed ``None`` and AdamW
+    moved nothing ([Note: units found at the first step]).
+    """
+    from hp_pipeline import PipelineStepError
+
+    mesh = device_mesh_factory((PP, DP), ("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    modules = make_stages(PP)
+    stage = PipelineStage(modules[pp_rank], pp_rank, PP, group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(stage, 4, nn.functional.mse_loss)
+    assert not any(step.type.is_fsdp for step in schedule.order[pp_rank])
+    fully_shard(modules[pp_rank], mesh=mesh["dp"])  # too late: the order is built
+    x, y = global_batch(0)
+    mine = slice(dp_rank * 8, (dp_rank + 1) * 8)
+    refusal = r"stage \d's module holds fully_shard units.*before building"
+    with pytest.raises(PipelineStepError, match=refusal):
+        schedule.step(*((x[mine],) if pp_rank == 0 else ()), target=y[mine] if pp_rank == PP - 1 else None)
+    assert all(p.grad is None for p in modules[pp_rank].parameters())

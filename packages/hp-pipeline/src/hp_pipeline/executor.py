@@ -396,10 +396,18 @@ class StepRunner:
         if pre_failure is not None:
             self.failure, self.draining = pre_failure, True
         self._first_step = first_step
+        refused = False
+        if first_step and self.failure is None:
+            try:
+                self._check_units_match_steps()
+            except ValueError as exc:
+                self._fail(None, exc)
+                self.draining = refused = True  # every rank learns it from the vote; nothing has run
         self.begin_step()
         for stage in self.stages.values():
             stage._begin_step()
-            self._prepare_sharded(stage)
+            if not refused:  # (a refused stage has no RESHARD to restore its units' flags)
+                self._prepare_sharded(stage)
         try:
             if first_step:
                 self._run_blocking()
@@ -426,6 +434,31 @@ class StepRunner:
                 exception=exc,
             )
         self.draining = True
+
+    def _check_units_match_steps(self) -> None:
+        """Refuse stages wrapped after the order was built ([Note: units found at the first step]).
+
+        [Note: units found at the first step]
+        The schedule adds ``UNSHARD`` / ``REDUCE_GRAD`` / ``RESHARD`` for a stage
+        whose module holds ``fully_shard`` units when it is built; the runner
+        finds the units again here, at its first step. A stage wrapped in
+        between (``fully_shard`` called after the schedule) has units but no
+        such steps: the executor would turn off their gradient sync and never
+        reduce, so nothing would train and no error would say so. Its
+        parameters outside every unit are checked here for the same reason
+        (the schedule could not check a stage that had no units yet).
+        """
+        with_steps = {s.stage_index for s in self.steps if s.type is MetaStepType.UNSHARD}
+        for index in self.stages:
+            units = self._units(index)
+            if units and index not in with_steps:
+                raise ValueError(
+                    f"stage {index}'s module holds fully_shard units, but it had none when the schedule "
+                    "was built, so the schedule has no steps that reduce their gradients and nothing "
+                    "would train: call fully_shard on the stage module (and its blocks) before building "
+                    "the PipelineStage and the schedule"
+                )
+            units.check_covers_all(f"stage {index}")
 
     def _units(self, stage_index: int) -> ShardedUnits:
         units = self._units_of.get(stage_index)
