@@ -76,10 +76,10 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 STAGE_CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     (
-        "module a str",
-        {"module": "lin"},
+        "submodule a str",
+        {"submodule": "lin"},
         TypeError,
-        r"needs an nn.Module, got str; wrap a function in a module",
+        r"PipelineStage: submodule is a str, not an nn.Module; wrap a function in a module",
     ),
     (
         "stage_index a float",
@@ -130,7 +130,7 @@ def test_pipeline_stage_bad_input(
 ) -> None:
     module = nn.Linear(2, 2)
     before = _fingerprint(module)
-    args: dict[str, Any] = {"module": module, "stage_index": 1, "num_stages": 2, **kwargs}
+    args: dict[str, Any] = {"submodule": module, "stage_index": 1, "num_stages": 2, **kwargs}
     with pytest.raises(error, match=message):
         PipelineStage(**args)
     assert _same(before, _fingerprint(module)), case
@@ -179,7 +179,8 @@ SCHEDULE_CASES: list[tuple[str, Callable[[PipelineStage], Any], type[Exception],
         "args_chunk_spec entry an int",
         lambda s: Schedule1F1B(s, 2, mse, args_chunk_spec=[0]),
         TypeError,
-        r"args_chunk_spec\[0\] is 0 \(int\); each entry must be TensorChunkSpec\(dim\), REPLICATE or None",
+        r"args_chunk_spec\[0\] is 0 \(int\); each entry must be TensorChunkSpec\(dim\) \(ours or torch's\), "
+        r"REPLICATE or None",
     ),
     (
         "kwargs_chunk_spec a list",
@@ -203,7 +204,37 @@ SCHEDULE_CASES: list[tuple[str, Callable[[PipelineStage], Any], type[Exception],
         "output_merge_spec a str",
         lambda s: Schedule1F1B(s, 2, mse, output_merge_spec="0"),
         TypeError,
-        r"output_merge_spec='0' is a str, not an int; pass the dim",
+        r"output_merge_spec='0' is a str, not a merge spec; pass an int dim",
+    ),
+    (
+        "output_merge_spec leaf a str",
+        lambda s: Schedule1F1B(s, 2, mse, output_merge_spec=(TensorChunkSpec(0), "cat")),
+        TypeError,
+        r"output_merge_spec\[1\]='cat' is a str, not a merge spec; .* one leaf per tensor",
+    ),
+    (
+        "defer_pp_recv=True",
+        lambda s: ScheduleInterleaved1F1B([s], 2, mse, defer_pp_recv=True),
+        ValueError,
+        r"defer_pp_recv=True \(torch's option .*\) is not supported; .* pass recv_lookahead=1",
+    ),
+    (
+        "defer_pp_recv on a single-stage schedule (torch's take none)",
+        lambda s: Schedule1F1B(s, 2, mse, defer_pp_recv=False),
+        TypeError,
+        r"Schedule1F1B got unknown keyword option\(s\) \['defer_pp_recv'\]",
+    ),
+    (
+        "use_full_backward on a multi-stage schedule (torch's base only)",
+        lambda s: ScheduleInterleaved1F1B([s], 2, mse, use_full_backward=True),
+        TypeError,
+        r"ScheduleInterleaved1F1B got unknown keyword option\(s\) \['use_full_backward'\]",
+    ),
+    (
+        "backward_requires_autograd a str",
+        lambda s: ScheduleInterleaved1F1B([s], 2, mse, backward_requires_autograd="yes"),
+        TypeError,
+        r"backward_requires_autograd='yes' is a str, not a bool",
     ),
     (
         "scale_grads a str",
@@ -271,7 +302,7 @@ SCHEDULE_CASES: list[tuple[str, Callable[[PipelineStage], Any], type[Exception],
         "a module, not a stage",
         lambda s: Schedule1F1B(s.submod, 2, mse),
         TypeError,
-        r"pass this rank's PipelineStage \(PipelineStage\(module, rank, num_ranks\)\), got Linear",
+        r"pass this rank's PipelineStage \(PipelineStage\(submodule, rank, num_ranks\)\), got Linear",
     ),
     (
         "two stages to a single-stage schedule",
@@ -768,6 +799,29 @@ STEP_CASES: list[tuple[str, Callable[[int, Any, torch.Tensor, torch.Tensor], Any
         "no batch on stage 0",
         lambda r, s, x, y: s.step() if r == 0 else s.step(target=y),
         r"rank 0 hosts stage 0 but step\(\) got no inputs; pass the batch here",
+    ),
+    (
+        "return_outputs a str",
+        lambda r, s, x, y: s.step(x, return_outputs="no") if r == 0 else s.step(target=y),
+        r"step: return_outputs='no' is a str, not a bool; pass True or False",
+    ),
+    (
+        "loss_kwargs a list of pairs",
+        lambda r, s, x, y: s.step(x) if r == 0 else s.step(target=y, loss_kwargs=[("reduction", "sum")]),
+        r"step\(loss_kwargs=...\) takes a dict of keyword arguments for loss_fn, got a list .*; "
+        r"pass e.g. loss_kwargs=\{'reduction': 'sum'\}",
+    ),
+    (
+        "a 0-d tensor in the target",
+        lambda r, s, x, y: s.step(x) if r == 0 else s.step(target=(y, torch.tensor(2.0))),
+        r"target\[1\] is a 0-d tensor \(tensor\(2.\)\), which has no dim 0 to split into micro-batches; "
+        r"pass a whole-batch value to the loss through step\(loss_kwargs=",
+    ),
+    (
+        "eval losses without a target",
+        lambda r, s, x, y: s.eval(x) if r == 0 else s.eval(losses=[]),
+        r"rank 1 hosts the last stage \(1\) and eval\(\) got losses= but no target=, so there is no loss "
+        r"to compute; pass the batch's targets",
     ),
 ]
 

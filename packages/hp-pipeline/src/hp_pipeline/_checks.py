@@ -90,12 +90,12 @@ def check_callable(where: str, name: str, value: object, example: str, *, allow_
 
 def check_chunk_specs(where: str, args_spec: object, kwargs_spec: object) -> None:
     """``args_chunk_spec`` a sequence, ``kwargs_chunk_spec`` a str-keyed mapping, of specs or None."""
-    from hp_pipeline.microbatch import TensorChunkSpec, _Replicate
+    from hp_pipeline.microbatch import TensorChunkSpec, _Replicate, as_chunk_spec
 
-    fix = "TensorChunkSpec(dim), REPLICATE or None (the default)"
+    fix = "TensorChunkSpec(dim) (ours or torch's), REPLICATE or None (the default)"
 
     def check_entry(label: str, spec: object) -> None:
-        if spec is not None and not isinstance(spec, (TensorChunkSpec, _Replicate)):
+        if spec is not None and not isinstance(as_chunk_spec(spec), (TensorChunkSpec, _Replicate)):
             raise TypeError(f"{where}: {label} is {spec!r} ({type_name(spec)}); each entry must be {fix}")
 
     if args_spec is not None:
@@ -119,6 +119,42 @@ def check_chunk_specs(where: str, args_spec: object, kwargs_spec: object) -> Non
                     "names of step()'s keyword arguments (str)"
                 )
             check_entry(f"kwargs_chunk_spec[{key!r}]", spec)
+
+
+def check_merge_spec(where: str, spec: object) -> None:
+    """``output_merge_spec``: an int dim, ``None``, or torch's structure of specs ([Note: merge specs]).
+
+    Walked once at construction, so a typo fails when the schedule is built,
+    not after a whole step on the last stage's rank.
+    """
+    from hp_pipeline.microbatch import TensorChunkSpec, _is_torch_reducer, _Replicate, as_chunk_spec
+
+    def is_dim(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def walk(label: str, value: object) -> None:
+        if isinstance(value, (tuple, list)):
+            for i, part in enumerate(value):
+                walk(f"{label}[{i}]", part)
+            return
+        if isinstance(value, dict):
+            for key, part in value.items():
+                walk(f"{label}[{key!r}]", part)
+            return
+        leaf = as_chunk_spec(value)
+        if leaf is None or is_dim(leaf) or isinstance(leaf, (TensorChunkSpec, _Replicate)):
+            return
+        if _is_torch_reducer(leaf):
+            return
+        raise TypeError(
+            f"{where}: {label}={value!r} is a {type_name(value)}, not a merge spec; pass an int dim "
+            "(every tensor of the output concatenated along it), None (dim 0), or torch's form: a "
+            "tuple/list/dict with one leaf per tensor of the last stage's output, each TensorChunkSpec(dim) "
+            "(ours or torch's), an int dim, REPLICATE or None (the same value from every micro-batch), "
+            "e.g. (TensorChunkSpec(0), TensorChunkSpec(1))"
+        )
+
+    walk("output_merge_spec", spec)
 
 
 def check_options(where: str, options: Mapping[str, Any], valid: Collection[str]) -> None:

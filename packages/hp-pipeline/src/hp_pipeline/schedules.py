@@ -46,12 +46,55 @@ constructor calls in this order, never the private machinery around them:
 torch.distributed.pipelining has no public equivalent (its schedules
 override private methods), so the names are ours. ``ScheduleMPipe`` is built
 this way: it overrides all five.
+
+[Note: schedule signatures]
+A user coming from torch reads ``inspect.signature(Schedule1F1B)`` (or an
+IDE's tooltip) to see what a schedule takes, and torch's keywords differ by
+class: the single-stage classes take ``args_chunk_spec``,
+``kwargs_chunk_spec``, ``output_merge_spec`` and ``scale_grads``;
+``PipelineScheduleMulti`` adds ``use_full_backward`` and
+``backward_requires_autograd``; the multi-stage schedules take
+``backward_requires_autograd`` and ``defer_pp_recv`` instead of
+``use_full_backward`` (and ``ScheduleLoopedBFS`` no chunk specs, which we take
+anyway). The keyword options are written out once, in
+:meth:`PipelineSchedule.__init__`, in torch's order followed by ours
+(``abort_timeout``, ``recv_lookahead``, ``swap_policy``). Each class names
+the ones it takes in ``_options``, and the constructors between (which take
+``**options`` and check them with the list of valid ones, so a misspelt
+option is reported with every valid name, which Python's own error does not
+do) get a ``__signature__`` built from the two by ``__init_subclass__``: the
+constructor's own parameters, then its options in that one order. A class
+that inherits its constructor gets a copy of the function (the same code and
+closure, so ``super()`` behaves the same) to carry its own signature, so the
+parent's is left as it was. The options stay keyword-only, as they always
+were here (torch's can also be passed by position; a positional call past
+``loss_fn`` gets Python's ``TypeError``).
+
+[Note: eval steps]
+torch's ``eval`` runs ``step`` with the schedule's backward switched off.
+Ours does the same with a second runner: ``make_runner(training=False)``
+over the same ``.order`` (the runner leaves out the training-only kinds: the
+backward steps, their transfers, ``REDUCE_GRAD`` and the swaps), with a
+context around each forward of the last stage that computes the loss under
+``no_grad`` when a target was given, since a forward-only runner computes
+none. It is built on the first ``eval``. Shapes are learned per mode: a
+forward under ``no_grad`` gives outputs that require no gradient, so the
+metadata a training step learned (a gradient travels back) does not describe
+an eval step's transfers, and the other way round. Each mode keeps its own
+metadata on the stages (the eval mode's are swapped in for the step and
+back) and its own first step. A schedule built without ``loss_fn`` is
+forward-only already: its ``eval`` is its ``step``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+import types
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +104,7 @@ from hp_pipeline._checks import (
     check_bool,
     check_callable,
     check_chunk_specs,
+    check_merge_spec,
     check_options,
     check_positive_number,
     describe_fingerprint,
@@ -84,8 +128,9 @@ from hp_pipeline.errors import StageFailure
 from hp_pipeline.executor import StepRunner, raise_step_error
 from hp_pipeline.fsdp import sharded_units
 from hp_pipeline.grads import TiedGroup, clip_grad_norm_, sync_tied
-from hp_pipeline.ir import Order
-from hp_pipeline.microbatch import ChunkSpec, TensorChunkSpec, merge_chunks, split_args_kwargs
+from hp_pipeline.ir import MetaStep, Order
+from hp_pipeline.kinds import MetaStepType
+from hp_pipeline.microbatch import ChunkSpec, as_chunk_spec, merge_chunks, split_args_kwargs, split_target
 from hp_pipeline.overlap import add_fsdp_steps_with_overlaps
 from hp_pipeline.stage import PipelineStage
 from hp_pipeline.swap import SwapPolicy, SwapStats, attach_swap, insert_swaps
@@ -121,12 +166,27 @@ class PipelineSchedule:
             only (no ``B``/``I``/``W`` steps); pass it on every rank.
         args_chunk_spec / kwargs_chunk_spec: how each argument of ``step`` is
             split (see :mod:`hp_pipeline.microbatch`); default: tensors along
-            dim 0, other values replicated.
-        output_merge_spec: dim along which the last stage's outputs are
-            concatenated (default 0).
+            dim 0 (also inside tuples, lists and dicts), other values
+            replicated. torch's ``TensorChunkSpec`` objects are taken as ours.
+        output_merge_spec: how the last stage's per-micro-batch outputs are
+            merged: an int dim along which every tensor is concatenated, or
+            torch's form, a tuple/dict with a ``TensorChunkSpec`` (or
+            ``REPLICATE``) per tensor of the output ([Note: merge specs] in
+            :mod:`hp_pipeline.microbatch`); ``None`` (default) is dim 0.
+        use_full_backward: ``PipelineScheduleMulti`` only, as in torch, where
+            it is deprecated and ignored; so it is here (with a warning).
         scale_grads: scale gradients by ``1/m`` (seeded into each micro-batch's
             backward), so ``m`` micro-batches of a mean loss give the gradient of
             the whole batch's mean loss. ``False`` sums them.
+        backward_requires_autograd: the multi-stage classes, as torch's. torch
+            uses it to refuse a training ``step`` under ``torch.no_grad()``
+            (its backward would find no graph). Ours turns autograd on for its
+            forward and backward steps itself, so such a step trains all the
+            same, with or without the flag; it is checked to be a bool.
+        defer_pp_recv: the multi-stage classes, as torch's: post each receive
+            as late as its consumer allows. Only ``False`` (torch's default) is
+            taken: receives are posted by ``recv_lookahead`` here, and
+            ``True`` raises, naming it.
         abort_timeout: seconds to wait for each pending handle when
             communication itself fails (see [Note: failures]).
         recv_lookahead: on gloo, how many compute steps ahead receives are
@@ -146,6 +206,18 @@ class PipelineSchedule:
 
     _style: Style = "loop"
     _name = "PipelineSchedule"
+    _options: frozenset[str] = frozenset(
+        (
+            "args_chunk_spec",
+            "kwargs_chunk_spec",
+            "output_merge_spec",
+            "scale_grads",
+            "abort_timeout",
+            "recv_lookahead",
+            "swap_policy",
+        )
+    )
+    """The keyword options this class takes ([Note: schedule signatures])."""
 
     def __init__(
         self,
@@ -155,8 +227,11 @@ class PipelineSchedule:
         *,
         args_chunk_spec: Sequence[ChunkSpec | None] | None = None,
         kwargs_chunk_spec: Mapping[str, ChunkSpec | None] | None = None,
-        output_merge_spec: int = 0,
+        output_merge_spec: int | Sequence[Any] | Mapping[Any, Any] | None = None,
+        use_full_backward: bool | None = None,
         scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
         abort_timeout: float = 10.0,
         recv_lookahead: int | None = None,
         swap_policy: SwapPolicy | None = None,
@@ -169,13 +244,24 @@ class PipelineSchedule:
         # Every argument is checked before any rank communicates or any attribute is set (issue 17).
         check_callable(self._name, "loss_fn", loss_fn, "loss_fn=torch.nn.functional.mse_loss")
         check_chunk_specs(self._name, args_chunk_spec, kwargs_chunk_spec)
-        if isinstance(output_merge_spec, bool) or not isinstance(output_merge_spec, int):
-            raise TypeError(
-                f"{self._name}: output_merge_spec={output_merge_spec!r} is a "
-                f"{type(output_merge_spec).__name__}, not an int; pass the dim along which the last "
-                "stage's outputs are concatenated (default 0)"
+        check_merge_spec(self._name, output_merge_spec)
+        if use_full_backward is not None:
+            warnings.warn(
+                f"{self._name}: use_full_backward is deprecated in torch.distributed.pipelining and "
+                "ignored, here as there; stop passing it",
+                FutureWarning,
+                stacklevel=3,
             )
         check_bool(self._name, "scale_grads", scale_grads)
+        check_bool(self._name, "backward_requires_autograd", backward_requires_autograd)
+        check_bool(self._name, "defer_pp_recv", defer_pp_recv)
+        if defer_pp_recv:
+            raise ValueError(
+                f"{self._name}: defer_pp_recv=True (torch's option to post each receive as late as its "
+                "consumer allows) is not supported; receives are posted by recv_lookahead here: pass "
+                "recv_lookahead=1 to post each one a compute step ahead on gloo (NCCL and HCCL post at "
+                "most one compute step ahead already, in list order), or leave defer_pp_recv out"
+            )
         check_positive_number(self._name, "abort_timeout", abort_timeout)
         if recv_lookahead is not None and (
             isinstance(recv_lookahead, bool) or not isinstance(recv_lookahead, int) or recv_lookahead < 1
@@ -194,16 +280,27 @@ class PipelineSchedule:
             raise TypeError(
                 f"{self._name} needs PipelineStage objects, got "
                 f"{[type(s).__name__ for s in stages] or 'nothing'}; wrap each of this rank's model "
-                "chunks as PipelineStage(module, stage_index, num_stages)"
+                "chunks as PipelineStage(submodule, stage_index, num_stages)"
             )
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"{self._name}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
-        self._args_chunk_spec = args_chunk_spec
-        self._kwargs_chunk_spec = kwargs_chunk_spec
+        self._has_backward = loss_fn is not None  # off for the length of an eval() ([Note: eval steps])
+        # torch's spec objects become ours once, here, not on every step.
+        self._args_chunk_spec: list[Any] | None = (
+            None if args_chunk_spec is None else [as_chunk_spec(spec) for spec in args_chunk_spec]
+        )
+        self._kwargs_chunk_spec: dict[str, Any] | None = (
+            None
+            if kwargs_chunk_spec is None
+            else {key: as_chunk_spec(spec) for key, spec in kwargs_chunk_spec.items()}
+        )
         self._output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
+        self._backward_requires_autograd = backward_requires_autograd
+        self._abort_timeout = abort_timeout
+        self._recv_lookahead = recv_lookahead
         groups = {id(s.group) for s in stages}
         if len(groups) != 1:
             named = {
@@ -238,8 +335,13 @@ class PipelineSchedule:
         self._swap = None if swap_policy is None else attach_swap(self._runner, swap_policy)
         self._runner.recv_lookahead = recv_lookahead
         self._learned = False
+        self._eval: _Mode | None = None  # the eval mode's runner and metadata, built on the first eval()
         self._agreed = False  # [Note: cross-rank agreement] in hp_pipeline._checks
         self._tied: list[TiedGroup] = []
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _show_options(cls)
 
     # -- construction -------------------------------------------------------------
 
@@ -365,28 +467,111 @@ class PipelineSchedule:
     # -- running ------------------------------------------------------------------
 
     def step(
-        self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Run one step over the whole batch; returns the merged output on the last stage's rank.
 
-        Every rank of the pipeline calls it. Per-micro-batch losses are appended
-        to ``losses`` on the last stage's rank. If any rank fails, every rank
-        raises the same :class:`~hp_pipeline.PipelineStepError`.
+        Every rank of the pipeline calls it. ``args`` and ``kwargs`` are the
+        model's inputs (stage 0's rank); ``target`` is split into micro-batches
+        like them (the last stage's rank). Per-micro-batch losses are appended
+        to ``losses`` on the last stage's rank. As torch's:
+        ``return_outputs=False`` returns ``None`` without merging the outputs,
+        and ``loss_kwargs`` are passed to ``loss_fn`` as keyword arguments for
+        every micro-batch, whole (a tensor in them is not split: per-sample
+        values belong in ``target``). If any rank fails, every rank raises the
+        same :class:`~hp_pipeline.PipelineStepError`.
         """
         pre_failure: StageFailure | None = None
         arg_mbs = kwarg_mbs = targets = None
         try:
             self._check_losses(losses)
+            check_bool("step", "return_outputs", return_outputs)
+            _check_loss_kwargs(loss_kwargs)
+            self._check_eval_losses(target, losses)
             for stage in self._stages.values():
                 stage._check_materialized()
             arg_mbs, kwarg_mbs, targets = self._split_inputs(args, kwargs, target, "schedule.step(x)")
         except Exception as exc:
             pre_failure = _failure_outside_steps(exc)
         scale = 1.0 / self._n_microbatches if self.scale_grads else 1.0
-        self._run_step(arg_mbs, kwarg_mbs, targets, scale, pre_failure)
-        if self._tied and self._loss_fn is not None:
+        self._run_step(arg_mbs, kwarg_mbs, targets, scale, pre_failure, loss_kwargs=loss_kwargs)
+        if self._tied and self._has_backward:
             sync_tied(self._tied, self._modules(), self._rank_of_stage(), self.group, values=False)
-        return self._finish(losses)
+        return self._finish(losses, return_outputs=return_outputs)
+
+    def eval(
+        self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None, **kwargs: Any
+    ) -> Any:
+        """One forward-only step over the whole batch, as torch's ``eval``: no backward, no gradient.
+
+        Every rank of the pipeline calls it, with :meth:`step`'s arguments
+        (``return_outputs=`` and ``loss_kwargs=`` included). The last stage's
+        rank gets the merged output; given ``target=`` there, each
+        micro-batch's loss is computed as well, without a graph, and appended to
+        ``losses``. No parameter gets a gradient, gradients accumulated by
+        earlier steps are left as they are, and a training ``step`` may follow
+        ([Note: eval steps]).
+        """
+        if type(self).step is not PipelineSchedule.step:
+            raise NotImplementedError(
+                f"{type(self).__name__} runs its own step(), which eval() cannot switch to forward only; "
+                f"build the schedule with loss_fn=None for forward-only steps"
+            )
+        with self._eval_mode():
+            return self.step(*args, target=target, losses=losses, **kwargs)
+
+    @contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """The length of one eval step: the eval runner and metadata in, the training ones back after."""
+        if self._loss_fn is None:  # forward-only already
+            yield
+            return
+        if self._eval is None:
+            runner = self.make_runner(training=False, abort_timeout=self._abort_timeout)
+            runner.recv_lookahead = self._recv_lookahead
+            runner.add_step_context([MetaStepType.FWD], _eval_loss)
+            self._eval = _Mode(runner, False, {index: ({}, {}) for index in self._stages})
+        training = self._install(self._eval)
+        self._has_backward = False
+        try:
+            yield
+        finally:
+            self._eval = self._install(training)
+            self._has_backward = True
+
+    def _install(self, mode: _Mode) -> _Mode:
+        """Make ``mode`` the runner, first-step flag and stage metadata in use; returns the one replaced."""
+        replaced = _Mode(
+            self._runner,
+            self._learned,
+            {index: (stage.inputs_meta, stage.outputs_meta) for index, stage in self._stages.items()},
+        )
+        self._runner, self._learned = mode.runner, mode.learned
+        for index, stage in self._stages.items():
+            stage.inputs_meta, stage.outputs_meta = mode.metas[index]
+        return replaced
+
+    def _check_eval_losses(self, target: Any, losses: object) -> None:
+        """An eval step computes losses only from a target: ``losses=`` without one would stay empty."""
+        last = self.num_stages - 1
+        if (
+            not self._has_backward
+            and self._loss_fn is not None
+            and losses is not None
+            and target is None
+            and last in self._stages
+        ):
+            raise ValueError(
+                f"rank {dist.get_rank()} hosts the last stage ({last}) and eval() got losses= but no "
+                "target=, so there is no loss to compute; pass the batch's targets, e.g. "
+                "schedule.eval(target=y, losses=losses), or leave losses out to get the outputs only"
+            )
 
     @staticmethod
     def _check_losses(losses: object) -> None:
@@ -408,7 +593,7 @@ class PipelineSchedule:
         m = self._n_microbatches
         arg_mbs = kwarg_mbs = targets = None
         last = self.num_stages - 1
-        if last in self._stages and self._loss_fn is not None and target is None:
+        if last in self._stages and self._has_backward and target is None:
             raise ValueError(
                 f"rank {dist.get_rank()} hosts the last stage ({last}) and the schedule has a loss_fn, "
                 "but step() got target=None; pass the batch's targets there, e.g. "
@@ -424,7 +609,7 @@ class PipelineSchedule:
                 args, kwargs, m, self._args_chunk_spec, self._kwargs_chunk_spec
             )
         if (self.num_stages - 1) in self._stages and target is not None:
-            targets = [t[0] for t in split_args_kwargs((target,), {}, m, [self._target_spec(target)])[0]]
+            targets = split_target(target, m)  # [Note: nested batches] in hp_pipeline.microbatch
         return arg_mbs, kwarg_mbs, targets
 
     def _run_step(
@@ -434,16 +619,21 @@ class PipelineSchedule:
         targets: list[Any] | None,
         scale: float,
         pre_failure: StageFailure | None,
+        *,
+        loss_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         """Run this rank's order, then agree with every rank on failures ([Note: failure vote])."""
         self._agree_across_ranks()  # the first step only: before any transfer, nothing run yet
-        if self._swap is not None:
+        if self._swap is not None and self._has_backward:
             self._swap.begin_step()
+        loss_fn = self._loss_fn
+        if loss_fn is not None and loss_kwargs and pre_failure is None:  # (checked by then)
+            loss_fn = functools.partial(loss_fn, **loss_kwargs)
         own = self._runner.run(
             arg_mbs,
             kwarg_mbs,
             targets,
-            self._loss_fn,
+            loss_fn,
             scale,
             first_step=not self._learned,
             pre_failure=pre_failure,
@@ -462,17 +652,15 @@ class PipelineSchedule:
         """
         return None if self._swap is None else self._swap.stats()
 
-    @staticmethod
-    def _target_spec(target: Any) -> ChunkSpec | None:
-        return TensorChunkSpec(0) if isinstance(target, torch.Tensor) else None
-
-    def _finish(self, losses: list[torch.Tensor] | None) -> Any:
+    def _finish(self, losses: list[torch.Tensor] | None, *, return_outputs: bool = True) -> Any:
         last = self._stages.get(self.num_stages - 1)
         if last is None:
             return None
-        micro = [last._last_outputs[i] for i in range(self._n_microbatches)]
         if losses is not None and self._loss_fn is not None:
             losses.extend(last._last_losses[i] for i in range(self._n_microbatches))
+        if not return_outputs:
+            return None
+        micro = [last._last_outputs[i] for i in range(self._n_microbatches)]
         return merge_chunks(micro, self._output_merge_spec)
 
     # -- tied weights and clipping -------------------------------------------------
@@ -539,12 +727,81 @@ class PipelineSchedule:
         )
 
 
-SCHEDULE_OPTIONS: frozenset[str] = frozenset(
-    name
+SCHEDULE_OPTIONS: frozenset[str] = PipelineSchedule._options
+"""The keyword options every schedule takes; an unknown one is listed with these (issue 17)."""
+
+_OPTION_PARAMETERS: dict[str, inspect.Parameter] = {
+    name: param
     for name, param in inspect.signature(PipelineSchedule.__init__).parameters.items()
     if param.kind is inspect.Parameter.KEYWORD_ONLY
-)
-"""The keyword options every schedule takes; an unknown one is listed with these (issue 17)."""
+}
+"""Every keyword option, in the one order signatures show them ([Note: schedule signatures])."""
+
+
+def _show_options(cls: type[PipelineSchedule]) -> None:
+    """Give ``cls.__init__`` a signature naming ``cls``'s keyword options ([Note: schedule signatures])."""
+    init: Any = cls.__dict__.get("__init__")
+    if init is None:
+        # Inherited: a function object of its own, so the parent keeps its signature.
+        parent = cls.__init__
+        init = types.FunctionType(
+            parent.__code__, parent.__globals__, parent.__name__, parent.__defaults__, parent.__closure__
+        )
+        init.__kwdefaults__ = parent.__kwdefaults__
+        init.__doc__ = parent.__doc__
+        init.__module__ = parent.__module__
+        init.__qualname__ = f"{cls.__qualname__}.__init__"
+        init.__annotations__ = dict(parent.__annotations__)
+        type.__setattr__(cls, "__init__", init)
+    real = inspect.signature(init)  # a fresh function's own parameters: nothing set on it yet
+    params = list(real.parameters.values())
+    if not params or params[-1].kind is not inspect.Parameter.VAR_KEYWORD:
+        return
+    named = {p.name for p in params}
+    options = [p for name, p in _OPTION_PARAMETERS.items() if name in cls._options and name not in named]
+    init.__signature__ = real.replace(parameters=[*params[:-1], *options])
+
+
+@dataclass
+class _Mode:
+    """What a schedule swaps between its training and eval steps ([Note: eval steps])."""
+
+    runner: StepRunner
+    learned: bool
+    metas: dict[int, tuple[dict[int, Any], dict[int, Any]]]  # stage -> (inputs_meta, outputs_meta)
+
+
+def _eval_loss(runner: StepRunner, step: MetaStep) -> AbstractContextManager[None] | None:
+    """Around an eval step's forward: the last stage's loss, when a target was given ([Note: eval steps])."""
+    stage = runner.stages[step.stage_index]
+    if not stage.is_last or runner.loss_fn is None or runner.targets is None:
+        return None
+    assert step.micro_index is not None
+    return _loss_after_forward(runner, stage, step.micro_index)
+
+
+@contextmanager
+def _loss_after_forward(runner: StepRunner, stage: PipelineStage, micro: int) -> Iterator[None]:
+    yield  # the forward; if it raises, no loss (the runner reports the forward's failure)
+    with torch.no_grad():
+        stage.compute_loss(micro, runner.loss_fn, runner.target_of(stage, micro))
+
+
+def _check_loss_kwargs(loss_kwargs: object) -> None:
+    """``loss_kwargs`` is splatted into ``loss_fn``: a mapping with str keys, or None."""
+    if loss_kwargs is None:
+        return
+    if not isinstance(loss_kwargs, Mapping):
+        raise TypeError(
+            f"step(loss_kwargs=...) takes a dict of keyword arguments for loss_fn, got a "
+            f"{type(loss_kwargs).__name__} ({loss_kwargs!r}); pass e.g. loss_kwargs={{'reduction': 'sum'}}"
+        )
+    bad = [key for key in loss_kwargs if not isinstance(key, str)]
+    if bad:
+        raise TypeError(
+            f"step(loss_kwargs=...) has the keys {bad}, which are not str; its keys are the names of "
+            "loss_fn's keyword arguments"
+        )
 
 
 def _failure_outside_steps(exc: Exception) -> StageFailure:
@@ -570,14 +827,14 @@ class PipelineScheduleSingle(PipelineSchedule):
         loss_fn: LossFn | None = None,
         **options: Any,
     ) -> None:
-        check_options(self._name, options, SCHEDULE_OPTIONS)
+        check_options(self._name, options, self._options)
         if not isinstance(stage, PipelineStage):
             if isinstance(stage, Sequence) and len(stage) == 1:
                 stage = stage[0]
             else:
                 raise TypeError(
                     f"{self._name} runs one stage per rank; pass this rank's PipelineStage "
-                    f"(PipelineStage(module, rank, num_ranks)), got {type(stage).__name__}"
+                    f"(PipelineStage(submodule, rank, num_ranks)), got {type(stage).__name__}"
                     + (
                         f" of {len(stage)} stages (use ScheduleInterleaved1F1B)"
                         if isinstance(stage, Sequence)
@@ -617,8 +874,12 @@ class ScheduleZeroBubble(PipelineScheduleSingle):
 class PipelineScheduleMulti(PipelineSchedule):
     """Base of the schedules that take a list of stages per rank, as torch's.
 
-    A single :class:`PipelineStage` is taken as a list of one.
+    A single :class:`PipelineStage` is taken as a list of one. Its keyword
+    options are torch's ``PipelineScheduleMulti``'s; the schedules derived
+    from it take the multi-stage schedules' (``_MULTI_OPTIONS``).
     """
+
+    _options = SCHEDULE_OPTIONS | {"use_full_backward", "backward_requires_autograd"}
 
     def __init__(
         self,
@@ -627,7 +888,7 @@ class PipelineScheduleMulti(PipelineSchedule):
         loss_fn: LossFn | None = None,
         **options: Any,
     ) -> None:
-        check_options(self._name, options, SCHEDULE_OPTIONS)
+        check_options(self._name, options, self._options)
         self._v = 1 if isinstance(stages, PipelineStage) else len(stages)
         super().__init__(stages, n_microbatches, loss_fn, **options)
 
@@ -636,10 +897,15 @@ class PipelineScheduleMulti(PipelineSchedule):
         return num_ranks * stages_per_rank
 
 
+_MULTI_OPTIONS = SCHEDULE_OPTIONS | {"backward_requires_autograd", "defer_pp_recv"}
+"""The keyword options of torch's multi-stage schedules (``use_full_backward`` is the base's only)."""
+
+
 class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     """Interleaved 1F1B: ``v`` stages per rank (loop placement), a ``v``-fold smaller bubble."""
 
     _name = "ScheduleInterleaved1F1B"
+    _options = _MULTI_OPTIONS
 
     def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
         return build_interleaved_1f1b_order(num_ranks, n_microbatches, self._v)
@@ -653,6 +919,7 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
     """
 
     _name = "ScheduleLoopedBFS"
+    _options = _MULTI_OPTIONS
 
     def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
         return build_looped_bfs_order(num_ranks, n_microbatches, self._v)
@@ -667,6 +934,7 @@ class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
     """
 
     _name = "ScheduleInterleavedZeroBubble"
+    _options = _MULTI_OPTIONS
 
     def build_order(self, num_ranks: int, n_microbatches: int) -> Order:
         return build_interleaved_zero_bubble_order(num_ranks, n_microbatches, self._v)
@@ -676,6 +944,7 @@ class _VSchedule(PipelineScheduleMulti):
     """Two stages per rank folded into a V: rank ``r`` holds stages ``r`` and ``2p-1-r``."""
 
     _style: Style = "v"
+    _options = _MULTI_OPTIONS
 
     def __init__(
         self,

@@ -126,9 +126,10 @@ class PipelineStage:
     """One chunk of the model, placed as stage ``stage_index`` of ``num_stages``.
 
     Args:
-        module: the chunk. Its forward takes the previous stage's outputs as
-            positional arguments (stage 0: the micro-batch's ``args`` and
-            ``kwargs``) and returns a tensor or a tuple/list of tensors.
+        submodule: the chunk (torch's name for it). Its forward takes the
+            previous stage's outputs as positional arguments (stage 0: the
+            micro-batch's ``args`` and ``kwargs``) and returns a tensor or a
+            tuple/list of tensors.
         stage_index: ``0 .. num_stages-1``.
         num_stages: stages of the whole pipeline (``v * p`` for interleaved).
         device: where receive buffers are allocated. Defaults to
@@ -137,23 +138,31 @@ class PipelineStage:
             its parameters, e.g. with ``to_empty``, before the first step).
         group: the pipeline process group; ``None`` for the default group.
 
+    torch's other arguments (``input_args``, ``output_args``,
+    ``output_grads``, ``input_grads``, ``dw_builder``, ``get_mesh``) are not
+    taken: shapes are always learned on the first step (example tensors would
+    not be checked against them), the split backward is autograd's own (no
+    ``dw_builder``), and the exchanged metadata describes plain tensors, with
+    no DTensor placements for ``get_mesh`` to resolve. The package README lists
+    the differences from torch.
+
     Shapes and dtypes of the tensors a stage receives are learned on the first
     step and cached (see [Note: tensor metadata]).
     """
 
     def __init__(
         self,
-        module: nn.Module,
+        submodule: nn.Module,
         stage_index: int,
         num_stages: int,
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         # Every argument is checked before any attribute is set: a refused stage is not half-built.
-        if not isinstance(module, nn.Module):
+        if not isinstance(submodule, nn.Module):
             raise TypeError(
-                f"PipelineStage needs an nn.Module, got {type(module).__name__}; wrap a function in a "
-                "module (e.g. a small nn.Module subclass whose forward calls it)"
+                f"PipelineStage: submodule is a {type(submodule).__name__}, not an nn.Module; wrap a "
+                "function in a module (e.g. a small nn.Module subclass whose forward calls it)"
             )
         for name, value in (("num_stages", num_stages), ("stage_index", stage_index)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -178,7 +187,7 @@ class PipelineStage:
                 f"PipelineStage: group={group!r} is a {type(group).__name__}, not a ProcessGroup; pass "
                 "the pipeline's group (e.g. mesh['pp'].get_group()) or None for the default group"
             )
-        self.submod = module
+        self.submod = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
         self._device = resolved
