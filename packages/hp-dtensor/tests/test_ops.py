@@ -68,6 +68,12 @@ def test_op_rules_match_full_tensors(rank, device_mesh_factory) -> None:  # type
         _check(lambda x: x.transpose(0, 1).permute(2, 0, 1).unsqueeze(0).flatten(2), [x3], [S1], mesh)
         _check(lambda x: torch.cat([x, x * 2], 1), [a], [S0], mesh)
         _check(lambda x: x.split(3, 0)[1] * 1.0, [a], [S1], mesh)
+        # stack keeps the rows' cut (uneven: 6 rows over 4), moved past the new dim
+        assert _check(lambda x, y: torch.stack([x, y], 0), [a, a * 3], [S0, S0], mesh).placements == (
+            Shard(1),
+        )
+        assert _check(lambda x, y: torch.stack([x, y], -1), [a, a], [S1, R], mesh).placements == (Shard(1),)
+        assert _check(lambda x, y: torch.stack([x, y], 1), [a, a], [S1, S0], mesh).placements == (Shard(2),)
         # embedding, column-wise
         table = torch.randn(10, 8, dtype=torch.float64)
         idx = torch.tensor([[1, 2, 9], [0, 0, 3]])

@@ -225,6 +225,24 @@ def cat_rule(call: OpCall) -> Decision:
     return Decision(inputs=inputs, outputs=[tuple(target)])
 
 
+@register(aten.stack.default)
+def stack_rule(call: OpCall) -> Decision:
+    """Stack along a new dim: every input takes the first's cut of the existing dims, which keep it.
+
+    Stacking moves no element across ranks: a shard of dim ``d`` stays a shard
+    of the same rows, at ``d + 1`` when the new dim comes before it. Partial
+    terms are summed first (as for ``cat``), so the output is whole there.
+    """
+    tensors = list(call.args[0])
+    layouts = [call.layout(call.position_of(t)) for t in tensors]
+    ref = layouts[0]
+    dim = int(call.args[1]) if len(call.args) > 1 else int(call.kwargs.get("dim", 0))
+    dim %= ref.ndim + 1
+    target = tuple(p if isinstance(p, (Shard, Replicate)) else Replicate() for p in ref.placements)
+    out = tuple(Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in target)
+    return Decision(inputs={call.position_of(t): target for t in tensors}, outputs=[out])
+
+
 @register(aten.slice.Tensor, aten.select.int, aten.narrow.default)
 def slice_rule(call: OpCall) -> Decision:
     """Take part of one dim: that dim must be whole; other shards carry over (select drops the dim)."""
