@@ -399,3 +399,32 @@ def test_feature_shape_change_fails_on_every_rank(rank, world_size):
     ):
         schedule.step(data.ids, target=data.labels, preprocess_inputs=wider)
     schedule.step(data.ids, target=data.labels, preprocess_inputs=data.pixels)  # still usable
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_step_takes_loss_kwargs_and_return_outputs(rank, world_size):
+    """torch's ``step(loss_kwargs=, return_outputs=)``: the loss sees the kwargs, the model does not."""
+
+    def weighted(logits: torch.Tensor, labels: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        return weight * token_sum(logits, labels)
+
+    tower, modules = build_model(2, frozen=False)
+    data = make_samples(4)
+    results = {}
+    for weight in (1.0, 3.0):
+        stage = PipelineStage(copy.deepcopy(modules[rank]), rank, 2)
+        schedule = ScheduleMPipe(stage, 2, preprocess=copy.deepcopy(tower), loss_fn=weighted)
+        losses: list[torch.Tensor] = []
+        out = schedule.step(
+            data.ids,
+            target=data.labels,
+            losses=losses,
+            preprocess_inputs=data.pixels,
+            loss_kwargs={"weight": weight},
+            return_outputs=False,
+        )
+        assert out is None
+        results[weight] = losses
+    if rank == 1:
+        for plain, tripled in zip(results[1.0], results[3.0], strict=True):
+            close(tripled, 3 * plain, "loss with loss_kwargs")

@@ -52,7 +52,13 @@ from hp_pipeline.microbatch import split_args_kwargs
 from hp_pipeline.mpipe.order import MPIPE_BASES, build_mpipe_order, mpipe_base_layout, mpipe_base_schedules
 from hp_pipeline.mpipe.ownership import OverflowMode, check_owns_data, mpipe_owned_micros
 from hp_pipeline.mpipe.runner import MPipeRunner
-from hp_pipeline.schedules import SCHEDULE_OPTIONS, LossFn, PipelineSchedule, _failure_outside_steps
+from hp_pipeline.schedules import (
+    SCHEDULE_OPTIONS,
+    LossFn,
+    PipelineSchedule,
+    _check_loss_kwargs,
+    _failure_outside_steps,
+)
 from hp_pipeline.stage import PipelineStage
 
 __all__ = ["ScheduleMPipe"]
@@ -380,6 +386,8 @@ class ScheduleMPipe(PipelineSchedule):
         *args: Any,
         target: Any = None,
         losses: list[torch.Tensor] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: Mapping[str, Any] | None = None,
         data: Iterator[Mapping[str, torch.Tensor]] | None = None,
         preprocess_inputs: Any = None,
         **kwargs: Any,
@@ -392,6 +400,7 @@ class ScheduleMPipe(PipelineSchedule):
         tower inputs: a tensor or a tuple of tensors, split along dim 0 like
         the other inputs). With it: every rank passes ``data=``, an iterator
         yielding its owned micro-batches as mappings (see :class:`PPRankOwnedSampler`).
+        ``return_outputs`` and ``loss_kwargs`` are :meth:`PipelineSchedule.step`'s (torch's).
         """
         if self.check_sync:
             self.check_tower_sync()
@@ -410,6 +419,8 @@ class ScheduleMPipe(PipelineSchedule):
             for p in stage_params
         ]
         try:
+            check_bool("step", "return_outputs", return_outputs)
+            _check_loss_kwargs(loss_kwargs)
             for stage in self._stages.values():
                 stage._check_materialized()
             if self.in_schedule_loading:
@@ -437,12 +448,12 @@ class ScheduleMPipe(PipelineSchedule):
             pre_failure = _failure_outside_steps(exc)
         # [Note: token-normalised loss]: seed 1 and divide by the token count after the step.
         scale = 1.0 if self.normalize_by_tokens or not self.scale_grads else 1.0 / m
-        self._run_step(arg_mbs, kwarg_mbs, targets, scale, pre_failure)
+        self._run_step(arg_mbs, kwarg_mbs, targets, scale, pre_failure, loss_kwargs=loss_kwargs)
         if self.normalize_by_tokens and self._loss_fn is not None:
             self._normalise(runner, targets, stage_params, stage_start, tower_params, runner.tower_grad_start)
         if self._tied and self._loss_fn is not None:
             sync_tied(self._tied, self._modules(), self._rank_of_stage(), self.group, values=False)
-        return self._finish(losses)
+        return self._finish(losses, return_outputs=return_outputs)
 
     def _normalise(
         self,
