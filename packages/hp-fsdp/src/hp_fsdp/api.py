@@ -150,7 +150,7 @@ def fully_shard(
         )
     state = FSDPState(modules, group, mp_policy)
     state.set_reshard_after_forward(reshard_after_forward)
-    register_load_hooks(params, modules)
+    register_load_hooks(group, modules)
     for m in modules:
         cls = type(m)
         new_cls = _CLASS_CACHE.get(cls)

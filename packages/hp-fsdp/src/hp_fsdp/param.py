@@ -54,6 +54,7 @@ exact.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from hp_core import DeviceMesh
@@ -113,7 +114,6 @@ class FSDPParam:
         self.pin_memory = pin_memory
         self.shard_dim = shard_dim
         self.orig_dtype = param.dtype
-        self.requires_grad = param.requires_grad
         # TP parameters: FSDP works on the TP-local tensor, see [Note: FSDP x TP]
         self.tp_layout: Layout | None = tp_layout_of(param, self.fqn)
         self.global_shape = tuple(param.shape)
@@ -145,12 +145,13 @@ class FSDPParam:
             self.layout = combined_layout(self.tp_layout, mesh, self.placements, self.world)
             self.placements = self.layout.placements
         self.unsharded_param = None
+        self._requires_grad_seen = param.requires_grad  # see [Note: requires_grad follows the user]
         self._unsharded_buffer: torch.Tensor | None = None  # see [Note: stable unsharded views]
         self._unsharded_view_buffer: torch.Tensor | None = None  # dim != 0: the assembled tensor
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         # reshard_after_forward=N: this rank's 1/N of the gathered buffer, kept from forward to backward
         self.post_forward_data: torch.Tensor | None = None
-        self._init_sharded(local_param.detach())
+        self._init_sharded(local_param.detach(), requires_grad=param.requires_grad)
 
     # -- sharded state ------------------------------------------------------------------
 
@@ -161,37 +162,94 @@ class FSDPParam:
         start = min(self.shard_rank * self.padded_shape[self.shard_dim], self.shape[self.shard_dim])
         return full.narrow(self.shard_dim, start, self.local_rows)
 
-    def _init_sharded(self, full: torch.Tensor) -> None:
-        local = self._local_from_full(full)
-        target = torch.device("cpu") if self.offload else (full.device if full.is_meta else self.device)
-        local = local.to(target).clone(memory_format=torch.contiguous_format)
-        self._wrap_local(local)
+    @property
+    def home_device(self) -> torch.device:
+        """Where the shard lives: the CPU with offload, else the platform device."""
+        return torch.device("cpu") if self.offload else self.device
 
-    def _wrap_local(self, local: torch.Tensor) -> None:
+    def _init_sharded(self, full: torch.Tensor, *, requires_grad: bool) -> None:
+        local = self._local_from_full(full)
+        target = full.device if full.is_meta else self.home_device  # meta stays meta, offload or not
+        local = local.to(target).clone(memory_format=torch.contiguous_format)
+        self._wrap_local(local, requires_grad=requires_grad)
+
+    def _wrap_local(self, local: torch.Tensor, *, requires_grad: bool) -> None:
         if self.offload and self.pin_memory and _can_pin(local):
             local = local.pin_memory()
-        self.sharded_param = nn.Parameter(new_dtensor(local, self.layout), requires_grad=self.requires_grad)
+        self.sharded_param = nn.Parameter(new_dtensor(local, self.layout), requires_grad=requires_grad)
         for info in self.infos:
             _set_module_param(info, self.sharded_param)
 
     def adopt_registered(self) -> None:
-        """Re-read the shard after ``module._apply`` (``to_empty``, ``.to``) replaced or swapped it.
+        """Re-read the shard after something outside hp_fsdp replaced or swapped it.
 
-        ``nn.Module._apply`` swaps the contents of DTensor parameters in place
-        (or registers a new Parameter); whatever the first owner holds now is
-        the shard, and every other owner of a tied parameter is pointed at it.
+        ``nn.Module._apply`` (``to_empty``, ``.to``) swaps the contents of
+        DTensor parameters in place (or registers a new Parameter), and
+        ``load_state_dict(assign=True)`` registers the state dict's value (a
+        new Parameter) on the owning module (see [Note: loading with
+        assign=True]). An owner whose registered parameter is no longer
+        :attr:`sharded_param` holds the new shard (else the first owner's
+        holds it, swapped in place); every other owner of a tied parameter is
+        pointed at it.
         """
-        current = self.infos[0].module._parameters[self.infos[0].name]
+        registered = [info.module._parameters.get(info.name) for info in self.infos]
+        current = next(
+            (r for r in registered if r is not None and r is not self.sharded_param), registered[0]
+        )
         if current is None:
             return
         self.orig_dtype = current.dtype  # .to(dtype) changes what gradients are cast back to
         if isinstance(current, DTensor) and current.layout_spec == self.layout:
+            local = local_tensor(current)
+            if self.offload and self.pin_memory and _can_pin(local):
+                self._wrap_local(local, requires_grad=current.requires_grad)
+                return
             self.sharded_param = current
             for info in self.infos:
                 _set_module_param(info, current)
             return
         source = local_tensor(current) if isinstance(current, DTensor) else current  # TP meta-init
-        self._wrap_local(self._local_from_full(source.detach()).contiguous())
+        self._wrap_local(
+            self._local_from_full(source.detach()).contiguous(), requires_grad=current.requires_grad
+        )
+
+    def assign_problem(self, key: str, value: Any) -> str | None:
+        """Why ``value`` cannot become this parameter under ``load_state_dict(assign=True)``, or None.
+
+        [Note: loading with assign=True]
+        ``load_state_dict(sd, assign=True)`` registers each value as the
+        parameter itself instead of copying it into the existing one (FSDP2's
+        meta-device recipe: ``fully_shard`` on meta, then load a sharded state
+        dict with ``assign=True``). The registered parameter of a unit is its
+        shard, so the value must be that shard: an ``hp_dtensor.DTensor`` with
+        this parameter's layout (mesh, placements, global shape), its local
+        tensor on the shard's device. As in FSDP2, nothing else is accepted: a
+        full tensor would have to be cut and a DTensor of another sharding
+        redistributed, which makes new tensors instead of assigning the given
+        ones (and a cut view would keep the whole full tensor alive). Those
+        values load without ``assign`` (after ``to_empty`` for a meta-device
+        model), which copies them into the shards.
+        After the load a post-hook makes the assigned Parameter the shard
+        (:meth:`adopt_registered`), as FSDP2's ``reset_sharded_param`` does.
+        """
+        if not isinstance(value, DTensor):
+            return (
+                f"{key!r} is a plain {type(value).__name__} of shape {tuple(value.shape)}, "
+                f"not a DTensor with placements {self.layout.placements} on {self.layout.mesh}"
+            )
+        spec = value.layout_spec
+        if spec != self.layout:
+            return (
+                f"{key!r} is a DTensor with placements {spec.placements} on {spec.mesh}, the "
+                f"parameter's are {self.layout.placements} on {self.layout.mesh}"
+            )
+        device = local_tensor(value).device
+        home = self.home_device
+        if device.type != home.type or (
+            device.index is not None and home.index is not None and device.index != home.index
+        ):
+            return f"{key!r} holds its shard on {device}, the parameter's shard lives on {home}"
+        return None
 
     def load_full_or_sharded(self, value: torch.Tensor) -> torch.Tensor:
         """A state-dict value as a DTensor with this parameter's layout, without communication when possible.
@@ -340,7 +398,47 @@ class FSDPParam:
                 data = buffer[: self.numel].view(self.shape)
             if self.tp_layout is not None:
                 data = new_dtensor(data, self.tp_layout)
-            self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
+            flag = self.sharded_param.requires_grad
+            self.unsharded_param = nn.Parameter(data, requires_grad=flag)
+            self._requires_grad_seen = flag
+        else:
+            self.sync_requires_grad()
+
+    def sync_requires_grad(self) -> None:
+        """Make the sharded and the gathered parameter agree on the ``requires_grad`` the user set last.
+
+        [Note: requires_grad follows the user]
+        The user freezes or unfreezes the parameter they see between steps,
+        possibly after ``fully_shard``: usually the sharded one, but while a
+        unit stays gathered (the root after a forward without grad) the
+        module and ``named_parameters()`` show the gathered one. Autograd
+        decides from the gathered parameter the module computes with, and
+        the optimizer and ``_check_gradients_arrived`` read the sharded one.
+        So at every gather, at every forward (the unit may still be gathered
+        from before) and at every reshard the flag one of them changed since
+        the last agreement (``_requires_grad_seen``) is copied to the other;
+        when both changed, the shard's wins. FSDP2 copies the shard's flag at
+        each unshard only. A frozen parameter then gets no gradient: nothing
+        is accumulated for it, it adds zeros to its unit's reduction on every
+        rank alike (the flag is the same on every rank when every rank sets
+        it), and its ``.grad`` stays unset, so the optimizer skips it.
+        """
+        full = self.unsharded_param
+        if full is None:
+            return
+        sharded = self.sharded_param
+        seen = self._requires_grad_seen
+        if sharded.requires_grad != seen:
+            flag = sharded.requires_grad
+        elif full.requires_grad != seen:
+            flag = full.requires_grad
+        else:
+            return
+        if sharded.requires_grad != flag:
+            sharded.requires_grad_(flag)
+        if full.requires_grad != flag:
+            full.requires_grad_(flag)
+        self._requires_grad_seen = flag
 
     def free_unsharded(self) -> None:
         """Release the gathered storage; the tensor objects stay for the saved views."""
@@ -361,7 +459,8 @@ class FSDPParam:
             _set_module_param(info, self.unsharded_param)
 
     def to_sharded_module_param(self) -> None:
-        """Point the owning modules back at the sharded DTensor parameter."""
+        """Point the owning modules back at the sharded DTensor parameter (with the user's latest flag)."""
+        self.sync_requires_grad()  # see [Note: requires_grad follows the user]
         for info in self.infos:
             _set_module_param(info, self.sharded_param)
 

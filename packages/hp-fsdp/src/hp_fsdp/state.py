@@ -30,6 +30,8 @@ gather the same parameters again.
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,7 +56,59 @@ def get_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(STATE_ATTR)
 
 
-def register_load_hooks(params: Sequence[Any], modules: Sequence[nn.Module] = ()) -> list[Any]:
+def _states_below(module: nn.Module) -> list[FSDPState]:
+    """The unit states of ``module``'s subtree (its own first), each once."""
+    states: list[FSDPState] = []
+    for sub in module.modules():
+        state = get_state(sub)
+        if state is not None and state not in states:
+            states.append(state)
+    return states
+
+
+def _assigning(local_metadata: Any) -> bool:
+    return bool(local_metadata.get("assign_to_params_buffers", False))
+
+
+def _check_assign(
+    module: nn.Module, states: list[FSDPState], state_dict: dict[str, Any], prefix: str
+) -> None:
+    """``load_state_dict(assign=True)``: every managed value of the subtree must be its shard.
+
+    See [Note: loading with assign=True] in :mod:`hp_fsdp.param`. Runs in the
+    outermost unit's pre-hook, before nn.Module assigns anything.
+    """
+    names = {id(sub): name for name, sub in module.named_modules(remove_duplicate=False)}
+    problems = []
+    for state in states:
+        for param in state.group.params if state.group is not None else []:
+            for info in param.infos:
+                name = names.get(id(info.module))
+                if name is None:
+                    continue
+                key = prefix + (f"{name}." if name else "") + info.name
+                value = state_dict.get(key)
+                if isinstance(value, torch.Tensor):
+                    problem = param.assign_problem(key, value)
+                    if problem is not None:
+                        problems.append(problem)
+    if problems:
+        _raise_assign(type(module).__name__, problems)
+
+
+def _raise_assign(owner: str, problems: list[str]) -> None:
+    shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+    raise RuntimeError(
+        f"load_state_dict(assign=True) into {owner}: {shown}. Nothing was loaded. assign=True makes each "
+        "value the sharded parameter itself, so it must be an hp_dtensor.DTensor with the parameter's mesh "
+        "and placements (the values of model.state_dict() of a model sharded the same way, or "
+        "hp_dtensor.distribute_tensor(full, param.device_mesh, param.placements)), on the shard's device. "
+        "Full tensors or DTensors of another sharding load without assign=True (for a meta-device model "
+        "after model.to_empty(device=...)), which copies them into the shards."
+    )
+
+
+def register_load_hooks(group: FSDPParamGroup | None, modules: Sequence[nn.Module] = ()) -> list[Any]:
     """Let ``load_state_dict`` take full tensors or sharded DTensors for every managed parameter.
 
     The hook sits on each owning module, so the state-dict key is simply the
@@ -63,7 +117,23 @@ def register_load_hooks(params: Sequence[Any], modules: Sequence[nn.Module] = ()
     (:func:`hp_fsdp.validation.check_state_dict`): nn.Module runs a parent's
     pre-hooks before it copies anything of the parent or its children, so a
     bad entry is refused before any parameter of the unit changes.
+
+    [Note: loading into a gathered unit]
+    A unit may still be gathered when ``load_state_dict`` runs: the root
+    keeps its parameters after a forward without grad (an evaluation pass),
+    a unit with ``reshard_after_forward=False`` too, and a prefetch may be
+    in flight. Its modules then hold the temporary gathered parameters, and
+    nn.Module would copy into those, which the next reshard throws away:
+    the shards would silently keep their old values. So every pre-hook
+    reshards first (the unit's own hook the whole subtree, each owning
+    module's hook its unit, for a ``load_state_dict`` called on a submodule),
+    as FSDP2's load pre-hook does; the next forward gathers the loaded
+    shards.
+
+    A post-hook on each owning module adopts what ``assign=True`` registered
+    (see [Note: loading with assign=True] in :mod:`hp_fsdp.param`).
     """
+    params = group.params if group is not None else []
     handles = []
     for module in modules:
 
@@ -76,21 +146,104 @@ def register_load_hooks(params: Sequence[Any], modules: Sequence[nn.Module] = ()
             _m: nn.Module = module,
         ) -> None:
             check_state_dict(_m, state_dict, prefix, strict)
+            states = _states_below(_m)
+            if _assigning(local_metadata):
+                _check_assign(_m, states, state_dict, prefix)
+            for state in states:  # see [Note: loading into a gathered unit]
+                if state.group is not None:
+                    state.group.reshard()
 
         handles.append(module._register_load_state_dict_pre_hook(check))
+    owned: dict[int, tuple[nn.Module, list[Any]]] = {}
     for param in params:
         for info in param.infos:
 
             def hook(
-                state_dict: dict[str, Any], prefix: str, *args: Any, _p: Any = param, _n: str = info.name
+                state_dict: dict[str, Any],
+                prefix: str,
+                local_metadata: Any,
+                *args: Any,
+                _p: Any = param,
+                _n: str = info.name,
+                _m: nn.Module = info.module,
             ) -> None:
                 key = prefix + _n
                 value = state_dict.get(key)
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor) and _assigning(local_metadata):
+                    problem = _p.assign_problem(key, value)
+                    if problem is not None:
+                        _raise_assign(type(_m).__name__, [problem])
+                if group is not None:
+                    group.reshard()  # see [Note: loading into a gathered unit]
+                if isinstance(value, torch.Tensor) and not _assigning(local_metadata):
                     state_dict[key] = _p.load_full_or_sharded(value)
 
             handles.append(info.module._register_load_state_dict_pre_hook(hook))
+            owned.setdefault(id(info.module), (info.module, []))[1].append(param)
+    for module, module_params in owned.values():
+
+        def adopt(_module: nn.Module, incompatible: Any, _ps: list[Any] = module_params) -> None:
+            for p in _ps:
+                p.adopt_registered()
+
+        handles.append(module.register_load_state_dict_post_hook(adopt))
     return handles
+
+
+_TORCH_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
+_TORCH_STATE_DICT_GETTERS = frozenset({"get_model_state_dict", "get_state_dict"})
+
+
+def _refuse_torch_full_state_dict() -> None:
+    """Refuse torch's ``get_model_state_dict`` / ``get_state_dict`` asked for a full state dict.
+
+    [Note: torch's full state dict helpers]
+    ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model,
+    options=StateDictOptions(full_state_dict=True))`` calls
+    ``model.state_dict()`` and then gathers every value that is a
+    ``torch.distributed.tensor.DTensor`` (an ``isinstance`` test); any other
+    tensor is passed through as if it were already full. hp_fsdp's values are
+    ``hp_dtensor.DTensor``s, which torch cannot recognise: the helper
+    returned each rank's local shard where the full tensor belongs, and a
+    ``torch.save`` of it on rank 0 wrote a "full" checkpoint holding one
+    shard per parameter. torch offers no protocol to take part in that
+    gather (the test is on its own class; nothing is called on a value it
+    passes through, so the value cannot object either), and the
+    ``state_dict()`` call itself does not say which kind was asked for. The
+    options are an argument of torch's public entry points, so this pre-hook
+    looks for an enclosing call of one of them and reads its ``options``; if
+    it asks for a full state dict, every rank raises here, before any
+    collective, naming what works instead. The sharded form
+    (``full_state_dict=False``) works as it is, through DCP's protocol on
+    ``hp_dtensor.DTensor``, and so do the setters with full tensors (each
+    rank cuts its shard in the load pre-hook). ``get_optimizer_state_dict``
+    with ``full_state_dict=True`` never calls into hp_fsdp and cannot be
+    caught here (see the README).
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (
+            code.co_name in _TORCH_STATE_DICT_GETTERS
+            and frame.f_globals.get("__name__") == _TORCH_STATE_DICT_MODULE
+        ):
+            options = frame.f_locals.get("options")
+            if getattr(options, "full_state_dict", False):
+                raise NotImplementedError(
+                    f"torch.distributed.checkpoint.state_dict.{code.co_name}(..., options=StateDictOptions("
+                    f"full_state_dict=True, cpu_offload={getattr(options, 'cpu_offload', None)}, ...)) "
+                    "cannot gather an hp_fsdp model: torch gathers only torch.distributed.tensor.DTensor "
+                    "values and would return each rank's local shard of hp_fsdp's hp_dtensor.DTensor "
+                    "parameters as if it were the full tensor. For a full state dict gather on every rank: "
+                    "{k: v.full_tensor() if isinstance(v, hp_dtensor.DTensor) else v for k, v in "
+                    "model.state_dict().items()} (add .cpu() to each value to keep them off the device; "
+                    "keep the result on rank 0 only if you like). For a checkpoint use "
+                    "full_state_dict=False (sharded DTensors) with torch.distributed.checkpoint. Loading a "
+                    "full state dict works: model.load_state_dict(full) or set_model_state_dict(model, "
+                    "full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=...))."
+                )
+            return
+        frame = frame.f_back
 
 
 def _streams_overlap() -> bool:
@@ -335,6 +488,8 @@ class FSDPState:
             context.prefetched.remove(self)
         if self.group is not None:
             self.group.wait_for_unshard()
+            for p in self.group.params:  # [Note: requires_grad follows the user] in param.py
+                p.sync_requires_grad()
         if first:
             self._forward_prefetch(context)
         if torch.is_grad_enabled():
@@ -407,6 +562,7 @@ class FSDPState:
     @_eager
     def _state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         """A state dict holds shards: reshard a unit left gathered (the root after forward)."""
+        _refuse_torch_full_state_dict()
         if self.group is not None and self.group.is_unsharded:
             self.group.reshard()
 
