@@ -122,6 +122,13 @@ CASES = [
         r"one placement per mesh dim",
     ),
     Bad(
+        "a torch.distributed collective on a DTensor",
+        lambda c: torch.distributed.all_reduce(distribute_tensor(c.tensor, c.mesh, [S0])),
+        TypeError,
+        r"c10d\.allreduce_\.default was called on an hp_dtensor\.DTensor",
+        r"dtensor\.to_local\(\).*dtensor\.full_tensor\(\)",
+    ),
+    Bad(
         "torch's placement",
         lambda c: distribute_tensor(c.tensor, c.mesh, [torch.distributed.tensor.Shard(0)]),
         TypeError,

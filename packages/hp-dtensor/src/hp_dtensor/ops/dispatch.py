@@ -568,6 +568,21 @@ def _output_meta(func: Any, key: Any, flat: list[Any], spec: Any) -> Any:
     return result
 
 
+def _refuse_collective(func: Any) -> None:
+    """A ``torch.distributed`` call on a DTensor: refused, as torch's DTensor does.
+
+    The replicated fallback would gather inside the call, a collective the
+    peers join only if they passed DTensors too (a rank broadcasting a
+    DTensor to ranks receiving plain tensors would hang), and the meaning of
+    "broadcast a sharded tensor" is the caller's to choose.
+    """
+    raise TypeError(
+        f"{func} was called on an hp_dtensor.DTensor; torch.distributed's collectives take plain "
+        "tensors: pass dtensor.to_local() (this rank's piece) or dtensor.full_tensor() (the whole "
+        "tensor), or use dtensor.redistribute(...) to change how it is split"
+    )
+
+
 def _warn_fallback(func: Any) -> None:
     name = str(func)
     if name not in _warned:
@@ -726,6 +741,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if key is not None and not uncached:
                 _decision_cache[key] = decision
     if decision is None:
+        if func.namespace == "c10d":
+            _refuse_collective(func)
         return _fallback(func, flat, spec, positions, mesh)
     return _run(func, args, kwargs, flat, spec, positions, decision, key, mesh, signature)
 
