@@ -29,6 +29,7 @@ import torch._dynamo
 import torch.distributed as dist
 from hp_dtensor import DTensor
 from hp_fsdp import FSDPModule, fully_shard
+from hp_fsdp.collectives import TAG_BITS
 from hp_pipeline import PipelineStage, PPRankOwnedSampler, mpipe_owned_micros, stages_on_rank
 from hp_pipeline.mpipe import mpipe_base_layout
 from hp_testing import record_collectives
@@ -211,15 +212,18 @@ def test_mpipe_fsdp_2x2_matches_single_process(
         for s in local
         for unit in units(ref_stages[s], case.nested)
     ]
+    # a reduce-scatter also sends, in each rank's chunk, a flag per parameter and the unit's tag
+    # ([Note: gradient flags] and [Note: one unit's reduction met another's] in hp_fsdp.collectives)
+    trailer = [DP * (len(unit) + TAG_BITS) * 8 for s in local for unit in units(ref_stages[s], case.nested)]
     want_collectives = sorted(
         [("all_reduce", g, numel * 8) for g in (pp_ranks, dp_ranks) for _ in range(2)]
         + [("all_reduce", g, (numel + n_params) * 8) for g in (pp_ranks, dp_ranks)]
         + [("all_reduce", g, 8) for g in (pp_ranks, dp_ranks)] * int(case.tokens)
         + [("all_reduce", pp_ranks, 4)] * int(coalescing)
+        + [("all_gather_into_tensor", dp_ranks, size) for size in padded]
         + [
-            (name, dp_ranks, size)
-            for size in padded
-            for name in ("all_gather_into_tensor", "reduce_scatter_tensor")
+            ("reduce_scatter_tensor", dp_ranks, size + extra)
+            for size, extra in zip(padded, trailer, strict=True)
         ]
     )
 

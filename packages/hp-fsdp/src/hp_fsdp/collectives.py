@@ -26,6 +26,8 @@ buys.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +39,16 @@ from hp_fsdp._profiling import labelled
 from hp_fsdp.param import FSDPParam
 from hp_fsdp.post_forward import PostForwardMesh
 
-__all__ = ["AllGatherHandle", "ReduceHandle", "ReducePlan", "all_gather_params", "reduce_grads"]
+__all__ = [
+    "AllGatherHandle",
+    "ReduceHandle",
+    "ReducePlan",
+    "Trailer",
+    "all_gather_params",
+    "all_reduce_replicated",
+    "reduce_grads",
+    "tag_of",
+]
 
 
 @contextlib.contextmanager
@@ -184,19 +195,27 @@ def _scaled(op: str, scale: float | None) -> dict[str, Any]:
 
 @dataclass
 class ReduceHandle:
-    """A reduce-scatter in flight for one unit; :meth:`finish` waits, all-reduces, assigns grads."""
+    """A reduce-scatter in flight for one unit; :meth:`finish` waits, all-reduces, assigns grads.
+
+    Each output ends with its :class:`Trailer` ([Note: gradient flags],
+    [Note: one unit's reduction met another's]); ``on_done`` receives, per
+    parameter, whether it got a gradient on any rank, or None when the
+    gradients stay pending (HSDP without the all-reduce).
+    """
 
     params: list[FSDPParam]
     has_grad: list[bool]
+    trainable: list[bool]
     works: list[Any]
     outputs: list[torch.Tensor]  # one fused buffer, or one per param
     offsets: list[int]
+    trailers: list[Trailer]
     replicate_group: Any
     all_reduce: bool
     plan: ReducePlan
     main_grad: bool
     partial: Callable[[list[torch.Tensor], bool], list[torch.Tensor] | None]
-    on_done: Callable[[], None] | None = None
+    on_done: Callable[[list[bool] | None], None] | None = None
     done: bool = field(default=False)
     inputs: list[torch.Tensor] = field(default_factory=list)  # send buffers, freed once waited
 
@@ -212,33 +231,152 @@ class ReduceHandle:
         for send in self.inputs:
             _release(send)
         self.inputs = []
+        for trailer in self.trailers:  # before anything adds to the outputs
+            trailer.check_paired(self.params[0].world, self.plan.shard_op, self.plan.shard_scale)
         if self.replicate_group is not None:
             ready = self.partial(self.outputs, self.all_reduce)
             if ready is None:
-                self._finish_callback()
+                self._finish_callback(None)
                 return  # grads stay pending in the partial buffer until an all-reducing step
-            self.outputs = ready
+            self.outputs = ready  # the same tensors, the earlier rows' partial sums added in
             for out in self.outputs:
                 hc.all_reduce(
                     out,
                     group=self.replicate_group,
                     **_scaled(self.plan.replicate_op, self.plan.replicate_scale),
                 )
+        flags = [flag for trailer in self.trailers for flag in trailer.flags.unbind()]
+        received = _received(self.has_grad, self.trainable, flags)
         for index, p in enumerate(self.params):
-            if not self.has_grad[index]:
+            if not received[index]:
                 continue
             if len(self.outputs) == 1:
                 flat = self.outputs[0][self.offsets[index] : self.offsets[index] + p.padded_numel]
             else:
-                flat = self.outputs[index]
+                flat = self.outputs[index][: p.padded_numel]
             local = flat.view(p.padded_shape).narrow(p.shard_dim, 0, p.local_rows)
             p.accumulate_sharded_grad(local, main_grad=self.main_grad)
-        self._finish_callback()
+        self._finish_callback(received)
 
-    def _finish_callback(self) -> None:
+    def _finish_callback(self, received: list[bool] | None) -> None:
         if self.on_done is not None:
-            self.on_done()
-            self.on_done = None
+            on_done, self.on_done = self.on_done, None
+            on_done(received)
+
+
+# [Note: gradient flags]
+# A parameter may get a gradient on some ranks and not on others (a branch or
+# an expert only some ranks' data take). The reduction is a collective every
+# rank joins with the same buffer: a rank without a gradient contributes
+# zeros. What it must then do with the reduced shard depends on the *other*
+# ranks: if any had a gradient, the reduced shard is this rank's part of the
+# true gradient and becomes ``.grad`` (keeping ``.grad`` unset there would
+# leave the shard untrained and the ranks' shards inconsistent); if none had
+# one, the parameter was unused everywhere and ``.grad`` stays unset, as
+# after a single-process backward (an optimizer such as AdamW skips it; a
+# zero gradient would still decay it).
+#
+# So every rank appends one element per parameter to its chunk of the send
+# buffer: 1 where it has a gradient, 0 where not. The reduction sums (or
+# averages, or scales) them with the gradients, so each rank receives, per
+# parameter, a value that is positive exactly when some rank had a gradient
+# (for HSDP the replicate-dim all-reduce folds in the other rows the same
+# way). No extra collective: a few elements more in the one that runs anyway.
+# They are read only when this rank lacks the gradient of a trainable
+# parameter (reading is a device-to-host copy, which on an accelerator waits
+# for the reduction); the common case, every trainable parameter with a local
+# gradient, assigns without looking.
+#
+# [Note: one unit's reduction met another's]
+# Whether a unit reduces is decided alike on every rank from its hooks, so the
+# ranks' reductions pair up unit by unit, with one exception no rank can see
+# locally: a unit whose forward ran on every rank but whose output reached
+# the loss on some ranks only (``e = expert(h); if use: h = h + e``). Its
+# backward, and so its reduction, then runs on those ranks only, and each
+# later reduction meets a different unit's on the other ranks: mixed-up
+# gradients of equal-sized units, or a hang. (An output unused on *every*
+# rank is legitimate, and a rank cannot tell the two apart by itself.) So
+# every reduction also carries the unit's tag, 16 elements of +1 or -1
+# spelling a hash of the unit's name, which is the same on every rank (the
+# names are compared by [Note: cross-rank agreement] in validation.py). After
+# the reduction an element is +-1 times the op's scale exactly when every rank
+# put the same sign there; a rank that sent another unit's tag pulls it
+# towards zero by 2/W of it, on every rank of the collective, so every rank
+# raises, naming the unit, instead of training on mixed-up data. The check
+# reads the tag, so it runs where the host has already waited for the result
+# (buffers on the CPU); on an accelerator it would stall the host on every
+# reduction, so there it is skipped (as in FSDP2, such a run hangs or
+# aborts). It also needs a dtype fine enough to tell 1 from 1 - 2/W.
+
+TAG_BITS = 16
+
+
+def tag_of(name: str) -> int:
+    """The 16-bit tag of a unit's name ([Note: one unit's reduction met another's])."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
+
+
+@dataclass
+class Trailer:
+    """The elements after one output's gradients: a flag per parameter, then the unit's tag.
+
+    ``flags`` and ``tag`` are views of the output; ``unit`` names the unit in errors.
+    """
+
+    flags: torch.Tensor
+    tag: torch.Tensor
+    tag_value: int
+    unit: str
+
+    @staticmethod
+    def values(has_grad: list[bool], tag: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What this rank sends: 1 / 0 per parameter ([Note: gradient flags]), then the tag's signs.
+
+        Only ever read (copied into send buffers), so it is built once per
+        pattern: in steady training every step sends the same trailer, and no
+        small host-to-device copy is issued per reduction.
+        """
+        return _trailer_values(tuple(has_grad), tag, dtype, torch.device(device))
+
+    @classmethod
+    def view(cls, out: torch.Tensor, start: int, count: int, tag: int, unit: str) -> Trailer:
+        """The trailer of ``count`` parameters that starts at ``start`` of ``out``."""
+        return cls(out[start : start + count], out[start + count : start + count + TAG_BITS], tag, unit)
+
+    def check_paired(self, world: int, op: str, scale: float | None) -> None:
+        """Raise if some rank's reduction was another unit's ([Note: one unit's reduction met another's])."""
+        if world == 1 or self.tag.device.type != "cpu" or 4 * torch.finfo(self.tag.dtype).eps * world >= 1:
+            return
+        magnitude = {"avg": 1.0, "sum": float(world)}.get(op, world * (scale or 1.0))
+        signs = Trailer.values([], self.tag_value, torch.float64, self.tag.device)
+        agreed = self.tag.double() * signs >= magnitude * (1 - 1 / world)
+        if bool(agreed.all()):
+            return
+        raise RuntimeError(
+            f"hp_fsdp: the gradient reduction of unit {self.unit!r} met another unit's reduction on some "
+            "rank: the ranks ran the backward of different units. A unit whose forward runs on every rank "
+            "but whose output reaches the loss on some ranks only (e.g. `e = expert(h); if use: h = h + e`) "
+            "runs its backward, and reduces, on those ranks only, so the ranks' collectives pair up wrongly "
+            "(mixed-up gradients, or a hang). Let the output reach the loss on every rank (e.g. "
+            "`h = h + e * use`, or add `0 * e.sum()` to the loss where it is unused), or run the unit's "
+            "forward on every rank under the same condition. See [Note: one unit's reduction met another's]."
+        )
+
+
+@functools.lru_cache(maxsize=1024)
+def _trailer_values(
+    has_grad: tuple[bool, ...], tag: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    signs = [1.0 if tag >> bit & 1 else -1.0 for bit in range(TAG_BITS)]
+    return torch.tensor([float(h) for h in has_grad] + signs, dtype=dtype, device=device)
+
+
+def _received(has_grad: list[bool], trainable: list[bool], flags: Sequence[torch.Tensor]) -> list[bool]:
+    """Per parameter: did any rank have a gradient ([Note: gradient flags])?"""
+    if all(h or not t for h, t in zip(has_grad, trainable, strict=True)):
+        return list(has_grad)  # every trainable parameter has a local gradient: nothing to read
+    values = torch.stack([f.detach() for f in flags]).tolist() if flags else []
+    return [h or v > 0 for h, v in zip(has_grad, values, strict=True)]
 
 
 def _release(buffer: torch.Tensor) -> None:
@@ -257,11 +395,15 @@ def _release(buffer: torch.Tensor) -> None:
 
 
 def _padded_chunks(p: FSDPParam, grad: torch.Tensor, out: torch.Tensor) -> None:
-    """Write ``grad`` chunked over the ranks, each chunk zero-padded, into ``out`` (``W x padded_numel``)."""
-    if p.shard_dim == 0:
+    """Write ``grad`` chunked over the ranks, each chunk zero-padded, into ``out`` (``W x padded_numel``).
+
+    ``out`` may be a column slice of a wider send buffer (rows not contiguous
+    with each other); each row is contiguous.
+    """
+    shaped = out.view(p.world, *p.padded_shape)
+    if p.shard_dim == 0 and out.is_contiguous():
         torch._chunk_cat([grad], 0, p.world, out=out)
         return
-    shaped = out.view(p.world, *p.padded_shape)
     shaped.zero_()
     start = 0
     step = p.padded_shape[p.shard_dim]
@@ -285,41 +427,54 @@ def reduce_grads(
     fused: bool,
     main_grad: bool,
     partial: Callable[[list[torch.Tensor], bool], list[torch.Tensor] | None],
-) -> ReduceHandle | None:
-    """Start the reduce-scatter of the sharded params' full gradients (async); None if no grads.
+    unit: str = "",
+) -> ReduceHandle:
+    """Start the reduce-scatter of the sharded params' full gradients (async), with their trailer.
 
-    A param without a gradient on this rank contributes zeros (every rank must
-    issue the same collective) and keeps ``.grad`` unset. ``grads`` is emptied
-    once copied into the send buffer, so the full gradients are freed before
-    the output is allocated (the peak of backward is here, at the largest unit).
+    Issued whether or not this rank has any gradient (every rank must issue
+    the same collective): a param without a gradient here contributes zeros,
+    and the flags after each rank's chunk tell every rank which params got a
+    gradient anywhere ([Note: gradient flags]); the unit's tag after them
+    catches a reduction paired with another unit's ([Note: one unit's
+    reduction met another's]). ``grads`` is emptied once copied into the send
+    buffer, so the full gradients are freed before the output is allocated
+    (the peak of backward is here, at the largest unit).
     """
     has_grad = [g is not None for g in grads]
-    if not any(has_grad):
-        return None
+    trainable = [p.sharded_param.requires_grad for p in params]
     world = params[0].world
+    tag = tag_of(unit)
     dtypes = {reduce_dtype_of(p) for p in params}
+    # stand-ins for missing gradients in the dtype of the present ones (the compute dtype under mixed
+    # precision), so the fused copy-in sees one input dtype
+    like = next((g.dtype for g in grads if g is not None), None)
     full_grads: list[torch.Tensor] = [
-        g if g is not None else torch.zeros(p.shape, dtype=reduce_dtype_of(p), device=p.device)
+        g if g is not None else torch.zeros(p.shape, dtype=like or reduce_dtype_of(p), device=p.device)
         for p, g in zip(params, grads, strict=True)
     ]
     grads.clear()
     if fused and len(dtypes) == 1:
         dtype = dtypes.pop()
+        if len({g.dtype for g in full_grads}) > 1:  # e.g. accumulated (reduce dtype) beside fresh ones
+            full_grads = [g.to(dtype) for g in full_grads]
         sizes = [p.padded_numel for p in params]
         total = sum(sizes)
+        extra = len(params) + TAG_BITS
         device = full_grads[0].device
-        send = torch.empty(world, total, dtype=dtype, device=device)
+        send = torch.empty(world, total + extra, dtype=dtype, device=device)
         if all(p.shard_dim == 0 for p in params):
-            torch._chunk_cat(full_grads, 0, world, out=send)
+            # _chunk_cat casts into ``send`` but wants its inputs in one dtype: the gradients' (the trailer's
+            # values are exact in any floating dtype)
+            trailer = Trailer.values(has_grad, tag, full_grads[0].dtype, device).expand(world, extra)
+            torch._chunk_cat([*full_grads, trailer], 0, world, out=send)
         else:
             offset = 0
             for p, g, size in zip(params, full_grads, sizes, strict=True):
-                block = torch.empty(world, size, dtype=dtype, device=device)
-                _padded_chunks(p, g, block)
-                send[:, offset : offset + size].copy_(block)
+                _padded_chunks(p, g, send[:, offset : offset + size])
                 offset += size
+            send[:, total:].copy_(Trailer.values(has_grad, tag, dtype, device))
         full_grads.clear()
-        recv = torch.empty(total, dtype=dtype, device=device)
+        recv = torch.empty(total + extra, dtype=dtype, device=device)
         work = hc.reduce_scatter_tensor(
             recv, send.view(-1), group=shard_group, async_op=True, **_scaled(plan.shard_op, plan.shard_scale)
         )
@@ -331,9 +486,11 @@ def reduce_grads(
         return ReduceHandle(
             list(params),
             has_grad,
+            trainable,
             [work],
             [recv],
             offsets,
+            [Trailer.view(recv, total, len(params), tag, unit)],
             replicate_group,
             all_reduce,
             plan,
@@ -343,14 +500,21 @@ def reduce_grads(
         )
     works = []
     outputs = []
+    trailers = []
     for index, p in enumerate(params):
         g = full_grads[index]
         dtype = reduce_dtype_of(p)
-        send = torch.empty(world, p.padded_numel, dtype=dtype, device=g.device)
-        _padded_chunks(p, g.to(dtype), send)
+        n = p.padded_numel
+        send = torch.empty(world, n + 1 + TAG_BITS, dtype=dtype, device=g.device)
+        values = Trailer.values([has_grad[index]], tag, g.dtype, g.device).expand(world, 1 + TAG_BITS)
+        if p.shard_dim == 0:
+            torch._chunk_cat([g, values], 0, world, out=send)
+        else:
+            _padded_chunks(p, g.to(dtype), send[:, :n])
+            send[:, n:].copy_(values)
         del g
         full_grads[index] = send  # drop the full gradient; the send buffer is kept by the work anyway
-        recv = torch.empty(p.padded_numel, dtype=dtype, device=send.device)
+        recv = torch.empty(n + 1 + TAG_BITS, dtype=dtype, device=send.device)
         works.append(
             hc.reduce_scatter_tensor(
                 recv,
@@ -361,14 +525,17 @@ def reduce_grads(
             )
         )
         outputs.append(recv)
+        trailers.append(Trailer.view(recv, n, 1, tag, unit))
     sends = list(full_grads)
     full_grads.clear()
     return ReduceHandle(
         list(params),
         has_grad,
+        trainable,
         works,
         outputs,
         [],
+        trailers,
         replicate_group,
         all_reduce,
         plan,
@@ -387,11 +554,18 @@ def all_reduce_replicated(
     reduce_dtype_of: Callable[[FSDPParam], torch.dtype],
     fused: bool,
     main_grad: bool,
-) -> None:
-    """DDP-style: all-reduce the full gradients of replicate params over the data-parallel group."""
+    unit: str = "",
+) -> list[bool]:
+    """DDP-style: all-reduce the full gradients of replicate params over the data-parallel group.
+
+    Issued whether or not this rank has any gradient, with the same trailer as
+    a reduce-scatter; returns, per param, whether any rank had a gradient
+    ([Note: gradient flags]).
+    """
     has_grad = [g is not None for g in grads]
-    if not any(has_grad):
-        return
+    trainable = [p.sharded_param.requires_grad for p in params]
+    tag = tag_of(unit)
+    world = group.size() if group is not None else 1
     dtypes = {reduce_dtype_of(p) for p in params}
     full = [
         (g if g is not None else torch.zeros(p.shape, dtype=reduce_dtype_of(p), device=p.device))
@@ -400,18 +574,27 @@ def all_reduce_replicated(
     kwargs = _scaled(plan.full_op, plan.full_scale)
     if fused and len(dtypes) == 1:
         dtype = dtypes.pop()
-        flat = torch.cat([g.reshape(-1).to(dtype) for g in full])
+        values = Trailer.values(has_grad, tag, dtype, full[0].device)
+        flat = torch.cat([*(g.reshape(-1).to(dtype) for g in full), values])
         if group is not None:
             hc.all_reduce(flat, group=group, **kwargs)
-        pieces = flat.split([p.numel for p in params])
+        sizes = [p.numel for p in params]
+        pieces: list[torch.Tensor] = list(flat.split([*sizes, len(values)])[:-1])
+        trailers = [Trailer.view(flat, sum(sizes), len(params), tag, unit)]
     else:
-        reduced = []
-        for p, g in zip(params, full, strict=True):
-            buf = g.to(reduce_dtype_of(p)).contiguous().clone()
+        pieces, trailers = [], []
+        for p, g, h in zip(params, full, has_grad, strict=True):
+            dtype = reduce_dtype_of(p)
+            buf = torch.cat([g.reshape(-1).to(dtype), Trailer.values([h], tag, dtype, g.device)])
             if group is not None:
                 hc.all_reduce(buf, group=group, **kwargs)
-            reduced.append(buf.view(-1))
-        pieces = tuple(reduced)
-    for p, piece, flag in zip(params, pieces, has_grad, strict=True):
+            pieces.append(buf[: p.numel])
+            trailers.append(Trailer.view(buf, p.numel, 1, tag, unit))
+    for trailer in trailers:
+        trailer.check_paired(world, plan.full_op, plan.full_scale)
+    flags = [flag for trailer in trailers for flag in trailer.flags.unbind()]
+    received = _received(has_grad, trainable, flags)
+    for p, piece, flag in zip(params, pieces, received, strict=True):
         if flag:
             p.accumulate_sharded_grad(piece.view(p.shape), main_grad=main_grad)
+    return received

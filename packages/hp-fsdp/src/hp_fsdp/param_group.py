@@ -29,6 +29,28 @@ from hp_fsdp.post_forward import PostForwardMesh, build_post_forward_mesh, resol
 __all__ = ["FSDPParamGroup"]
 
 
+class _Outcome:
+    """Collects the per-parameter results of a unit's one or two reductions (sharded, replicated).
+
+    ``None`` from a part means its gradients stay pending (HSDP without the
+    all-reduce): the unit's outcome is then decided by a later reduction.
+    """
+
+    def __init__(self, group: FSDPParamGroup, pending: int) -> None:
+        self.group = group
+        self.pending = pending
+        self.received: list[bool] | None = []
+
+    def add(self, received: list[bool] | None) -> None:
+        if received is None or self.received is None:
+            self.received = None
+        else:
+            self.received += received
+        self.pending -= 1
+        if self.pending == 0 and self.received is not None:
+            self.group._outcome(self.received)
+
+
 class FSDPParamGroup:
     """The parameters of one unit and the knobs that govern their communication."""
 
@@ -67,7 +89,16 @@ class FSDPParamGroup:
         self._partial_outputs: list[torch.Tensor] | None = None  # HSDP: reduce-scattered, not all-reduced
         # per-iteration flags, reset by the root's final callback
         self.needs_post_backward = False
-        self.ran_backward = False  # since the last reduction: see [Note: no silent gradient loss]
+        # set by every pre-backward, cleared by every reduction: a reduction is due (see [Note: gradients
+        # that arrive after the post-backward])
+        self.ran_backward = False
+        self._unchecked_backward = False  # backward ran since gradients last arrived on some rank
+        # the last reduction found no gradient on any rank: see [Note: no silent gradient loss]
+        self._lost = False
+        self._verdict_task = -1  # the backward (autograd graph task) whose end will decide it
+        # the unit's name under its root, the same on every rank once the ranks agreed ([Note: cross-rank
+        # agreement]); its reductions carry a tag of it ([Note: one unit's reduction met another's])
+        self.unit_name = ""
         self.forward_calls = 0  # post-backward markers placed this iteration (a module may run twice)
         self.post_backward_runs = 0
 
@@ -221,14 +252,21 @@ class FSDPParamGroup:
 
         Without ``force`` and with gradient sync off, the full gradients are
         kept (in the reduce dtype) to be reduced by a later synchronising step.
+        Otherwise every parameter is reduced, whether this rank has gradients
+        or not: whether a unit reduces is decided by what every rank sees alike
+        (its hooks), never by the local gradients, which may differ across
+        ranks ([Note: gradient flags] in :mod:`hp_fsdp.collectives`).
         """
+        self._unchecked_backward = self._unchecked_backward or self.ran_backward
+        self.ran_backward = False
         main_grad = self.mp_policy.apply_grad_on_fp32_main_grad
         if not (self.requires_gradient_sync or force):
             for p in self.params:
                 p.stash_unsharded_grad(self.reduce_dtype(p))
             return None
-        self._check_gradients_arrived()
         plan = self.reduce_plan()
+        all_reduce = self.requires_all_reduce or force
+        outcome = _Outcome(self, pending=2 if self.sharded and self.replicated else 1)
         handle = None
         if self.sharded:
             grads = [p.take_unsharded_grad() for p in self.sharded]
@@ -237,16 +275,18 @@ class FSDPParamGroup:
                 grads,
                 shard_group=self.shard_group,
                 replicate_group=self.replicate_group,
-                all_reduce=self.requires_all_reduce or force,
+                all_reduce=all_reduce,
                 plan=plan,
                 reduce_dtype_of=self.reduce_dtype,
                 fused=self.comm_fusion,
                 main_grad=main_grad,
                 partial=self._take_partial,
+                unit=self.unit_name,
             )
+            handle.on_done = outcome.add
         if self.replicated:
             grads = [p.take_unsharded_grad() for p in self.replicated]
-            all_reduce_replicated(
+            received = all_reduce_replicated(
                 self.replicated,
                 grads,
                 group=self.full_group,
@@ -254,46 +294,90 @@ class FSDPParamGroup:
                 reduce_dtype_of=self.reduce_dtype,
                 fused=self.comm_fusion,
                 main_grad=main_grad,
+                unit=self.unit_name,
             )
+            outcome.add(received)  # all-reduced over every data-parallel rank: assigned now
         return handle
 
-    def _check_gradients_arrived(self) -> None:
-        """Refuse to reduce a unit whose backward ran but reached none of its parameters.
+    # [Note: gradients that arrive after the post-backward]
+    # A unit's post-backward runs when the gradients of its inputs are
+    # computed. Usually its parameters' gradients are complete then, but not
+    # always: a module called twice whose first call's inputs need no
+    # gradient (``blk(tanh(blk(x)))`` with ``x`` data: that call places no
+    # marker, so the marker of the second call fires first), or a tied
+    # embedding and head in one unit (``fully_shard([emb, head])``: autograd
+    # accumulates the shared weight once, after the embedding's backward, long
+    # after the head's marker). The reduction at the marker then finds no
+    # gradient; the later backward through the unit runs its pre-backward
+    # again (gathering again if it was resharded), which sets ``ran_backward``,
+    # and the root's final callback reduces what arrived (as FSDP2's final
+    # callback runs post-backward for units whose hooks fired early). Both
+    # decisions, to reduce at the marker and again at the end, follow the
+    # hooks, which fire alike on every rank; a rank never skips a reduction
+    # because it holds no gradient, or the ranks' collectives would pair up
+    # wrongly.
 
-        [Note: no silent gradient loss]
+    def _outcome(self, received: list[bool]) -> None:
+        """A reduction that assigns gradients is complete: ``received`` per parameter (any rank)."""
+        if any(received):
+            self._unchecked_backward = False
+            self._lost = False
+            return
+        if not self._unchecked_backward:
+            return
+        if not any(p.sharded_param.requires_grad for p in self.params):
+            self._unchecked_backward = False
+            return
+        self._lost = True
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            self._raise_if_lost()  # outside backward (reduce_grad): nothing more can arrive
+        elif task != self._verdict_task:
+            # In backward, gradients may still arrive and be reduced by the root's final callback
+            # ([Note: gradients that arrive after the post-backward]): decide once that has run.
+            self._verdict_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._raise_if_lost)
+
+    def _raise_if_lost(self) -> None:
+        """[Note: no silent gradient loss].
+
         A unit whose backward ran (its outputs received a gradient) but whose
-        trainable parameters all lack one has lost its gradients: its forward
-        used tensors other than the parameters this unit reduces (for example
-        a nested unit kept gathered copies across steps, or a schedule's
-        weight step asked autograd for the sharded parameters instead of the
-        gathered ones). Stepping would silently train nothing, so it is an
-        error, found with the flag set by the unit's pre-backward and a look
-        at the gradients the reduction reads anyway: no communication. A
-        unit where only *some* parameters lack a gradient is left alone, as
-        in FSDP2: unused parameters (an idle expert, a branch not taken) are
-        legitimate.
+        trainable parameters got no gradient on any rank by the end of the
+        backward has lost its gradients: its forward used tensors other than
+        the parameters this unit reduces (for example a nested unit kept
+        gathered copies across steps, or a schedule's weight step asked
+        autograd for the sharded parameters instead of the gathered ones).
+        Stepping would silently train nothing, so it is an error. It is
+        decided from the gradient flags every rank receives with the
+        reduction ([Note: gradient flags] in :mod:`hp_fsdp.collectives`), so
+        every rank raises alike and no collective is added; in backward, after
+        the root's final callback, which may still reduce gradients that
+        arrived late and has reset every unit for the next step. A unit where
+        only *some* parameters lack a gradient is left alone, as in FSDP2:
+        unused parameters (an idle expert, a branch not taken) are legitimate.
         """
-        ran, self.ran_backward = self.ran_backward, False
-        if not ran:
+        self._verdict_task = -1
+        if not self._lost:
             return
-        trainable = [p for p in self.params if p.sharded_param.requires_grad]
-        if not trainable or any(p.has_unsharded_grad() for p in trainable):
-            return
-        names = ", ".join(p.fqn for p in trainable)
+        self._lost = False
+        self._unchecked_backward = False
+        names = ", ".join(p.fqn for p in self.params if p.sharded_param.requires_grad)
         raise RuntimeError(
             f"hp_fsdp: the unit holding [{names}] ran backward since its last reduction, but none of "
-            "these parameters received a gradient, so the optimizer would train nothing. The forward "
-            "used tensors other than the unit's gathered parameters: do not keep references to "
+            "these parameters received a gradient on any rank, so the optimizer would train nothing. The "
+            "forward used tensors other than the unit's gathered parameters: do not keep references to "
             "parameters across unshard/reshard, and let the unit's own hooks (or the pipeline's "
             "UNSHARD / RESHARD steps) gather them. Parameters that are unused on purpose need "
             "requires_grad=False or ignored_params."
         )
 
     def has_pending_grads(self) -> bool:
-        """Whether gathered params hold gradients not reduced yet."""
-        return any(
-            (p.unsharded_param is not None and p.unsharded_param.grad is not None) for p in self.params
-        )
+        """Whether a reduction is due: a pre-backward ran since the last one.
+
+        Decided from the hooks, alike on every rank, not from the local
+        gradients (see [Note: gradients that arrive after the post-backward]).
+        """
+        return self.ran_backward
 
     def reset_iteration(self) -> None:
         """Clear the per-backward flags (called by the root's final callback)."""

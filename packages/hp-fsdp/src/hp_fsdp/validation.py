@@ -1,6 +1,8 @@
 """Every check on hp_fsdp's public entry points, and the plan of which parameters a unit takes.
 
-Everything here only reads. ``fully_shard``, the policies' ``__post_init__``,
+Everything here only reads the model (it remembers, weakly, which unit took
+which modules, to name the parent when a child is wrapped after it).
+``fully_shard``, the policies' ``__post_init__``,
 the :class:`~hp_fsdp.api.HSDPModule` methods and the state-dict load hook run
 these checks before they change anything, so a rejected call leaves the model
 as it was; every error names the value it saw and the fix. The one check that
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -105,13 +108,49 @@ def check_mixed_precision(policy: MixedPrecisionPolicy) -> None:
     )
 
 
+def _from_torch(value: Any) -> bool:
+    """Whether ``value`` is an instance of one of torch.distributed's classes (FSDP2's, DTensor's)."""
+    return type(value).__module__.startswith("torch.distributed")
+
+
+def _torch_name(value: Any) -> str:
+    """The public name of a torch.distributed class (``torch.distributed.fsdp.MixedPrecisionPolicy``)."""
+    module = type(value).__module__
+    for public in ("torch.distributed.fsdp", "torch.distributed.tensor"):
+        if module.startswith(public):
+            module = public
+            break
+    return f"{module}.{type(value).__name__}"
+
+
+def _hp_equivalent(value: Any) -> str:
+    """``value`` (a torch.distributed.fsdp policy, a dataclass) as the hp_fsdp call with its fields."""
+    values = ", ".join(f"{f.name}={getattr(value, f.name)!r}" for f in fields(value))
+    return f"hp_fsdp.{type(value).__name__}({values})"
+
+
 def _instance_of(what: str, name: str, value: Any, cls: type, example: str) -> None:
-    """``value`` must be an instance of ``cls``; passing the class itself is the usual slip."""
+    """``value`` must be an instance of ``cls``; passing the class itself is the usual slip.
+
+    The other usual one is FSDP2's policy of the same name
+    (``torch.distributed.fsdp.MixedPrecisionPolicy``), which hp_fsdp's
+    ``fully_shard`` does not read: the message spells out the hp_fsdp
+    policy with the same field values.
+    """
     if isinstance(value, cls):
         return
     if isinstance(value, type) and issubclass(value, cls):
         raise TypeError(
             f"{what}: {name}={value.__name__} is the class, not a policy; instantiate it: {example}."
+        )
+    if _from_torch(value):
+        try:
+            fix = _hp_equivalent(value)
+        except TypeError:  # not a dataclass in this torch version: name the class only
+            fix = f"hp_fsdp.{type(value).__name__}(...)"
+        raise TypeError(
+            f"{what}: {name}={value!r} is {_torch_name(value)}, torch's FSDP2 "
+            f"policy, not hp_fsdp's; import the policy from hp_fsdp instead: pass {fix} (the same fields)."
         )
     raise TypeError(
         f"{what}: {name}={value!r} is a {type(value).__name__}, not an instance of {cls.__name__}; "
@@ -279,6 +318,7 @@ def validate_call(
                 f"fully_shard: {type(m).__name__} (module[{index}]) was already passed to fully_shard; "
                 "apply fully_shard once per module, bottom-up (blocks first, then the root)."
             )
+        _check_not_taken(m, index)
     for i, a in enumerate(modules):
         for j, b in enumerate(modules):
             if i != j and any(sub is b for sub in a.modules()):
@@ -288,8 +328,9 @@ def validate_call(
                     f"module[{j}] first, then on module[{i}]."
                 )
     if not isinstance(mesh, DeviceMesh):
+        kind = _torch_name(mesh) if _from_torch(mesh) else type(mesh).__name__
         raise TypeError(
-            f"fully_shard: mesh must be an hp_core.DeviceMesh, got {type(mesh).__name__}; build one with "
+            f"fully_shard: mesh must be an hp_core.DeviceMesh, got {kind}; build one with "
             "hp_core.init_device_mesh(device_type, (world_size,))."
         )
     if mesh.ndim not in (1, 2):
@@ -313,6 +354,38 @@ def validate_call(
     check_flag(
         "fully_shard", "comm_fusion", comm_fusion, "True: one collective per unit, False: one per parameter"
     )
+
+
+# Which unit took the parameters of a module: each module a unit manages directly (down to nested
+# units) maps, weakly, to the module of the unit it lies under (one of a list unit's modules). Read
+# to name the parent when a child is passed to fully_shard after it (see _check_not_taken).
+_TAKEN: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def _check_not_taken(module: nn.Module, index: int) -> None:
+    """Refuse a module whose parameters a unit above it already took (``fully_shard`` top-down).
+
+    ``fully_shard`` on a parent takes every parameter below it that no
+    nested unit holds, so calling it on a child afterwards would shard
+    shards again (it used to fail deep inside, about DTensor meshes). The
+    owner must be a live unit outside ``module``'s subtree: the units of
+    children wrapped first, bottom-up, are inside it.
+    """
+    subtree = {id(sub) for sub in module.modules()}
+    for name, sub in module.named_modules():
+        ref = _TAKEN.get(sub)
+        owner = ref() if ref is not None else None
+        if owner is None or id(owner) in subtree or _get_state(owner) is None:
+            continue
+        path = next((n for n, m in owner.named_modules() if m is module), None)
+        where = f" as {path!r}" if path else ""
+        inner = f" (its submodule {name!r} too)" if name else ""
+        raise ValueError(
+            f"fully_shard: {type(module).__name__} (module[{index}]) is already managed by the fully_shard "
+            f"of its parent {type(owner).__name__}{where}, which took its parameters{inner}; call "
+            "fully_shard bottom-up (children first): each block, then the parent. Build the model again "
+            "(or start from an unsharded copy) and wrap it in that order."
+        )
 
 
 def _param_list(name: str, value: Any) -> list[Any]:
@@ -465,7 +538,30 @@ def collect_params(
             by_id[id(param)] = plan
             order.append(plan)
     _check_params(order, shard_placement_fn, offload, mesh)
+    for top in modules:  # the plan is final: remember which of the unit's modules takes each one
+        for _, module in _managed_modules([top]):
+            _TAKEN[module] = weakref.ref(top)
     return order
+
+
+def _shard_of(placement: Any, fqn: str) -> Shard | None:
+    """What ``shard_placement_fn`` returned for ``fqn``, as hp_dtensor's ``Shard`` (or None).
+
+    torch's ``torch.distributed.tensor.Shard(d)``, what FSDP2's
+    ``shard_placement_fn`` returns, means the same here and is read by its
+    dim; anything else (``Replicate()``, torch's strided shard, a plain int)
+    is refused naming what came back.
+    """
+    if placement is None or isinstance(placement, Shard):
+        return placement
+    if _from_torch(placement) and type(placement).__name__ == "Shard" and isinstance(placement.dim, int):
+        return Shard(placement.dim)
+    kind = _torch_name(placement) if _from_torch(placement) else type(placement).__name__
+    raise TypeError(
+        f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; return Shard(dim) or None "
+        "(hp_dtensor.Shard or torch.distributed.tensor.Shard to shard that dim, None for dim 0), not a "
+        f"{kind}."
+    )
 
 
 def _check_params(
@@ -497,13 +593,8 @@ def _check_params(
                 "replicate_params (or ignored_params)."
             )
         if shard_placement_fn is not None:
-            placement = shard_placement_fn(param)
+            placement = _shard_of(shard_placement_fn(param), fqn)
             if placement is not None:
-                if not isinstance(placement, Shard):
-                    raise TypeError(
-                        f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; return "
-                        "Shard(dim) or None."
-                    )
                 dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
                 if not 0 <= dim < param.dim():
                     raise ValueError(
@@ -608,7 +699,7 @@ def _unit_facts(state: FSDPState, names: dict[int, str]) -> dict[str, Any]:
             p.global_shape,
             str(p.orig_dtype).removeprefix("torch."),
             "replicate" if p.replicate else f"Shard({p.shard_dim})",
-            "requires_grad" if p.requires_grad else "frozen",
+            "requires_grad" if p.sharded_param.requires_grad else "frozen",
         )
         for p in group.params
     ]
@@ -712,6 +803,8 @@ def check_agreement(
         )
     for state in check:
         state.agreed = True
+        if state.group is not None:  # a name every rank shares: it tags the unit's reductions
+            state.group.unit_name = names[id(state)]
 
 
 # -- state dicts -------------------------------------------------------------------------------
