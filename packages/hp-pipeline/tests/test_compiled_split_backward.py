@@ -4,13 +4,19 @@ DualPipeV runs a full ``B`` and, for other micro-batches, an ``I`` (a backward
 that keeps the graph) through the same compiled graph. With AOTAutograd's
 donated buffers on (torch's default) that is refused, unless the graphs were
 compiled, and the ``I`` runs, with them off, which the ``I`` kind arranges
-for the forwards and input-gradient steps of the runners that run it, and only there.
+for the compute steps of the runners that run it, and only there. Those steps
+also compile under their own cache-key tag, so a donating backward that a full
+backward left in inductor's caches is not served to them ([Note: compile
+caches under a split backward] in ``hp_pipeline._builtin_kinds``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -53,7 +59,7 @@ def _full_then_retained(block: nn.Module, context: bool = False) -> None:
 
 
 def test_the_input_grad_kind_scopes_donated_buffers_off() -> None:
-    assert T.BWD_INPUT.spec.wraps == ("F", "I")
+    assert T.BWD_INPUT.spec.wraps == ("F", "B", "I", "W")
     torch._dynamo.reset()
     block = Block()
     block.compile(backend="aot_eager")
@@ -93,3 +99,62 @@ def test_dualpipev_with_compiled_stages_matches_eager(rank: int, world_size: int
         for ours, ref in zip(blocks[s].parameters(), reference[s].parameters(), strict=True):
             torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
+
+
+class TanhBlock(nn.Module):
+    """``h + tanh(fc(h))``: inductor's donating backward writes into the saved ``tanh`` output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h))
+
+
+def test_split_backward_is_not_served_a_cached_donating_backward() -> None:
+    """A full backward cached a donating backward of the same graph; ``F``, ``I``, ``W`` must not run it.
+
+    Inductor's FX graph cache does not key a backward by the inputs it may
+    donate, so without the tag of [Note: compile caches under a split backward]
+    the ``I`` got the cached kernel, which overwrote the saved ``tanh`` output,
+    and the ``W`` computed wrong weight gradients, silently (ZB-H1's last stage
+    after a 1F1B run had filled the cache).
+    """
+    torch._dynamo.reset()
+    cache = tempfile.mkdtemp(prefix="hp_pipeline_inductor_cache_")  # fresh: nothing cached before this test
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    around = T.BWD_INPUT.spec.around
+    assert around is not None
+    try:
+        with (
+            torch._inductor.config.patch(fx_graph_cache=True),
+            functorch_config.patch(enable_autograd_cache=True),
+        ):
+            warm = TanhBlock().double()  # a 1F1B run or a training script: a full backward, donating
+            warm.compile()
+            warm(torch.randn(2, 8, dtype=torch.float64, requires_grad=True)).sum().backward()
+            torch._dynamo.reset()
+            block = TanhBlock().double()
+            reference = copy.deepcopy(block)
+            block.compile()  # inductor
+            x = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)  # a received activation
+            with around(None, MetaStep(0, T.FWD, 1)):
+                loss = block(x).square().sum()
+            with around(None, MetaStep(0, T.BWD_INPUT, 1)):
+                (grad_x,) = torch.autograd.grad(loss, [x], retain_graph=True)
+            with around(None, MetaStep(0, T.BWD_WEIGHT, 1)):
+                torch.autograd.backward(loss, inputs=list(block.parameters()))
+        x_ref = x.detach().requires_grad_(True)
+        reference(x_ref).square().sum().backward()
+        torch.testing.assert_close(grad_x, x_ref.grad)
+        for ours, ref in zip(block.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(ours.grad, ref.grad)
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+        shutil.rmtree(cache, ignore_errors=True)
+        torch._dynamo.reset()

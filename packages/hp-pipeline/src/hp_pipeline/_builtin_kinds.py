@@ -19,23 +19,44 @@ does, a zero-bubble schedule that only splits does not) would run a donating
 backward on a retained graph, which torch refuses ("compiled with non-empty
 donated buffers which requires ... retain_graph=False").
 
-So ``I`` declares a context around every ``F`` and every ``I`` of a runner
-whose list holds ``I`` steps, both run with ``donated_buffer=False``: a stage's
-modules compile (and recompile) inside its forward, so their graphs list no
-donated buffers and no backward of theirs donates; and torch's runtime check,
-which reads the switch again at each retained backward, stands aside for the
-``I``. The switch is scoped (``config.patch``): other code in the process,
+So ``I`` declares a context around every ``F``, ``B``, ``I`` and ``W`` of a
+runner whose list holds ``I`` steps, all run with ``donated_buffer=False``: a
+stage's modules compile (and recompile) inside its forward, so their graphs
+list no donated buffers and no backward of theirs donates; and torch's runtime
+check, which reads the switch again at each retained backward, stands aside for
+the ``I``. The switch is scoped (``config.patch``): other code in the process,
 and schedules without split backward (1F1B, GPipe, ...), keep torch's default
-and its optimisation. What it cannot cover: a graph compiled *and*
-backpropagated by a full backward before the schedule's first step (say, a
-warm-up outside the schedule) keeps its donating backward, and inside ``I``
-torch's check would not stop it: compile the stages' modules inside the
-schedule (their first call is the schedule's), or turn the switch off around
-such a warm-up too.
+and its optimisation.
+
+[Note: compile caches under a split backward]
+Switching donation off for a graph is not enough while torch's caches share
+compiled code: inductor's FX graph cache keys a backward graph by its code and
+configuration but not by which of its inputs it may donate (torch 2.13), so
+the first backward of a graph compiled with donation off is served a donating
+kernel cached by any full backward of the same graph: a 1F1B or GPipe run, a
+plain training script, an earlier process sharing ``TORCHINDUCTOR_CACHE_DIR``,
+or the first stage of this very pipeline (its ``I`` computes nothing, so its
+``W`` is the graph's first backward). Such a kernel writes into tensors the
+graph saved (``tanh``'s output, say); the ``I`` runs it on the retained graph
+and the ``W``, running it again, reads the overwritten values: wrong weight
+gradients and no error, since the check above stands aside. An AOTAutograd
+cache entry saved from such a compile points at the donating kernel too. So
+the same context also appends :data:`_CACHE_KEY_TAG` to
+``torch.compiler.config.cache_key_tag``: what these steps compile (the
+forward, and the backward compiled lazily in whichever of ``B``, ``I`` or
+``W`` reaches the graph first) is looked up and stored apart from what
+donating compiles cache, and is still cached across runs. What it cannot
+cover: a graph compiled *and* backpropagated by a full backward before the
+schedule's first step (say, a warm-up outside the schedule) keeps its donating
+backward, and inside ``I`` torch's check would not stop it: compile the
+stages' modules inside the schedule (their first call is the schedule's), or
+turn the switch off around such a warm-up too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -111,13 +132,33 @@ def _input_grad_consumer(view: OrderView, step: MetaStep) -> MetaStep:
     return _same_input_grad(view, step)[0]
 
 
+#: appended to torch's compile-cache key tag by the context of [Note: compile caches under a split backward]
+_CACHE_KEY_TAG = "|hp_pipeline:no_donated_buffers"
+
+
 def _without_donated_buffers(runner: Any, step: MetaStep) -> Any:
-    """Around every ``F`` and ``I`` of a runner that runs ``I`` steps ([Note: compiled split backward])."""
+    """Around every ``F``, ``B``, ``I`` and ``W`` of a runner that runs ``I`` steps.
+
+    See [Note: compiled split backward] and [Note: compile caches under a split backward].
+    """
     import torch._functorch.config as functorch_config
 
     if not hasattr(functorch_config, "donated_buffer"):  # a torch without donated buffers
         return None
-    return functorch_config.patch(donated_buffer=False)
+    return _no_donation_scope(functorch_config)
+
+
+@contextmanager
+def _no_donation_scope(functorch_config: Any) -> Iterator[None]:
+    import torch.compiler.config
+
+    compiler_config: Any = torch.compiler.config  # a ConfigModule: patch() is made at import
+    with ExitStack() as stack:
+        stack.enter_context(functorch_config.patch(donated_buffer=False))
+        tag = getattr(compiler_config, "cache_key_tag", None)
+        if isinstance(tag, str) and not tag.endswith(_CACHE_KEY_TAG):
+            stack.enter_context(compiler_config.patch(cache_key_tag=tag + _CACHE_KEY_TAG))
+        yield
 
 
 def _overlap_cost(costs: Any) -> Fraction:
@@ -172,7 +213,7 @@ for _kind in (
         needs=_same_forward,
         cost="backward_input",
         colour="#f28e2b",
-        wraps=("F", "I"),
+        wraps=("F", "B", "I", "W"),
         around=_without_donated_buffers,
         **_BACKWARD,
     ),
