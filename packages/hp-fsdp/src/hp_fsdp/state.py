@@ -44,7 +44,7 @@ from hp_fsdp._profiling import label, labelled
 from hp_fsdp.collectives import ReduceHandle
 from hp_fsdp.param_group import FSDPParamGroup
 from hp_fsdp.policies import MixedPrecisionPolicy
-from hp_fsdp.validation import check_agreement, check_prefetch_under_root, check_state_dict
+from hp_fsdp.validation import check_agreement, check_prefetch_under_root, check_state_dict, listed
 
 __all__ = ["FSDPState", "RootContext", "get_state"]
 
@@ -97,14 +97,13 @@ def _check_assign(
 
 
 def _raise_assign(owner: str, problems: list[str]) -> None:
-    shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
     raise RuntimeError(
-        f"load_state_dict(assign=True) into {owner}: {shown}. Nothing was loaded. assign=True makes each "
-        "value the sharded parameter itself, so it must be an hp_dtensor.DTensor with the parameter's mesh "
-        "and placements (the values of model.state_dict() of a model sharded the same way, or "
-        "hp_dtensor.distribute_tensor(full, param.device_mesh, param.placements)), on the shard's device. "
-        "Full tensors or DTensors of another sharding load without assign=True (for a meta-device model "
-        "after model.to_empty(device=...)), which copies them into the shards."
+        f"load_state_dict(assign=True) into {owner}: {listed(problems, 6)}. Nothing was loaded. "
+        "assign=True makes each value the sharded parameter itself, so it must be an hp_dtensor.DTensor with"
+        " the parameter's mesh and placements (the values of model.state_dict() of a model sharded the same "
+        "way, or hp_dtensor.distribute_tensor(full, param.device_mesh, param.placements)), on the shard's "
+        "device. Full tensors or DTensors of another sharding load without assign=True (for a meta-device "
+        "model after model.to_empty(device=...)), which copies them into the shards."
     )
 
 

@@ -818,6 +818,12 @@ def _dtype_kind(dtype: torch.dtype) -> str:
     return "bool" if dtype == torch.bool else "integer"
 
 
+def listed(problems: list[str], cap: int) -> str:
+    """The first ``cap`` problems joined for an error message, and how many more there are."""
+    more = f"; and {len(problems) - cap} more" if len(problems) > cap else ""
+    return "; ".join(problems[:cap]) + more
+
+
 def check_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, strict: bool) -> None:
     """Check ``module``'s entries of a state dict before ``load_state_dict`` copies any of them.
 
@@ -862,10 +868,9 @@ def check_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         unexpected = sorted(k for k in state_dict if k.startswith(prefix) and k not in expected)
         problems.extend(f"{key!r} is not in the model" for key in unexpected[:5])
     if problems:
-        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise RuntimeError(
-            f"load_state_dict into {type(module).__name__}: {shown}. Nothing of it was loaded. Pass "
-            "the state dict of this model (the keys of model.state_dict(), full tensors or DTensors of the "
-            "same global shape, cast with .to(dtype) where the kind differs), or strict=False to load a "
-            "subset."
+            f"load_state_dict into {type(module).__name__}: {listed(problems, 8)}. Nothing of it was "
+            "loaded. Pass the state dict of this model (the keys of model.state_dict(), full tensors or "
+            "DTensors of the same global shape, cast with .to(dtype) where the kind differs), or "
+            "strict=False to load a subset."
         )
