@@ -197,3 +197,20 @@ def describe_fingerprint(fingerprint: Mapping[str, Any]) -> str:
     name = fingerprint.get("schedule", "?")
     rest = ", ".join(f"{k}={v!r}" for k, v in fingerprint.items() if k != "schedule")
     return f"{name}({rest})"
+
+
+def check_loss_kwargs(loss_kwargs: object) -> None:
+    """``loss_kwargs`` is splatted into ``loss_fn``: a mapping with str keys, or None."""
+    if loss_kwargs is None:
+        return
+    if not isinstance(loss_kwargs, Mapping):
+        raise TypeError(
+            f"step(loss_kwargs=...) takes a dict of keyword arguments for loss_fn, got a "
+            f"{type(loss_kwargs).__name__} ({loss_kwargs!r}); pass e.g. loss_kwargs={{'reduction': 'sum'}}"
+        )
+    bad = [key for key in loss_kwargs if not isinstance(key, str)]
+    if bad:
+        raise TypeError(
+            f"step(loss_kwargs=...) has the keys {bad}, which are not str; its keys are the names of "
+            "loss_fn's keyword arguments"
+        )

@@ -104,6 +104,7 @@ from hp_pipeline._checks import (
     check_bool,
     check_callable,
     check_chunk_specs,
+    check_loss_kwargs,
     check_merge_spec,
     check_options,
     check_positive_number,
@@ -492,7 +493,7 @@ class PipelineSchedule:
         try:
             self._check_losses(losses)
             check_bool("step", "return_outputs", return_outputs)
-            _check_loss_kwargs(loss_kwargs)
+            check_loss_kwargs(loss_kwargs)
             self._check_eval_losses(target, losses)
             for stage in self._stages.values():
                 stage._check_materialized()
@@ -785,23 +786,6 @@ def _loss_after_forward(runner: StepRunner, stage: PipelineStage, micro: int) ->
     yield  # the forward; if it raises, no loss (the runner reports the forward's failure)
     with torch.no_grad():
         stage.compute_loss(micro, runner.loss_fn, runner.target_of(stage, micro))
-
-
-def _check_loss_kwargs(loss_kwargs: object) -> None:
-    """``loss_kwargs`` is splatted into ``loss_fn``: a mapping with str keys, or None."""
-    if loss_kwargs is None:
-        return
-    if not isinstance(loss_kwargs, Mapping):
-        raise TypeError(
-            f"step(loss_kwargs=...) takes a dict of keyword arguments for loss_fn, got a "
-            f"{type(loss_kwargs).__name__} ({loss_kwargs!r}); pass e.g. loss_kwargs={{'reduction': 'sum'}}"
-        )
-    bad = [key for key in loss_kwargs if not isinstance(key, str)]
-    if bad:
-        raise TypeError(
-            f"step(loss_kwargs=...) has the keys {bad}, which are not str; its keys are the names of "
-            "loss_fn's keyword arguments"
-        )
 
 
 def _failure_outside_steps(exc: Exception) -> StageFailure:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hp_pipeline._checks import check_bool, check_options
+from hp_pipeline._checks import check_bool, check_loss_kwargs, check_options
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.errors import StageFailure
 from hp_pipeline.executor import StepRunner
@@ -56,7 +56,6 @@ from hp_pipeline.schedules import (
     SCHEDULE_OPTIONS,
     LossFn,
     PipelineSchedule,
-    _check_loss_kwargs,
     _failure_outside_steps,
 )
 from hp_pipeline.stage import PipelineStage
@@ -420,7 +419,7 @@ class ScheduleMPipe(PipelineSchedule):
         ]
         try:
             check_bool("step", "return_outputs", return_outputs)
-            _check_loss_kwargs(loss_kwargs)
+            check_loss_kwargs(loss_kwargs)
             for stage in self._stages.values():
                 stage._check_materialized()
             if self.in_schedule_loading:
