@@ -94,6 +94,7 @@ from torch.utils import _pytree as pytree
 from hp_dtensor import dtensor as _dtensor_module
 from hp_dtensor.dtensor import DTensor, new_dtensor
 from hp_dtensor.layout import Layout, mesh_key
+from hp_dtensor.ops.meshes import common_mesh as _mesh_of
 from hp_dtensor.placements import Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local
 
@@ -546,18 +547,6 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
-def _mesh_of(call_flat: Sequence[Any], positions: Sequence[int], func: Any) -> Any:
-    mesh = call_flat[positions[0]]._layout.mesh
-    for p in positions[1:]:
-        other = call_flat[p]._layout.mesh
-        if other is not mesh and mesh_key(other) != mesh_key(mesh):
-            raise ValueError(
-                f"{func}: DTensor arguments live on different meshes ({mesh!r} and {other!r}); an op "
-                "needs all of its DTensors on one mesh. Move one with full_tensor() + distribute_tensor()."
-            )
-    return mesh
-
-
 def _output_meta(func: Any, key: Any, flat: list[Any], spec: Any) -> Any:
     if key is not None and key in _meta_cache:
         return _meta_cache[key]
@@ -631,48 +620,6 @@ def _distinct(flat: list[Any], positions: Sequence[int]) -> list[Any]:
             out[p] = DTensor(dt._local, dt._layout)
         seen.add(id(dt))
     return out
-
-
-def dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: Rule) -> Any:
-    """``_foreach_*`` ops: ``rule`` decides per element; the op runs once over all local elements."""
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    positions = [i for i, v in enumerate(flat) if isinstance(v, DTensor)]
-    mesh = _mesh_of(flat, positions, func)
-    flat = _distinct(flat, positions)
-    a, k = pytree.tree_unflatten(flat, spec)
-    decision = rule(OpCall(func, a, k, flat, positions))
-    assert decision is not None
-    local_flat = list(flat)
-    for p in positions:
-        dt = flat[p]
-        target = decision.inputs.get(p)
-        if target is not None and target != dt._layout.placements:
-            local, layout = redistribute_local(dt._local, dt._layout, target)
-            if decision.inplace and _is_first_list_member(args, dt):
-                dt._local, dt._layout = local, layout
-            local_flat[p] = local
-        else:
-            local_flat[p] = dt._local
-    local_args, local_kwargs = pytree.tree_unflatten(local_flat, spec)
-    result = func(*local_args, **local_kwargs)
-    if decision.inplace:
-        return None if result is None else args[0]
-    wrapped = []
-    for index, value in enumerate(result):
-        source = args[0][index]
-        placements = decision.outputs[index]
-        if not isinstance(source, DTensor) or placements is None:
-            wrapped.append(value)
-            continue
-        layout = source._layout
-        if placements != layout.placements:
-            layout = Layout(mesh, placements, layout.shape, layout.stride)
-        wrapped.append(DTensor(value, layout))
-    return wrapped
-
-
-def _is_first_list_member(args: tuple[Any, ...], dt: Any) -> bool:
-    return isinstance(args[0], (list, tuple)) and any(x is dt for x in args[0])
 
 
 # -- the dispatcher ----------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout
@@ -146,34 +145,6 @@ def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bo
     return Decision(inputs=inputs, outputs=[tuple(out)], inplace=inplace)
 
 
-def _foreach_rule(call: OpCall) -> Decision:
-    func = call.func
-    inplace = torch.Tag.inplace in func.tags or str(func).split(".")[1].endswith("_")
-    # Flat positions of every list's elements, by place rather than identity: the same tensor may
-    # be in two lists (AdamW's addcmul_(exp_avg_sq, grads, grads)) and each place is moved on its own.
-    lists: list[list[int]] = []
-    start = 0
-    for arg in call.args:
-        count = len(pytree.tree_leaves(arg))
-        if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], torch.Tensor):
-            lists.append(list(range(start, start + count)))
-        start += count
-    decision = Decision(inplace=inplace)
-    for index in range(len(lists[0])):
-        positions = [lst[index] for lst in lists if isinstance(call.flat[lst[index]], DTensor)]
-        sub = pointwise_rule(call, positions, inplace=inplace)
-        decision.inputs.update(sub.inputs)
-        decision.outputs.extend(sub.outputs)
-    return decision
-
-
-def _foreach_run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Foreach ops: one rule per element, then one local foreach call over all elements."""
-    from hp_dtensor.ops.dispatch import dispatch_foreach
-
-    return dispatch_foreach(func, args, kwargs, _foreach_rule)
-
-
 def _out_of_place_is_pointwise(func: Any) -> bool:
     """In-place ops (``masked_fill_``) are often tagged only ``inplace``: ask their out-of-place form."""
     if torch.Tag.inplace not in func.tags:
@@ -190,7 +161,9 @@ def resolve_by_tag(func: Any) -> Any:
     """Find a rule for an op not registered by name, from its tags (called once per op)."""
     name = str(func)
     if name.startswith("aten._foreach_") and not name.startswith(("aten._foreach_norm", "aten._foreach_max")):
-        SPECIAL[func] = lambda args, kwargs: _foreach_run(func, args, kwargs)
+        from hp_dtensor.ops.foreach import foreach_run
+
+        SPECIAL[func] = lambda args, kwargs: foreach_run(func, args, kwargs)
         return SPECIAL[func]
     if torch.Tag.pointwise in func.tags or _out_of_place_is_pointwise(func):
         RULES[func] = pointwise_rule
