@@ -119,7 +119,7 @@ STAGE_CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
         "group a str",
         {"group": "pp"},
         TypeError,
-        r"group='pp' is a str, not a ProcessGroup; pass the pipeline's group",
+        r"group='pp' is a str, not a ProcessGroup or a DeviceMesh; pass the pipeline's group",
     ),
 ]
 
@@ -374,7 +374,7 @@ MPIPE_CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
         "dp_group a str",
         {"dp_group": "dp"},
         TypeError,
-        r"dp_group='dp' is a str, not a ProcessGroup; pass the data-parallel group",
+        r"dp_group='dp' is a str, not a ProcessGroup or a DeviceMesh; pass the data-parallel group",
     ),
     (
         "overflow_mode unknown",

@@ -16,6 +16,7 @@ placements] in :mod:`hp_dtensor.redistribute`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from torch import nn
 from hp_dtensor import checkpoint as _dcp
 from hp_dtensor._agree import agree_over_mesh, describe
 from hp_dtensor.layout import Layout, global_stride_like, normalize_placements
+from hp_dtensor.pending import PendingTensor, then
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local, slice_for_layout
 
@@ -246,9 +248,26 @@ class DTensor(torch.Tensor):
         return _ToLocal.apply(self, grad_placements)
 
     def redistribute(
-        self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> DTensor:
-        """The same global tensor under ``placements`` (see :func:`hp_dtensor.explain_redistribute`)."""
+        """The same global tensor under ``placements`` (see :func:`hp_dtensor.explain_redistribute`).
+
+        torch's signature and meaning. ``async_op=True`` returns at once with
+        the last collective in flight: the result's local tensor waits on its
+        first use ([Note: asynchronous redistribution] in ``hp_dtensor.pending``),
+        so independent work can overlap the communication. ``forward_dtype``
+        casts the local tensor before the collective (the result has that
+        dtype: a bf16 all-gather of an fp32 tensor moves half the bytes);
+        ``backward_dtype`` does the same for the gradient's collective, which
+        otherwise runs at this tensor's dtype; the gradient always comes back
+        in this tensor's dtype.
+        """
         what = "DTensor.redistribute"
         if device_mesh is not None and _check_mesh(device_mesh, what) != self._layout.mesh:
             raise ValueError(
@@ -258,15 +277,28 @@ class DTensor(torch.Tensor):
             )
         if placements is None:
             raise ValueError(f"{what}: pass placements=, e.g. [Replicate()] * {self._layout.mesh.ndim}.")
+        if async_op is not True and async_op is not False:
+            raise TypeError(
+                f"{what}: async_op must be True or False, got {type(async_op).__name__} {async_op!r}."
+            )
+        for name, value in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(
+                    f"{what}: {name} must be a torch.dtype or None, got {type(value).__name__} {value!r}; "
+                    f"e.g. {name}=torch.bfloat16."
+                )
         layout = self._layout
         target = normalize_placements(placements, layout.mesh, layout.ndim, what)
-        if target == layout.placements and layout.ragged is None:
+        input_dtype = self.dtype
+        forward = forward_dtype or input_dtype
+        if target == layout.placements and layout.ragged is None and forward == input_dtype:
             return self
         if self.requires_grad and torch.is_grad_enabled():
-            return _Redistribute.apply(self, target)
+            return _Redistribute.apply(self, target, async_op, forward, backward_dtype or input_dtype)
         # Nothing to record for autograd: skip the Function machinery (a large share of the cost
         # of a small redistribution); the result is the same tensor _Redistribute.forward builds.
-        local, out = redistribute_local(self._local, layout, target)
+        local = self._local if forward == input_dtype else self._local.to(forward)
+        local, out = redistribute_local(local, layout, target, async_op=async_op)
         return new_dtensor(local, out)
 
     def full_tensor(self) -> torch.Tensor:
@@ -453,16 +485,27 @@ class _ToLocal(torch.autograd.Function):
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, dt: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    def forward(
+        ctx: Any,
+        dt: DTensor,
+        placements: tuple[Placement, ...],
+        async_op: bool,
+        forward_dtype: torch.dtype,
+        backward_dtype: torch.dtype,
+    ) -> DTensor:
         ctx.layout = dt._layout
-        local, layout = redistribute_local(dt._local, dt._layout, placements)
+        ctx.async_op = async_op
+        ctx.input_dtype = dt.dtype
+        ctx.backward_dtype = backward_dtype
+        local = dt._local if forward_dtype == dt.dtype else dt._local.to(forward_dtype)
+        local, layout = redistribute_local(local, dt._layout, placements, async_op=async_op)
         return DTensor(local, layout)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None, None]:
         src: Layout = ctx.layout
         if not isinstance(grad, DTensor):
-            return grad, None
+            return grad, None, None, None, None
         placements = [Replicate() if isinstance(p, Partial) else p for p in src.placements]
         if src.ragged is not None:
             target: Layout | list[Placement] = Layout(
@@ -470,8 +513,17 @@ class _Redistribute(torch.autograd.Function):
             )
         else:
             target = placements
-        local, layout = redistribute_local(grad._local, grad._layout, target)
-        return DTensor(local, layout), None
+        # [Note: gradient placements] in hp_dtensor.redistribute; the collective runs at
+        # backward_dtype and the gradient returns in the input's dtype, as in torch.
+        local = grad._local
+        if local.dtype != ctx.backward_dtype:
+            local = local.to(ctx.backward_dtype)
+        local, layout = redistribute_local(local, grad._layout, target, async_op=ctx.async_op)
+        if local.dtype != ctx.input_dtype:
+            dtype = ctx.input_dtype
+            cast = functools.partial(torch.Tensor.to, dtype=dtype)
+            local = then(local, cast) if isinstance(local, PendingTensor) else cast(local)
+        return DTensor(local, layout), None, None, None, None
 
 
 # -- distribute_tensor / distribute_module ----------------------------------------------------

@@ -513,17 +513,20 @@ class StepRunner:
         """The positional and keyword inputs of ``stage``'s forward of micro-batch ``i``.
 
         Stage 0 reads the step's inputs; another stage takes the previous stage's
-        output, from this rank or from its ``RECV_F``.
+        output, from this rank or from its ``RECV_F``. The keyword inputs given
+        to this rank's ``step`` reach every stage's forward, as in torch
+        ([Note: pre-split micro-batches] in :mod:`hp_pipeline._torch_api`).
         """
         s = stage.stage_index
         if stage.is_first:
             if self.arg_mbs is None or self.kwarg_mbs is None:
                 raise RuntimeError(f"stage 0 runs on rank {self.rank} but step() received no inputs here")
             return self.arg_mbs[i], self.kwarg_mbs[i]
+        kwargs = None if self.kwarg_mbs is None else self.kwarg_mbs[i]
         if (s - 1) in self.stages:
             stage.inputs_meta[i] = self.stages[s - 1].outputs_meta[i]
-            return self._outputs.pop((s - 1, i)), None
-        return tuple(self._take_recv((T.FWD_RECV, s, i))), None
+            return self._outputs.pop((s - 1, i)), kwargs
+        return tuple(self._take_recv((T.FWD_RECV, s, i))), kwargs
 
     def target_of(self, stage: PipelineStage, i: int) -> Any:
         """The target the last stage's loss compares micro-batch ``i``'s output with."""
