@@ -19,17 +19,22 @@ input's placements, except that mesh dims where the input was ``Partial`` get
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hp_core.collectives as hc
 import torch
 import torch.autograd.profiler as _profiler
 from hp_core.distributed import mesh_group
+from hp_core.work import Work
+from torch.distributed._functional_collectives import _are_we_tracing
 
 from hp_dtensor.layout import Layout, chunk_sizes
+from hp_dtensor.pending import PendingTensor, pending, then
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.planner import RedistributeStep, plan_redistribute
+
+Post = Callable[[torch.Tensor], torch.Tensor]
 
 __all__ = ["redistribute_local", "slice_for_layout"]
 
@@ -38,19 +43,28 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     return [0, *itertools.accumulate(sizes)][:-1]
 
 
-def _all_gather(local: torch.Tensor, layout: Layout, mesh_dim: int, dim: int) -> torch.Tensor:
+def _done(result: Any, out: torch.Tensor, post: Post | None = None) -> torch.Tensor:
+    """A step's result: ``post(out)`` now, or pending when ``result`` is an async :class:`Work`.
+
+    See [Note: asynchronous redistribution] in :mod:`hp_dtensor.pending`.
+    """
+    if isinstance(result, Work):
+        return pending(result, out, post)
+    return out if post is None else post(out)
+
+
+def _all_gather(
+    local: torch.Tensor, layout: Layout, mesh_dim: int, dim: int, async_op: bool = False
+) -> torch.Tensor:
     sizes = layout.line_sizes(mesh_dim, dim)
     uneven = sizes.count(sizes[0]) != len(sizes)
     group = mesh_group(layout.mesh, mesh_dim)
-    if dim == 0:  # the common case needs no dim shuffling
-        x = local.contiguous()
-        out = x.new_empty((sum(sizes), *x.shape[1:]))
-        hc.all_gather_into_tensor(out, x, group, input_sizes=sizes if uneven else None)
-        return out
-    x = local.movedim(dim, 0).contiguous()
+    x = local.contiguous() if dim == 0 else local.movedim(dim, 0).contiguous()  # dim 0: no shuffling
     out = x.new_empty((sum(sizes), *x.shape[1:]))
-    hc.all_gather_into_tensor(out, x, group, input_sizes=sizes if uneven else None)
-    return out.movedim(0, dim).contiguous()
+    result = hc.all_gather_into_tensor(
+        out, x, group, async_op=async_op, input_sizes=sizes if uneven else None
+    )
+    return _done(result, out, None if dim == 0 else lambda full: full.movedim(0, dim).contiguous())
 
 
 def _chunk(local: torch.Tensor, mesh: Any, mesh_dim: int, dim: int) -> torch.Tensor:
@@ -59,13 +73,16 @@ def _chunk(local: torch.Tensor, mesh: Any, mesh_dim: int, dim: int) -> torch.Ten
     return local.narrow(dim, _offsets(sizes)[index], sizes[index]).contiguous()
 
 
-def _all_reduce(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int) -> torch.Tensor:
+def _all_reduce(
+    local: torch.Tensor, op: str, mesh: Any, mesh_dim: int, async_op: bool = False
+) -> torch.Tensor:
     buffer = local.clone(memory_format=torch.contiguous_format)
-    hc.all_reduce(buffer, op, mesh_group(mesh, mesh_dim))
-    return buffer
+    return _done(hc.all_reduce(buffer, op, mesh_group(mesh, mesh_dim), async_op=async_op), buffer)
 
 
-def _reduce_scatter(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int, dim: int) -> torch.Tensor:
+def _reduce_scatter(
+    local: torch.Tensor, op: str, mesh: Any, mesh_dim: int, dim: int, async_op: bool = False
+) -> torch.Tensor:
     n = mesh.size(mesh_dim)
     index = mesh.get_local_rank(mesh_dim)
     sizes = chunk_sizes(local.shape[dim], n)
@@ -79,12 +96,12 @@ def _reduce_scatter(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int, dim:
         for k, (offset, size) in enumerate(zip(_offsets(sizes), sizes, strict=True)):
             source[k * largest : k * largest + size].copy_(x[offset : offset + size])
     out = x.new_empty((largest, *rest))
-    hc.reduce_scatter_tensor(out, source, op, mesh_group(mesh, mesh_dim))
-    return out[: sizes[index]].movedim(0, dim).contiguous()
+    result = hc.reduce_scatter_tensor(out, source, op, mesh_group(mesh, mesh_dim), async_op=async_op)
+    return _done(result, out, lambda chunk: chunk[: sizes[index]].movedim(0, dim).contiguous())
 
 
 def _all_to_all(
-    local: torch.Tensor, layout: Layout, mesh_dim: int, src_dim: int, dst_dim: int
+    local: torch.Tensor, layout: Layout, mesh_dim: int, src_dim: int, dst_dim: int, async_op: bool = False
 ) -> torch.Tensor:
     mesh = layout.mesh
     n = mesh.size(mesh_dim)
@@ -103,14 +120,20 @@ def _all_to_all(
     in_splits = [local.shape[src_dim] * dst_sizes[k] * cell for k in range(n)]
     out_splits = [src_sizes[k] * dst_sizes[me] * cell for k in range(n)]
     recv = send.new_empty((sum(out_splits),))
-    hc.all_to_all_single(recv, send, out_splits, in_splits, mesh_group(mesh, mesh_dim))
-    shaped = []
-    for k, piece in enumerate(recv.split(out_splits)):
-        shape = list(local.shape)
-        shape[src_dim] = src_sizes[k]
-        shape[dst_dim] = dst_sizes[me]
-        shaped.append(piece.view(shape))
-    return torch.cat(shaped, dim=src_dim)
+    result = hc.all_to_all_single(
+        recv, send, out_splits, in_splits, mesh_group(mesh, mesh_dim), async_op=async_op
+    )
+
+    def assemble(received: torch.Tensor) -> torch.Tensor:
+        shaped = []
+        for k, piece in enumerate(received.split(out_splits)):
+            shape = list(local.shape)
+            shape[src_dim] = src_sizes[k]
+            shape[dst_dim] = dst_sizes[me]
+            shaped.append(piece.view(shape))
+        return torch.cat(shaped, dim=src_dim)
+
+    return _done(result, recv, assemble)
 
 
 def _to_partial(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int) -> torch.Tensor:
@@ -122,20 +145,22 @@ def _to_partial(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int) -> torch
     return local
 
 
-def _run_step(local: torch.Tensor, layout: Layout, step: RedistributeStep) -> torch.Tensor:
+def _run_step(
+    local: torch.Tensor, layout: Layout, step: RedistributeStep, async_op: bool = False
+) -> torch.Tensor:
     mesh, m, src, dst = layout.mesh, step.mesh_dim, step.src, step.dst
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return _all_gather(local, layout, m, src.dim)
+        return _all_gather(local, layout, m, src.dim, async_op)
     if isinstance(src, Shard) and isinstance(dst, Shard):
-        return _all_to_all(local, layout, m, src.dim, dst.dim)
+        return _all_to_all(local, layout, m, src.dim, dst.dim, async_op)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         return _chunk(local, mesh, m, dst.dim)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
         return _to_partial(local, dst.reduce_op, mesh, m)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return _all_reduce(local, src.reduce_op, mesh, m)
+        return _all_reduce(local, src.reduce_op, mesh, m, async_op)
     if isinstance(src, Partial) and isinstance(dst, Shard):
-        return _reduce_scatter(local, src.reduce_op, mesh, m, dst.dim)
+        return _reduce_scatter(local, src.reduce_op, mesh, m, dst.dim, async_op)
     raise AssertionError(f"no direct step {src} -> {dst}")
 
 
@@ -172,26 +197,36 @@ def slice_for_layout(full: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def redistribute_local(
-    local: torch.Tensor, src: Layout, dst: Sequence[Placement] | Layout
+    local: torch.Tensor, src: Layout, dst: Sequence[Placement] | Layout, *, async_op: bool = False
 ) -> tuple[torch.Tensor, Layout]:
     """Move ``local`` (held under ``src``) to ``dst``; returns the new local tensor and its layout.
 
     ``dst`` as placements means the default chunk sizes; a ragged target
     Layout (used for gradients of ragged inputs) is reached through Replicate.
 
+    With ``async_op=True`` the last collective is left in flight and the
+    local tensor returned is a :class:`~hp_dtensor.pending.PendingTensor`
+    that waits on first use ([Note: asynchronous redistribution]); while
+    ``torch.compile`` traces, the flag is ignored (the compiler orders the
+    functional collectives itself). A pending ``local`` is waited for first.
+
     Under an active profiler the work shows as ``hp_dtensor::redistribute``
     (forward and backward), so a profile tells redistribution apart from the
     model's own ops; without one only a module attribute is read (no
     ``record_function`` object per call on this hot path).
     """
+    if local.__class__ is PendingTensor:
+        local = local.wait()  # type: ignore[attr-defined]
+    if async_op and _are_we_tracing():
+        async_op = False
     if _profiler._is_profiler_enabled:
         with torch.profiler.record_function("hp_dtensor::redistribute"):
-            return _redistribute_local(local, src, dst)
-    return _redistribute_local(local, src, dst)
+            return _redistribute_local(local, src, dst, async_op)
+    return _redistribute_local(local, src, dst, async_op)
 
 
 def _redistribute_local(
-    local: torch.Tensor, src: Layout, dst: Sequence[Placement] | Layout
+    local: torch.Tensor, src: Layout, dst: Sequence[Placement] | Layout, async_op: bool
 ) -> tuple[torch.Tensor, Layout]:
     if isinstance(dst, Layout):
         target_layout: Layout | None = dst
@@ -207,10 +242,12 @@ def _redistribute_local(
     ragged = src.ragged is not None or (target_layout is not None and target_layout.ragged is not None)
     if ragged:
         # Ragged sizes: gather everything (sizes from the table), then cut the target's piece.
-        full, _ = _run_plan(local, src, tuple(Replicate() for _ in placements))
+        full, _ = _run_plan(local, src, tuple(Replicate() for _ in placements), async_op)
         final = target_layout if target_layout is not None else src.with_placements(placements)
+        if isinstance(full, PendingTensor):
+            return then(full, lambda value: slice_for_layout(value, final)), final
         return slice_for_layout(full, final), final
-    return _run_plan(local, src, placements)
+    return _run_plan(local, src, placements, async_op)
 
 
 # (source layout token, target placements, itemsize) -> ((step, layout before, layout after), ...)
@@ -245,10 +282,42 @@ def _program(layout: Layout, placements: tuple[Placement, ...], itemsize: int) -
 
 
 def _run_plan(
-    local: torch.Tensor, layout: Layout, placements: tuple[Placement, ...]
+    local: torch.Tensor, layout: Layout, placements: tuple[Placement, ...], async_op: bool = False
 ) -> tuple[torch.Tensor, Layout]:
     program = _program(layout, placements, local.element_size())
+    if program and (local.is_conj() or local.is_neg()):
+        # Collectives read raw memory: apply lazy bits first ([Note: lazy conjugate and negative bits]).
+        local = local.resolve_conj().resolve_neg()
+    if async_op:
+        return _run_plan_async(local, program, layout)
     for step, before, after in program:
         local = _run_step(local, before, step)
         layout = after
     return local, layout
+
+
+def _run_plan_async(local: torch.Tensor, program: _Program, layout: Layout) -> tuple[torch.Tensor, Layout]:
+    """The plan with its last collective left in flight; local steps after it run on first use.
+
+    Steps before the last collective are waited for (each needs the data of
+    the one before); see [Note: asynchronous redistribution].
+    """
+    last = max(
+        (i for i, (step, _, _) in enumerate(program) if not step.collective.startswith("local")), default=-1
+    )
+    for index, (step, before, after) in enumerate(program[: last + 1]):
+        local = _run_step(local, before, step, async_op=index == last)
+        layout = after
+    tail = program[last + 1 :]
+    if not tail:
+        return local, layout
+
+    def local_steps(value: torch.Tensor) -> torch.Tensor:
+        for step, before, _ in tail:
+            value = _run_step(value, before, step)
+        return value
+
+    final = tail[-1][2]
+    if isinstance(local, PendingTensor):
+        return then(local, local_steps), final
+    return local_steps(local), final
