@@ -1,0 +1,143 @@
+"""Indexing, sorting and arg-reductions: values, gradients and communication against plain tensors and torch.
+
+Every case runs the op on plain tensors (the reference), on hp DTensors (values,
+every input gradient, the op's collectives, no fallback warning) and on
+torch's DTensors built from the same placements: hp may never issue more
+collectives than torch does for the same call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from hp_dtensor import DTensor, Placement, Replicate, Shard, distribute_tensor, to_torch_dtensor
+from hp_testing import record_collectives
+from torch.distributed.tensor.debug import CommDebugMode
+
+R = Replicate()
+
+
+def _outputs(value: Any) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else [v for v in value if isinstance(v, torch.Tensor)]
+
+
+def _weighted(outs: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64)
+    for out in outs:
+        if out.is_floating_point():
+            weights = torch.linspace(0.5, 1.5, max(out.numel(), 1), dtype=out.dtype)[: out.numel()]
+            total = total + (out * weights.view(out.shape)).sum()
+    return total
+
+
+def _torch_count(fn: Callable[..., Any], dts: Sequence[DTensor]) -> int | None:
+    """Collectives torch's DTensor issues for ``fn`` on the same placements (None when it refuses)."""
+    try:
+        inputs = [to_torch_dtensor(d.detach()) for d in dts]
+        with warnings.catch_warnings(), CommDebugMode() as comm:
+            warnings.simplefilter("ignore")
+            fn(*inputs)
+        return comm.get_total_counts()
+    except Exception:  # torch's DTensor has no strategy, or an uneven case it rejects
+        return None
+
+
+def check(
+    fn: Callable[..., Any],
+    inputs: Sequence[torch.Tensor],
+    placements: Sequence[Sequence[Placement]],
+    mesh: Any,
+    *,
+    expect: Sequence[Placement] | None = None,
+    comms: dict[str, int] | None = None,
+    backward: bool = True,
+) -> dict[str, int]:
+    """``fn`` on DTensors against plain tensors; returns the forward's collective counts."""
+    full = [t.clone().requires_grad_(t.is_floating_point() and backward) for t in inputs]
+    ref = _outputs(fn(*full))
+    if backward and any(r.requires_grad for r in ref):
+        _weighted(ref).backward()
+    dts = [
+        distribute_tensor(t.clone().requires_grad_(t.is_floating_point() and backward), mesh, list(p))
+        for t, p in zip(inputs, placements, strict=True)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rule, never the replicated fallback
+        with record_collectives() as log:
+            got = _outputs(fn(*dts))
+        counts = dict(log.counts())
+        for g, r in zip(got, ref, strict=True):
+            assert isinstance(g, DTensor), type(g)
+            torch.testing.assert_close(g.full_tensor(), r)
+        if expect is not None:
+            assert got[0].placements == tuple(expect), got[0].placements
+        if backward and any(r.requires_grad for r in ref):
+            _weighted(got).backward()
+    for d, f in zip(dts, full, strict=True):
+        if f.grad is not None:
+            assert isinstance(d.grad, DTensor), (placements, type(d.grad))
+            torch.testing.assert_close(d.grad.full_tensor(), f.grad)
+    if comms is not None:
+        assert counts == comms, (placements, counts)
+    theirs = _torch_count(fn, dts)
+    if theirs is not None:
+        assert sum(counts.values()) <= theirs, (placements, counts, theirs)
+    return counts
+
+
+def _placements(ndim: int, mesh_ndim: int) -> list[list[Placement]]:
+    one: list[Placement] = [R, *(Shard(d) for d in range(ndim))]
+    return [list(p) for p in itertools.product(one, repeat=mesh_ndim)]
+
+
+def _along_dim_cases(dim: int) -> list[tuple[str, Callable[..., Any], list[torch.Tensor]]]:
+    """(name, fn, inputs): x (5, 6), an index and a source along ``dim``, ties and duplicates included."""
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    n = x.shape[dim]
+    full_index = torch.randint(0, n, (5, 6), generator=g)
+    narrow = full_index.narrow(dim, 0, 3).contiguous()  # 3 positions along dim, x's size elsewhere
+    one = full_index.narrow(dim, 0, 1).contiguous()
+    src = torch.randn(narrow.shape, generator=g, dtype=torch.float64)
+    perm = torch.stack([torch.randperm(n, generator=g)[:3] for _ in range(x.shape[1 - dim])], 1 - dim)
+    rows = torch.tensor([n - 1, 0, n - 1])  # duplicates
+    unique = torch.tensor([n - 1, 0, 2])
+    source = torch.randn((*x.shape[:dim], 3, *x.shape[dim + 1 :]), generator=g, dtype=torch.float64)
+    cases = [
+        ("gather", lambda a, i: torch.gather(a, dim, i), [x, narrow]),
+        ("gather one", lambda a, i: torch.gather(a, dim, i), [x, one]),
+        ("take_along_dim", lambda a, i: torch.take_along_dim(a, i, dim), [x, narrow]),
+        ("scatter_add", lambda a, i, s: torch.scatter_add(a, dim, i, s), [x, narrow, src]),
+        ("scatter", lambda a, i, s: torch.scatter(a, dim, i, s), [x, perm, src]),
+        ("scatter value", lambda a, i: torch.scatter(a, dim, i, 2.5), [x, perm]),
+        ("scatter_reduce", lambda a, i, s: torch.scatter_reduce(a, dim, i, s, "amax"), [x, narrow, src]),
+        (
+            "scatter_reduce mean",
+            lambda a, i, s: torch.scatter_reduce(a, dim, i, s, "mean", include_self=False),
+            [x, narrow, src],
+        ),
+        ("index_select", lambda a, i: torch.index_select(a, dim, i), [x, rows]),
+        ("index_add", lambda a, i, s: a.index_add(dim, i, s, alpha=2.0), [x, rows, source]),
+        ("index_copy", lambda a, i, s: a.index_copy(dim, i, s), [x, unique, source]),
+        ("index_fill", lambda a, i: a.index_fill(dim, i, -1.5), [x, torch.tensor([-1, 1])]),
+        ("scatter_add_ in place", lambda a, i, s: (a * 1).scatter_add_(dim, i, s), [x, narrow, src]),
+    ]
+    return cases
+
+
+@pytest.mark.distributed(world_size=2)
+def test_along_dim_ops_two_ranks(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    for dim in (0, 1):
+        for name, fn, inputs in _along_dim_cases(dim):
+            options = [_placements(t.dim(), 1) for t in inputs]
+            for placements in itertools.product(*options):
+                try:
+                    check(fn, inputs, placements, mesh)
+                except AssertionError as error:
+                    raise AssertionError(f"{name} dim={dim} {placements}: {error}") from error
