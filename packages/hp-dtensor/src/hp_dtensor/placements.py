@@ -7,7 +7,21 @@ that mesh dim hold of the global tensor:
   ``torch.chunk`` (the last ranks may hold fewer rows, or none);
 * ``Replicate()``: every rank holds the same values;
 * ``Partial(reduce_op)``: every rank holds a term, and the global value is the
-  reduction (``sum``, ``avg``, ``max`` or ``min``) of the terms.
+  reduction (``sum``, ``avg``, ``max`` or ``min``) of the terms;
+* ``Partial("norm", p)``: every rank holds the p-norm of its piece, and the
+  global value is the p-norm of those terms (see [Note: norm partials]).
+
+[Note: norm partials]
+A p-norm over a sharded dim is the p-norm of the per-rank p-norms:
+``(sum_r n_r**p)**(1/p)`` for a finite ``p``, ``max_r n_r`` for ``inf``,
+``min_r n_r`` for ``-inf``. So a norm computes locally and stays partial, and
+reducing it is one all-reduce (of ``n_r**p`` by sum, then the root; or of
+``n_r`` by max / min): for a gradient norm that is one scalar per mesh dim
+instead of every gradient gathered. The terms are norms, never negative, so
+a norm of such a value with the same ``p`` stays partial too (the total norm
+of ``clip_grad_norm_`` is the norm of the stacked per-gradient norms). It is
+not linear: every other op reduces it first. The 0-"norm" (a count of
+non-zeros) is a plain ``Partial("sum")``.
 
 Placements are frozen dataclasses: equal by value and hashable, so layouts
 built from them can key caches of sharding decisions and redistribution plans.
@@ -21,7 +35,7 @@ from typing import Any
 
 __all__ = ["PARTIAL_OPS", "Partial", "Placement", "Replicate", "Shard"]
 
-PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "norm")
 
 
 class Placement:
@@ -90,15 +104,18 @@ class Replicate(Placement):
 
 @dataclass(frozen=True, slots=True)
 class Partial(Placement):
-    """Every rank holds a term; the global value is their ``reduce_op`` (sum, avg, max, min).
+    """Every rank holds a term; the global value is their ``reduce_op`` (sum, avg, max, min, norm).
 
     Produced by ops such as ``S(1) @ S(0)`` (a sum of partial products) and
     resolved lazily: the reduction happens only when a later op or a
     redistribute needs the value, which lets a reduce-scatter replace an
-    all-reduce when the consumer wants shards.
+    all-reduce when the consumer wants shards. ``Partial("norm", p)`` holds
+    per-rank p-norms (``norm_type`` is ``p``, 2 by default; see [Note: norm
+    partials]).
     """
 
     reduce_op: str = "sum"
+    norm_type: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.reduce_op, str):
@@ -110,12 +127,37 @@ class Partial(Placement):
             raise ValueError(
                 f"Partial(reduce_op={self.reduce_op!r}) is not supported; use one of {list(PARTIAL_OPS)}."
             )
+        if self.reduce_op != "norm":
+            if self.norm_type is not None:
+                raise ValueError(
+                    f"Partial({self.reduce_op!r}, norm_type={self.norm_type!r}): only a 'norm' partial has "
+                    f"a norm_type; use Partial('norm', {self.norm_type!r}) or Partial({self.reduce_op!r})."
+                )
+            return
+        p = 2.0 if self.norm_type is None else self.norm_type
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or p != p or p == 0:
+            raise ValueError(
+                f"Partial('norm', norm_type={p!r}): norm_type is the p of a p-norm, a non-zero number "
+                "(inf and -inf included); a 0-norm counts non-zeros and is a Partial('sum')."
+            )
+        object.__setattr__(self, "norm_type", float(p))
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
 
     def __repr__(self) -> str:
+        if self.reduce_op == "norm":
+            return f"Partial('norm', {_float_repr(self.norm_type)})"
         return f"Partial({self.reduce_op!r})"
 
     def __str__(self) -> str:
+        if self.reduce_op == "norm":
+            return f"P(norm{self.norm_type:g})"
         return f"P({self.reduce_op})"
+
+
+def _float_repr(value: float | None) -> str:
+    """``repr`` that evaluates back (``float('inf')``, not ``inf``), for ``__fx_repr__``."""
+    if value is not None and value in (float("inf"), float("-inf")):
+        return f"float({str(value)!r})"
+    return repr(value)

@@ -136,13 +136,34 @@ def _all_to_all(
     return _done(result, recv, assemble)
 
 
-def _to_partial(local: torch.Tensor, op: str, mesh: Any, mesh_dim: int) -> torch.Tensor:
+def _to_partial(local: torch.Tensor, dst: Partial, mesh: Any, mesh_dim: int) -> torch.Tensor:
     # A replicated value as terms whose reduction gives it back: for a sum one
     # rank keeps the value and the others hold zeros (exact, unlike dividing);
-    # avg, max and min of equal terms are the term itself.
-    if op == "sum" and mesh.get_local_rank(mesh_dim) != 0:
+    # avg, max and min of equal terms are the term itself. A finite p-norm's
+    # others hold a term whose p-th power is 0: 0 for p > 0, inf for p < 0.
+    if mesh.get_local_rank(mesh_dim) == 0:
+        return local
+    if dst.reduce_op == "sum":
         return torch.zeros_like(local)
+    if dst.reduce_op == "norm" and dst.norm_type not in (_INF, -_INF):
+        return torch.full_like(local, 0.0 if dst.norm_type > 0 else _INF)
     return local
+
+
+_INF = float("inf")
+
+
+def _reduce_partial(local: torch.Tensor, src: Partial, run: Any) -> torch.Tensor:
+    """``run(terms, op)`` (one collective) for ``src``; a norm's power before it and root after it.
+
+    See [Note: norm partials] in :mod:`hp_dtensor.placements`.
+    """
+    if src.reduce_op != "norm":
+        return run(local, src.reduce_op)
+    p = src.norm_type
+    if p in (_INF, -_INF):
+        return run(local, "max" if p > 0 else "min")
+    return run(local.pow(p), "sum").pow(1.0 / p)
 
 
 def _run_step(
@@ -156,11 +177,11 @@ def _run_step(
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         return _chunk(local, mesh, m, dst.dim)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
-        return _to_partial(local, dst.reduce_op, mesh, m)
+        return _to_partial(local, dst, mesh, m)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return _all_reduce(local, src.reduce_op, mesh, m, async_op)
+        return _reduce_partial(local, src, lambda x, op: _all_reduce(x, op, mesh, m, async_op))
     if isinstance(src, Partial) and isinstance(dst, Shard):
-        return _reduce_scatter(local, src.reduce_op, mesh, m, dst.dim, async_op)
+        return _reduce_partial(local, src, lambda x, op: _reduce_scatter(x, op, mesh, m, dst.dim, async_op))
     raise AssertionError(f"no direct step {src} -> {dst}")
 
 
@@ -192,7 +213,7 @@ def slice_for_layout(full: torch.Tensor, layout: Layout) -> torch.Tensor:
             local = local.narrow(dim, offset, size)
     for mesh_dim, placement in enumerate(layout.placements):
         if isinstance(placement, Partial):
-            local = _to_partial(local, placement.reduce_op, layout.mesh, mesh_dim)
+            local = _to_partial(local, placement, layout.mesh, mesh_dim)
     return local.contiguous()
 
 

@@ -7,13 +7,16 @@ ops in :data:`hp_dtensor.ops.dispatch.RULES` at import).
 from hp_dtensor.ops import (  # noqa: F401  (registration)
     attention,
     embedding,
+    foreach,
     indexing,
     loss,
     matrix,
     norms,
+    optim,
     pointwise,
     reductions,
     softmax,
+    vector_norms,
     views,
 )
 from hp_dtensor.ops.dispatch import RULES, Decision, LocalCall, register

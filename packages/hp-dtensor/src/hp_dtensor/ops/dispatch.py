@@ -656,7 +656,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return special(args, kwargs)
     flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, v in enumerate(flat) if isinstance(v, DTensor)]
-    mesh = _mesh_of(flat, positions, func)
+    mesh, flat = _mesh_of(flat, positions, func)
     if len(positions) != sum(1 for v in flat if isinstance(v, torch.Tensor)):
         flat, positions = _lift_plain(flat, positions, mesh)
     flat = _distinct(flat, positions)

@@ -1,7 +1,28 @@
-"""``_foreach_*`` ops: the pointwise rule per element, then one local foreach call over all elements."""
+"""``_foreach_*`` ops: a rule per element, then one local foreach call over all elements.
+
+[Note: foreach over meshes]
+A foreach op zips its lists: element ``i`` is ``(params[i], grads[i],
+exp_avgs[i], ...)``, and only the tensors of one element meet. So the
+DTensors of one element must share a mesh (or a permutation of it, re-expressed
+without communication, see [Note: permuted meshes] in
+:mod:`hp_dtensor.ops.meshes`), but different elements may live on different
+meshes: FSDP x TP parameters on ``("dp", "tp")`` and ``("tp", "dp")``, or a
+model whose parameters span several meshes. The local kernel does not care
+about meshes, so after each element is moved to its rule's placements the op
+still runs once over every element's local tensor (one kernel launch, as
+torch's DTensor does per mesh group), and each output is wrapped on its own
+element's mesh. A tensor passed outside the lists (``_foreach_mul_(grads,
+clip_coef)``) meets every element: it is taken whole (replicated).
+
+torch's ``clip_grad_norm_`` and optimizers use foreach only for tensor types
+they list as supported; DTensor is listed at import (as torch lists its own
+DTensor), so ``clip_grad_norm_`` and ``foreach=None`` optimizers on a
+foreach-capable device take these one-launch paths.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,26 +33,46 @@ from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import Decision, OpCall, Rule, _distinct
 from hp_dtensor.ops.meshes import common_mesh
 from hp_dtensor.ops.pointwise import pointwise_rule
+from hp_dtensor.placements import Replicate
 from hp_dtensor.redistribute import redistribute_local
 
-__all__ = ["foreach_run"]
+__all__ = ["dispatch_foreach", "element_positions", "foreach_run"]
+
+# Global (shape, stride) of element output ``i`` given its first DTensor's layout.
+OutputShape = Callable[[Layout], tuple[tuple[int, ...], tuple[int, ...]]]
+LocalRun = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+
+
+def element_positions(args: tuple[Any, ...]) -> tuple[list[list[int]], set[int]]:
+    """Flat positions per element (by place, one list per element) and the positions inside the lists.
+
+    By place rather than identity: the same tensor may be in two lists
+    (AdamW's ``addcmul_(exp_avg_sq, grads, grads)``) and each place is moved
+    on its own.
+    """
+    lists: list[list[int]] = []
+    start = 0
+    for arg in args:
+        count = len(pytree.tree_leaves(arg))
+        if isinstance(arg, (list, tuple)) and arg and any(isinstance(x, torch.Tensor) for x in arg):
+            lists.append(list(range(start, start + count)))
+        start += count
+    if not lists:
+        return [], set()
+    elements = [[lst[i] for lst in lists if i < len(lst)] for i in range(len(lists[0]))]
+    return elements, {p for lst in lists for p in lst}
 
 
 def _foreach_rule(call: OpCall) -> Decision:
     func = call.func
     inplace = torch.Tag.inplace in func.tags or str(func).split(".")[1].endswith("_")
-    # Flat positions of every list's elements, by place rather than identity: the same tensor may
-    # be in two lists (AdamW's addcmul_(exp_avg_sq, grads, grads)) and each place is moved on its own.
-    lists: list[list[int]] = []
-    start = 0
-    for arg in call.args:
-        count = len(pytree.tree_leaves(arg))
-        if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], torch.Tensor):
-            lists.append(list(range(start, start + count)))
-        start += count
+    elements, _ = element_positions(call.args)
     decision = Decision(inplace=inplace)
-    for index in range(len(lists[0])):
-        positions = [lst[index] for lst in lists if isinstance(call.flat[lst[index]], DTensor)]
+    for element in elements:
+        positions = [p for p in element if isinstance(call.flat[p], DTensor)]
+        if not positions:
+            decision.outputs.append(None)
+            continue
         sub = pointwise_rule(call, positions, inplace=inplace)
         decision.inputs.update(sub.inputs)
         decision.outputs.extend(sub.outputs)
@@ -43,15 +84,39 @@ def foreach_run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     return dispatch_foreach(func, args, kwargs, _foreach_rule)
 
 
-def dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: Rule) -> Any:
-    """``_foreach_*`` ops: ``rule`` decides per element; the op runs once over all local elements."""
+def dispatch_foreach(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rule: Rule,
+    output_shape: OutputShape | None = None,
+    local_run: LocalRun | None = None,
+) -> Any:
+    """``_foreach_*`` ops: ``rule`` decides per element; the op runs once over all local elements.
+
+    ``output_shape`` gives an element's global output shape and stride from
+    its input layout (default: the input's, for elementwise ops);
+    ``local_run(func, args, kwargs)`` replaces the local call (default:
+    ``func`` itself). See [Note: foreach over meshes].
+    """
     flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, v in enumerate(flat) if isinstance(v, DTensor)]
-    mesh = common_mesh(flat, positions, func)
     flat = _distinct(flat, positions)
+    elements, listed = element_positions(args)
+    meshes: list[Any] = []
+    for element in elements:
+        dts = [p for p in element if isinstance(flat[p], DTensor)]
+        if dts:
+            mesh, flat = common_mesh(flat, dts, func)
+            meshes.append(mesh)
+        else:
+            meshes.append(None)
     a, k = pytree.tree_unflatten(flat, spec)
     decision = rule(OpCall(func, a, k, flat, positions))
     assert decision is not None
+    for p in positions:
+        if p not in listed:  # a tensor outside the lists meets every element: whole
+            decision.inputs[p] = (Replicate(),) * flat[p]._layout.mesh.ndim
     local_flat = list(flat)
     for p in positions:
         dt = flat[p]
@@ -64,22 +129,43 @@ def dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], r
         else:
             local_flat[p] = dt._local
     local_args, local_kwargs = pytree.tree_unflatten(local_flat, spec)
-    result = func(*local_args, **local_kwargs)
+    result = (local_run or _call)(func, local_args, local_kwargs)
     if decision.inplace:
         return None if result is None else args[0]
     wrapped = []
     for index, value in enumerate(result):
-        source = args[0][index]
+        element = elements[index]
         placements = decision.outputs[index]
-        if not isinstance(source, DTensor) or placements is None:
+        first = next((flat[p] for p in element if isinstance(flat[p], DTensor)), None)
+        if first is None or placements is None:
             wrapped.append(value)
             continue
-        layout = source._layout
-        if placements != layout.placements:
-            layout = Layout(mesh, placements, layout.shape, layout.stride)
+        layout = first._layout
+        if output_shape is not None:
+            shape, stride = output_shape(layout)
+            layout = Layout(meshes[index], placements, shape, stride)
+        elif placements != layout.placements or layout.mesh is not meshes[index]:
+            layout = Layout(meshes[index], placements, layout.shape, layout.stride)
         wrapped.append(DTensor(value, layout))
     return wrapped
 
 
+def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return func(*args, **kwargs)
+
+
 def _is_first_list_member(args: tuple[Any, ...], dt: Any) -> bool:
     return isinstance(args[0], (list, tuple)) and any(x is dt for x in args[0])
+
+
+def _list_as_foreach_capable() -> None:
+    """Let torch's foreach paths take DTensor lists (see [Note: foreach over meshes])."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for supported in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if DTensor not in supported:
+            supported.append(DTensor)
+
+
+_list_as_foreach_capable()

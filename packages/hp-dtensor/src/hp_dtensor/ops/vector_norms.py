@@ -1,0 +1,249 @@
+"""Vector norms as partial values: ``linalg_vector_norm``, ``norm`` and ``_foreach_norm``.
+
+A p-norm over a sharded dim is computed on each rank's piece and stays
+``Partial("norm", p)`` (see [Note: norm partials] in
+:mod:`hp_dtensor.placements`): nothing is gathered, and reading the value is
+one all-reduce of a scalar per mesh dim. The 0-"norm" counts non-zeros, a
+``Partial("sum")``. Dims that are not reduced keep their shards; a partial
+input is reduced first, except a norm partial of the same ``p`` (the norm of
+partial norms is the partial of the local norms). ``frobenius_norm`` and
+``linalg_matrix_norm('fro')`` decompose into ``linalg_vector_norm``; the
+matrix norms that need singular values (``'nuc'``, 2) gather.
+
+``clip_grad_norm_`` computes ``_foreach_norm(grads)``, stacks the norms and
+takes the norm of the stack, so ``stack`` keeps a partial shared by its
+inputs (a replicated input joins it locally) instead of reducing every norm
+on its own: the clip then costs one scalar all-reduce per mesh dim, the first
+time the total norm is used (``total_norm + 1e-6``), as in torch.
+
+[Note: empty pieces]
+An uneven cut may leave a rank with no rows. The inf, -inf and negative-p
+norms of an empty tensor are undefined in torch (it raises), but as a term of
+a partial the empty piece contributes the reduction's identity: 0 for ``inf``
+(a max of norms), ``inf`` for ``-inf`` and for ``p < 0`` (whose ``inf**p`` is
+0 in the sum). Other ``p`` give 0 on an empty tensor already.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hp_dtensor.layout import Layout
+from hp_dtensor.ops import views as _views
+from hp_dtensor.ops.dispatch import RULES, SPECIAL, Decision, LocalCall, OpCall, register
+from hp_dtensor.ops.foreach import dispatch_foreach, element_positions
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+
+__all__ = ["norm_partial", "vector_norm_decision"]
+
+aten = torch.ops.aten
+_INF = math.inf
+
+
+def norm_partial(ord: float) -> Partial:
+    """Where a p-norm's per-rank values sit: ``Partial("norm", p)``, or ``Partial("sum")`` for p = 0."""
+    return Partial("sum") if ord == 0 else Partial("norm", float(ord))
+
+
+def vector_norm_decision(
+    layout: Layout, dims: list[int], keepdim: bool, ord: float
+) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
+    """(input, output) placements of a p-norm over ``dims`` of a tensor held under ``layout``."""
+    kind = norm_partial(ord)
+    inputs: list[Placement] = []
+    out: list[Placement] = []
+    for placement in layout.placements:
+        if isinstance(placement, Partial):
+            keep = ord != 0 and placement == kind
+            inputs.append(placement if keep else Replicate())
+            out.append(placement if keep else Replicate())
+        elif isinstance(placement, Shard) and placement.dim in dims:
+            inputs.append(placement)
+            out.append(kind)
+        elif isinstance(placement, Shard):
+            inputs.append(placement)
+            shift = 0 if keepdim else sum(1 for d in dims if d < placement.dim)
+            out.append(Shard(placement.dim - shift))
+        else:
+            inputs.append(placement)
+            out.append(placement)
+    return tuple(inputs), tuple(out)
+
+
+def _ord(value: Any) -> float:
+    if value is None:
+        return 2.0
+    if isinstance(value, str):  # torch accepts 'inf' / '-inf' in a few places
+        return float(value)
+    return float(value)
+
+
+def _dims(value: Any, ndim: int) -> list[int]:
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0) or ndim == 0:
+        return list(range(ndim))
+    if isinstance(value, int):
+        value = [value]
+    return sorted({int(d) % ndim for d in value})
+
+
+def _identity(ord: float) -> float | None:
+    """What an empty piece contributes (see [Note: empty pieces]); None when the op gives it already."""
+    if ord == _INF:
+        return 0.0
+    if ord == -_INF or ord < 0:
+        return _INF
+    return None
+
+
+def _parse(call: OpCall) -> tuple[float, Any, bool]:
+    """(ord, dim, keepdim) of ``linalg_vector_norm`` and the ``norm`` overloads."""
+    args, kwargs = call.args, call.kwargs
+    if call.func is aten.linalg_vector_norm.default:
+        ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    else:
+        ord = args[1] if len(args) > 1 else kwargs.get("p", 2)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = bool(args[3]) if len(args) > 3 else bool(kwargs.get("keepdim", False))
+    return _ord(ord), dim, keepdim
+
+
+def _empty_safe_kernel(ord: float, dims: list[int], keepdim: bool) -> Any:
+    """The norm on this rank's piece, or the identity when a reduced dim is empty here."""
+    fill = _identity(ord)
+
+    def run(call: LocalCall) -> torch.Tensor:
+        x = call.args[0]
+        if fill is None or all(x.shape[d] > 0 for d in dims):
+            return call.func(*call.args, **call.kwargs)
+        shape = (
+            [1 if d in dims else s for d, s in enumerate(x.shape)]
+            if keepdim
+            else [s for d, s in enumerate(x.shape) if d not in dims]
+        )
+        dtype = call.kwargs.get("dtype") or torch.empty((), dtype=x.dtype).abs().dtype
+        return torch.full(shape, fill, dtype=dtype, device=x.device)
+
+    return run
+
+
+def _check_defined(layout: Layout, dims: list[int], ord: float, func: Any) -> None:
+    if _identity(ord) is not None and any(layout.shape[d] == 0 for d in dims):
+        raise RuntimeError(
+            f"{func}: the {ord} norm of a tensor of global shape {tuple(layout.shape)} reduces the empty "
+            f"dim(s) {[d for d in dims if layout.shape[d] == 0]}, which is undefined (torch raises too); "
+            "use a positive finite ord or a non-empty tensor."
+        )
+
+
+@register(
+    aten.linalg_vector_norm.default,
+    aten.norm.Scalar,
+    aten.norm.ScalarOpt_dim,
+    aten.norm.ScalarOpt_dim_dtype,
+    aten.norm.ScalarOpt_dtype,
+)
+def vector_norm_rule(call: OpCall) -> Decision:
+    """p-norms: sharded reduced dims give ``Partial("norm", p)``; other shards pass through."""
+    position = call.positions[0]
+    layout = call.layout(position)
+    ord, dim, keepdim = _parse(call)
+    if call.func in (aten.norm.Scalar, aten.norm.ScalarOpt_dtype):
+        dim = None
+    dims = _dims(dim, layout.ndim)
+    _check_defined(layout, dims, ord, call.func)
+    inputs, out = vector_norm_decision(layout, dims, keepdim, ord)
+    kernel = None
+    if _identity(ord) is not None and any(isinstance(p, Shard) and p.dim in dims for p in inputs):
+        kernel = _empty_safe_kernel(ord, dims, keepdim)
+    return Decision(inputs={position: inputs}, outputs=[out], kernel=kernel)
+
+
+def _foreach_norm_rule(call: OpCall) -> Decision:
+    ord = _ord(call.args[1] if len(call.args) > 1 else call.kwargs.get("ord", 2))
+    decision = Decision()
+    elements, _ = element_positions(call.args)
+    for element in elements:
+        position = element[0]
+        value = call.flat[position]
+        if not hasattr(value, "_layout"):
+            decision.outputs.append(None)
+            continue
+        layout = call.layout(position)
+        dims = list(range(layout.ndim))
+        _check_defined(layout, dims, ord, call.func)
+        inputs, out = vector_norm_decision(layout, dims, False, ord)
+        decision.inputs[position] = inputs
+        decision.outputs.append(out)
+    return decision
+
+
+def _foreach_norm_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One local ``_foreach_norm``; empty pieces give the identity (see [Note: empty pieces])."""
+    tensors = list(args[0])
+    ord = _ord(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    fill = _identity(ord)
+    empty = [i for i, t in enumerate(tensors) if t.numel() == 0]
+    if fill is None or not empty:
+        return func(*args, **kwargs)
+    full = [i for i in range(len(tensors)) if i not in set(empty)]
+    computed = iter(func([tensors[i] for i in full], *args[1:], **kwargs) if full else [])
+    out = []
+    for t in tensors:
+        if t.numel() == 0:
+            dtype = kwargs.get("dtype") or torch.empty((), dtype=t.dtype).abs().dtype
+            out.append(torch.full((), fill, dtype=dtype, device=t.device))
+        else:
+            out.append(next(computed))
+    return out
+
+
+def _foreach_norm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return dispatch_foreach(
+        aten._foreach_norm.Scalar,
+        args,
+        kwargs,
+        _foreach_norm_rule,
+        output_shape=lambda layout: ((), ()),
+        local_run=_foreach_norm_local,
+    )
+
+
+SPECIAL[aten._foreach_norm.Scalar] = _foreach_norm
+
+
+# -- stack keeps a shared partial --------------------------------------------------------------
+# The proper home of this is views.stack_rule (owned elsewhere); it wraps that rule and only
+# changes mesh dims where every input is the same Partial or Replicate.
+
+_base_stack_rule = RULES.get(aten.stack.default, _views.stack_rule)
+
+
+@register(aten.stack.default)
+def stack_keeping_partials(call: OpCall) -> Decision:
+    """``stack``: as :func:`hp_dtensor.ops.views.stack_rule`, but a partial every input shares is kept.
+
+    Stacking moves no element, and each element of a partial reduces on its
+    own, so the stack of terms is the term of the stack; a replicated input
+    becomes a term of that partial locally (no communication).
+    """
+    decision = _base_stack_rule(call)
+    assert decision is not None
+    tensors = list(call.args[0])
+    positions = [call.position_of(t) for t in tensors]
+    layouts = [call.layout(p) for p in positions]
+    out = list(decision.outputs[0] or ())
+    for m in range(layouts[0].mesh.ndim):
+        current = {layout.placements[m] for layout in layouts}
+        partials = [p for p in current if isinstance(p, Partial)]
+        if len(partials) != 1 or any(not isinstance(p, (Partial, Replicate)) for p in current):
+            continue
+        for p in positions:
+            target = list(decision.inputs[p])
+            target[m] = partials[0]
+            decision.inputs[p] = tuple(target)
+        out[m] = partials[0]
+    decision.outputs[0] = tuple(out)
+    return decision
