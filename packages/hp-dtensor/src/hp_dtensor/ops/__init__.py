@@ -4,11 +4,12 @@ Importing this package registers every rule (each family module registers its
 ops in :data:`hp_dtensor.ops.dispatch.RULES` at import).
 """
 
-from hp_dtensor.ops import (  # noqa: F401  (registration)
+from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (registration; after views)
     attention,
     embedding,
     foreach,
     indexing,
+    inplace_views,
     loss,
     matrix,
     norms,
@@ -16,6 +17,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)
     pointwise,
     reductions,
     softmax,
+    sorting,
     vector_norms,
     views,
 )
