@@ -428,3 +428,43 @@ def test_step_takes_loss_kwargs_and_return_outputs(rank, world_size):
     if rank == 1:
         for plain, tripled in zip(results[1.0], results[3.0], strict=True):
             close(tripled, 3 * plain, "loss with loss_kwargs")
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_pre_split_inputs_match_the_whole_batch(rank, world_size):
+    """torch's ``step(arg_mbs=, target_mbs=)``, tower inputs pre-split: the whole batch's losses and grads."""
+    tower, modules = build_model(2, frozen=False)
+    data = make_samples(4)
+    m = 2
+    results = {}
+    for form in ("whole", "pre-split"):
+        stage = PipelineStage(copy.deepcopy(modules[rank]), rank, 2)
+        my_tower = copy.deepcopy(tower)
+        schedule = ScheduleMPipe(stage, m, preprocess=my_tower, loss_fn=token_mean)
+        losses: list[torch.Tensor] = []
+        if form == "whole":
+            schedule.step(data.ids, target=data.labels, losses=losses, preprocess_inputs=data.pixels)
+        else:
+            schedule.step(
+                arg_mbs=[(ids,) for ids in data.ids.tensor_split(m)] if rank == 0 else None,
+                target_mbs=list(data.labels.tensor_split(m)) if rank == 1 else None,
+                losses=losses,
+                preprocess_inputs=list(data.pixels.tensor_split(m)),
+            )
+        grads = [p.grad for p in [*stage.submod.parameters(), *my_tower.parameters()]]
+        results[form] = (losses, grads)
+    (whole_losses, whole_grads), (pre_losses, pre_grads) = results["whole"], results["pre-split"]
+    assert all(g is not None for g in whole_grads)
+    for got, want in zip(pre_grads, whole_grads, strict=True):
+        close(got, want, "gradient, pre-split against the whole batch")
+    if rank == 1:
+        close(torch.stack(pre_losses), torch.stack(whole_losses), "losses, pre-split against the whole batch")
+    stage = PipelineStage(copy.deepcopy(modules[rank]), rank, 2)
+    schedule = ScheduleMPipe(stage, m, preprocess=copy.deepcopy(tower), loss_fn=token_mean)
+    owned = schedule.owned_micros
+    with pytest.raises(PipelineStepError, match=r"preprocess_inputs=...\) takes a list with one entry per"):
+        schedule.step(
+            arg_mbs=[(ids,) for ids in data.ids.tensor_split(m)] if rank == 0 else None,
+            target_mbs=list(data.labels.tensor_split(m)) if rank == 1 else None,
+            preprocess_inputs=data.pixels if owned else None,
+        )

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_pipeline._torch_api import as_process_group
+from hp_pipeline.boundary import DTensorMeta, MeshFinder, dtensor_meta, is_dtensor, local_of, rebuild
 
 GetMesh = Callable[[tuple[str, ...], Any], Any]
 """torch's ``GetMeshCallback``: ``(mesh_dim_names, mesh_layout) -> DeviceMesh``."""
@@ -60,10 +61,16 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    # A DTensor's: shape and dtype are then its shard's ([Note: DTensors across stages]).
+    dtensor: DTensorMeta | None = None
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorMeta:
-        return cls(tuple(tensor.shape), tensor.dtype, bool(tensor.requires_grad and _differentiable(tensor)))
+        grad = bool(tensor.requires_grad and _differentiable(tensor))
+        if is_dtensor(tensor):
+            local = local_of(tensor)
+            return cls(tuple(local.shape), local.dtype, grad, dtensor_meta(tensor))
+        return cls(tuple(tensor.shape), tensor.dtype, grad)
 
     def empty(self, device: torch.device) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
@@ -73,7 +80,8 @@ class TensorMeta:
 
     def __str__(self) -> str:
         grad = ", grad" if self.requires_grad else ""
-        return f"{list(self.shape)} {str(self.dtype).replace('torch.', '')}{grad}"
+        whole = "" if self.dtensor is None else f" (shard of {self.dtensor})"
+        return f"{list(self.shape)} {str(self.dtype).replace('torch.', '')}{grad}{whole}"
 
 
 def _differentiable(tensor: torch.Tensor) -> bool:
@@ -203,6 +211,7 @@ class PipelineStage:
             )
         self.submod = submodule
         self.get_mesh = get_mesh
+        self._meshes = MeshFinder(stage_index, get_mesh)
         self.stage_index = stage_index
         self.num_stages = num_stages
         self._device = resolved
@@ -267,6 +276,8 @@ class PipelineStage:
         metas = self.inputs_meta[micro]
         out = []
         for tensor, meta in zip(tensors, metas, strict=True):
+            if meta.dtensor is not None and not is_dtensor(tensor):  # [Note: DTensors across stages]
+                tensor = rebuild(tensor.detach(), meta.dtensor, self._meshes.find(meta.dtensor, self.submod))
             leaf = tensor.detach()
             if meta.requires_grad:
                 leaf.requires_grad_(True)
@@ -288,6 +299,7 @@ class PipelineStage:
             args = self._received_inputs(micro, args)
         out = self.submod(*args, **(kwargs or {}))
         outputs = _flatten_outputs(self.stage_index, out)
+        self._meshes.remember(outputs)
         state = self._state(micro)
         if keep_for_backward:
             state.inputs = tuple(a for a in args if isinstance(a, torch.Tensor))
