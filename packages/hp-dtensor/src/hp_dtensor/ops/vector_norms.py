@@ -35,6 +35,7 @@ from hp_dtensor.layout import Layout
 from hp_dtensor.ops import views as _views
 from hp_dtensor.ops.dispatch import RULES, SPECIAL, Decision, LocalCall, OpCall, register
 from hp_dtensor.ops.foreach import dispatch_foreach, element_positions
+from hp_dtensor.ops.reductions import reduce_decision
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["norm_partial", "vector_norm_decision"]
@@ -53,23 +54,15 @@ def vector_norm_decision(
 ) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
     """(input, output) placements of a p-norm over ``dims`` of a tensor held under ``layout``."""
     kind = norm_partial(ord)
-    inputs: list[Placement] = []
-    out: list[Placement] = []
-    for placement in layout.placements:
+    # The cut of a sum (a reduced shard gives a partial, the others follow their dim), with a
+    # partial input kept only when it is this norm's own (see [Note: norm partials]).
+    inputs, out = reduce_decision(layout, dims, keepdim, "sum")
+    for m, placement in enumerate(layout.placements):
         if isinstance(placement, Partial):
             keep = ord != 0 and placement == kind
-            inputs.append(placement if keep else Replicate())
-            out.append(placement if keep else Replicate())
+            inputs[m] = out[m] = placement if keep else Replicate()
         elif isinstance(placement, Shard) and placement.dim in dims:
-            inputs.append(placement)
-            out.append(kind)
-        elif isinstance(placement, Shard):
-            inputs.append(placement)
-            shift = 0 if keepdim else sum(1 for d in dims if d < placement.dim)
-            out.append(Shard(placement.dim - shift))
-        else:
-            inputs.append(placement)
-            out.append(placement)
+            out[m] = kind
     return tuple(inputs), tuple(out)
 
 
