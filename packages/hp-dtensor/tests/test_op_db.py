@@ -1,0 +1,189 @@
+"""hp_dtensor over PyTorch's OpInfo database (2 ranks): [Note: the op_db sweep] in ``opdb_sweep.py``.
+
+CI runs one sample of each op in :data:`CI_OPS` (the ops a training step
+touches) under every placement of its first tensor; ``HP_COMPOSITION=full``
+runs every float32 CPU op of op_db with three samples. No case may be wrong,
+come back a plain tensor, or differ between ranks; an error must be a
+``NotImplementedError`` naming the op. Today's failures are listed in
+:data:`KNOWN`, and the test fails when a known failure starts passing too, so
+the table only shrinks. ``scripts/op_db_sweep.py`` is the same sweep with
+torch's DTensor beside it and a table of the communication.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hp_dtensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from opdb_sweep import (
+    CaseResult,
+    SweepHang,
+    failures,
+    float32_cpu_ops,
+    op_key,
+    run_case,
+    run_sweep,
+)
+
+FULL = os.environ.get("HP_COMPOSITION") == "full"
+
+#: The covering subset: OpInfo names (``name.variant``) a training step touches.
+CI_OPS = (
+    # pointwise
+    "add", "sub", "mul", "div.no_rounding_mode", "neg", "exp", "log", "sqrt", "rsqrt", "pow", "tanh",
+    "sigmoid", "abs", "clamp", "where", "lerp", "addcmul", "addcdiv", "masked_fill", "maximum", "erf",
+    "reciprocal", "nan_to_num", "nn.functional.gelu", "nn.functional.silu", "nn.functional.relu",
+    # reductions
+    "sum", "mean", "amax", "amin", "max.reduction_with_dim", "max.reduction_no_dim", "var", "std",
+    "linalg.vector_norm", "logsumexp", "argmax", "cumsum", "all", "any",
+    # norms, softmax
+    "nn.functional.layer_norm", "nn.functional.rms_norm", "native_layer_norm", "nn.functional.group_norm",
+    "nn.functional.normalize", "softmax", "log_softmax", "torch.ops.aten._safe_softmax.default",
+    # matmul family, attention
+    "mm", "bmm", "addmm", "matmul", "nn.functional.linear", "baddbmm", "einsum", "mv", "dot", "outer",
+    "nn.functional.scaled_dot_product_attention",
+    # views and shapes
+    "view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "flatten", "split",
+    "chunk", "cat", "stack", "narrow", "select", "unflatten", "contiguous", "clone", "repeat", "tril", "triu",
+    # indexing
+    "gather", "scatter", "scatter_add", "index_select", "index_add", "index_put", "take_along_dim",
+    "nn.functional.embedding", "__getitem__",
+    # losses
+    "nn.functional.cross_entropy", "nn.functional.nll_loss", "nn.functional.mse_loss",
+    "nn.functional.l1_loss", "nn.functional.binary_cross_entropy_with_logits", "nn.functional.kl_div",
+    # complex (rotary embeddings)
+    "view_as_complex", "complex", "polar", "real", "conj", "angle",
+    # foreach (optimizers)
+    "_foreach_add", "_foreach_mul", "_foreach_addcmul", "_foreach_lerp", "_foreach_sqrt", "_foreach_norm",
+)  # fmt: skip
+
+#: Today's failures, by (OpInfo name, variant): reason. The test fails when one of these passes
+#: again (remove it) and when an op not listed here fails (fix it, or list it with the reason).
+KNOWN: dict[tuple[str, str], str] = {}
+
+
+def known_drift(
+    failing: dict[str, list[CaseResult]], ran: set[str], known: dict[tuple[str, str], str]
+) -> tuple[list[str], list[str]]:
+    """(new failures, known failures that now pass), by op key, each with its evidence.
+
+    A KNOWN entry counts as passing only if its op ran in this sweep: CI runs a subset.
+    """
+    known_keys = {
+        f"{name}.{variant}" if variant else name: reason for (name, variant), reason in known.items()
+    }
+    new = [
+        f"{key}: " + "; ".join(f"s{r.sample} {r.placement} {r.hp}: {r.hp_detail[:160]}" for r in cases[:4])
+        for key, cases in sorted(failing.items())
+        if key not in known_keys
+    ]
+    fixed = [
+        f"{key} (was: {reason})" for key, reason in known_keys.items() if key in ran and key not in failing
+    ]
+    return new, fixed
+
+
+def _names(ops: list[Any]) -> dict[str, str]:
+    return {op_key(op): op.name for op in ops}
+
+
+@pytest.mark.distributed(world_size=2, timeout=7200 if FULL else 600)
+def test_op_db(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    side = dist.new_group(backend="gloo")
+    ops = float32_cpu_ops(None if FULL else CI_OPS)
+    try:
+        results, _ = run_sweep(ops, mesh, side, max_samples=3 if FULL else 1, with_torch=False)
+    except SweepHang as hang:
+        pytest.fail(f"{hang}: {hang.result.hp_detail} (a hang stops the sweep; fix it before anything else)")
+    ran = {r.op for r in results}
+    new, fixed = known_drift(failures(results, _names(ops)), ran, KNOWN)
+    assert not new, "new op_db failures (fix, or add to KNOWN with the reason):\n" + "\n".join(new)
+    assert not fixed, "KNOWN failures that now pass (remove them from KNOWN):\n" + "\n".join(fixed)
+    if not FULL:  # every op of the subset must have been checked, or the list is lying
+        missing = sorted({op_key(op) for op in ops} - ran)
+        assert not missing, f"CI_OPS with no case run (no sample, or the plain call raised): {missing}"
+
+
+# -- the sweep's classification catches planted faults ----------------------------------------
+
+
+class _Planted:
+    """An op-like callable with an OpInfo's name: right on plain tensors, ``fault`` on hp DTensors."""
+
+    def __init__(self, name: str, fault: Any) -> None:
+        self.name, self.variant_test_name, self._fault = name, "", fault
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        if isinstance(x, DTensor):
+            return self._fault(x)
+        return x * 2
+
+
+class _Sample:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.input, self.args, self.kwargs = x, (), {}
+
+
+def _hang(x: DTensor) -> Any:
+    raise RuntimeError("[gloo] Timed out waiting 30000ms for recv operation to complete")
+
+
+def _not_implemented(x: DTensor) -> Any:
+    raise NotImplementedError("hp_dtensor: no rule for aten.planted.default")
+
+
+def _rank_one_raises(x: DTensor) -> Any:
+    if dist.get_rank() == 1:
+        raise ValueError("planted: rank 1 only")
+    return x * 2
+
+
+PLANTED = {
+    "ok": lambda x: x * 2,
+    "wrong": lambda x: x * 2 + 1,
+    "not_dtensor": lambda x: x.full_tensor() * 2,
+    "disagree": _rank_one_raises,
+    "error": _not_implemented,
+}
+
+
+@pytest.mark.distributed(world_size=2)
+def test_sweep_classifies_planted_faults(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    side = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    sample = _Sample(torch.randn(5, 3))
+    results = []
+    for kind, fault in PLANTED.items():
+        op = _Planted(f"planted_{kind}", fault)
+        for placement in ("S(0)", "S(1)", "R"):
+            r = run_case(op, sample, placement, mesh, side, key=op.name, index=0)
+            assert r is not None
+            assert (r.hp, r.torch) == (kind, "ok"), (kind, placement, r)
+            results.append(r)
+    # CI's verdict: a NotImplementedError naming an aten op is accepted, every other class is not
+    failing = failures(results, {})
+    assert sorted(failing) == ["planted_disagree", "planted_not_dtensor", "planted_wrong"]
+    with pytest.raises(SweepHang, match="planted_hang"):
+        run_case(_Planted("planted_hang", _hang), sample, "S(0)", mesh, side, key="planted_hang", index=0)
+
+
+def test_known_table_only_shrinks() -> None:
+    wrong = CaseResult(op="a.v", sample=0, placement="S(0)", hp="wrong", hp_detail="mismatch")
+    known = {("a", "v"): "today's bug", ("b", ""): "today's other bug"}
+    # a listed failure that still fails, a listed one that was not run: nothing to say
+    assert known_drift({"a.v": [wrong]}, {"a.v"}, known) == ([], [])
+    # a failure not listed
+    new, fixed = known_drift({"a.v": [wrong], "c": [wrong]}, {"a.v", "c"}, known)
+    assert new == ["c: s0 S(0) wrong: mismatch"] and fixed == []
+    # a listed failure that passes now
+    assert known_drift({}, {"a.v"}, known) == ([], ["a.v (was: today's bug)"])
