@@ -190,3 +190,56 @@ def _check_order_ops(mesh: Any) -> None:
 def test_sort_topk_and_arg_reductions(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     _check_order_ops(device_mesh_factory((4,)))
     _check_order_ops(device_mesh_factory((2, 2), ("dp", "tp")))
+
+
+def _put(index: Any, accumulate: bool = False) -> Callable[..., Any]:
+    def run(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = a * 1.0
+        torch.ops.aten.index_put_.default(out, list(index), v, accumulate)
+        return out
+
+    return run
+
+
+def _advanced_cases() -> list[tuple[str, Callable[..., Any], list[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 6, dtype=torch.float64, generator=g)
+    rows = torch.tensor([[4, 0], [4, 2]])  # duplicates, 2-D index
+    cols = torch.tensor([5, -1, 0])  # negative = last
+    return [
+        ("x[rows]", lambda a, i: a[i], [x, rows]),
+        ("x[:, cols]", lambda a, i: a[:, i], [x, cols]),
+        ("x[rows, rows]", lambda a, i: a[i, i], [x, rows]),
+        (
+            "x[rows] = v",
+            lambda a, v: _put((torch.tensor([4, 0, 2]),))(a, v),
+            [x, torch.randn(3, 6, generator=g, dtype=torch.float64)],
+        ),
+        (
+            "x[:, cols] += v",
+            lambda a, v: _put((None, torch.tensor([5, 1])), True)(a, v),
+            [x, torch.randn(5, 2, generator=g, dtype=torch.float64)],
+        ),
+        ("x[mask] = 0.5", _mask_put, [x]),
+    ]
+
+
+def _mask_put(a: torch.Tensor) -> torch.Tensor:
+    out = a * 1.0
+    out[out > 0] = 0.5
+    return out
+
+
+def _check_advanced(mesh: Any) -> None:
+    for name, fn, inputs in _advanced_cases():
+        options = [_placements(t.dim(), mesh.ndim) for t in inputs]
+        for placements in itertools.product(*options):
+            try:
+                check(fn, inputs, placements, mesh)
+            except AssertionError as error:
+                raise AssertionError(f"{name} {placements}: {error}") from error
+
+
+@pytest.mark.distributed(world_size=2)
+def test_advanced_indexing_two_ranks(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    _check_advanced(device_mesh_factory((2,)))
