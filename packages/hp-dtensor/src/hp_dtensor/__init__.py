@@ -14,6 +14,14 @@ from hp_dtensor.access import local_tensor
 from hp_dtensor.dtensor import DTensor, distribute_module, distribute_tensor, new_dtensor
 from hp_dtensor.interop import from_torch_dtensor, to_torch_dtensor
 from hp_dtensor.layout import Layout, chunk_sizes
+from hp_dtensor.ops.fallback import (
+    FallbackStat,
+    fallback_policy,
+    fallback_stats,
+    get_fallback_policy,
+    reset_fallback_stats,
+    set_fallback_policy,
+)
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.planner import RedistributePlan, RedistributeStep, explain_redistribute
 from hp_dtensor.tp import (
@@ -27,6 +35,7 @@ from hp_dtensor.tp import (
 __all__ = [
     "ColwiseParallel",
     "DTensor",
+    "FallbackStat",
     "Layout",
     "ParallelStyle",
     "Partial",
@@ -42,9 +51,14 @@ __all__ = [
     "distribute_module",
     "distribute_tensor",
     "explain_redistribute",
+    "fallback_policy",
+    "fallback_stats",
     "from_torch_dtensor",
+    "get_fallback_policy",
     "local_tensor",
     "new_dtensor",
     "parallelize_module",
+    "reset_fallback_stats",
+    "set_fallback_policy",
     "to_torch_dtensor",
 ]

@@ -66,7 +66,28 @@ def new_dtensor(local: torch.Tensor, layout: Layout) -> DTensor:
     out = _make_wrapper(DTensor, layout.shape, strides=layout.stride, dtype=local.dtype, device=local.device)
     out._local = local
     out._layout = layout
+    if local.is_conj() or local.is_neg():
+        carry_lazy_bits(out, local)
     return out
+
+
+def carry_lazy_bits(wrapper: torch.Tensor, local: torch.Tensor) -> None:
+    """Give ``wrapper`` the lazy conjugate / negative bits of its local tensor.
+
+    [Note: lazy conjugate and negative bits]
+    ``torch.conj`` (and ``_neg_view``) return views flagged "read me
+    conjugated / negated" instead of computing. Those flags are honoured by
+    the Conjugate and Negative dispatch keys, which run *before* the Python
+    key and whose fallback then leaves them switched off for the rest of the
+    call: inside ``__torch_dispatch__`` a flagged local tensor is read as if
+    unflagged. So a flag that only the local tensor carried was lost as soon
+    as the DTensor met another op (``g * torch.conj(x)`` computed ``g * x``).
+    The wrapper carries the flags too, as torch's composite-compliance test
+    tensor does: the fallbacks at the wrapper's level then materialise the
+    value before our dispatch sees the op, and view ops pass the flag on.
+    """
+    torch._C._set_conj(wrapper, local.is_conj())
+    torch._C._set_neg(wrapper, local.is_neg())
 
 
 class DTensor(torch.Tensor):
@@ -101,6 +122,8 @@ class DTensor(torch.Tensor):
         )
         out._local = local
         out._layout = layout
+        if local.is_conj() or local.is_neg():
+            carry_lazy_bits(out, local)
         return out
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # all work happens in __new__

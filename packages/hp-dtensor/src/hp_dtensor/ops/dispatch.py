@@ -62,12 +62,7 @@ So before a rule sees a call, every repeat of an object is replaced by a new
 DTensor over the same local tensor and layout: each slot has its own
 object, and the cached decision holds for every call with those layouts.
 
-[Note: fallback]
-An op without a rule (or a rule that declines) runs replicated: every input
-is gathered to ``Replicate``, the op runs on full tensors on every rank, and
-an output with the shape of the first DTensor input is cut back to that
-input's placements (other outputs stay replicated). It is always correct and
-never fast, so the first use of each such op logs a warning naming it.
+[Note: fallback] is in :mod:`hp_dtensor.ops.fallback`.
 
 [Note: plain tensors]
 Plain tensors mixed with DTensors are taken as replicated: every rank holds
@@ -82,7 +77,6 @@ gathers the ragged dims, so rules never see one.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,8 +86,10 @@ from hp_core import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from hp_dtensor import dtensor as _dtensor_module
-from hp_dtensor.dtensor import DTensor, new_dtensor
+from hp_dtensor.dtensor import DTensor, carry_lazy_bits, new_dtensor
 from hp_dtensor.layout import Layout, mesh_key
+from hp_dtensor.ops.everywhere import decision_problem
+from hp_dtensor.ops.fallback import run_fallback
 from hp_dtensor.ops.meshes import common_mesh as _mesh_of
 from hp_dtensor.placements import Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local
@@ -186,10 +182,10 @@ RULES: dict[Any, Rule] = {}
 LAYOUT_PRESERVING: set[Any] = set()  # ops that may carry ragged layouts (see [Note: ragged inputs])
 UNCACHED: set[Any] = set()  # ops whose rule looks past the layouts: never cached, never fast
 SCALAR_BLIND: set[Any] = set()  # float/complex scalars keyed by type only (see [Note: scalar-blind ops])
-_warned: set[str] = set()
 _resolved: set[Any] = set()
 _meta_cache: dict[Any, Any] = {}
 _decision_cache: dict[Any, Decision | None] = {}
+_problems: dict[Any, str] = {}  # why a rule's cached decision was dropped
 _MAX_ENTRIES = 8192
 
 
@@ -223,6 +219,7 @@ def clear_caches() -> None:
     _FAST.clear()
     _meta_cache.clear()
     _decision_cache.clear()
+    _problems.clear()
 
 
 # -- the fast path (see [Note: dispatch fast path]) -------------------------------------------
@@ -415,6 +412,8 @@ def _torch_dispatch(
         )
         out._local = local
         out._layout = layout
+        if local.is_conj() or local.is_neg():
+            carry_lazy_bits(out, local)
         return out
     if hit is not None and hit[0] is func:  # remembered, but not a plain single-output op
         return hit[1](args, {})
@@ -572,26 +571,6 @@ def _refuse_collective(func: Any) -> None:
     )
 
 
-def _warn_fallback(func: Any) -> None:
-    name = str(func)
-    if name not in _warned:
-        _warned.add(name)
-        warnings.warn(
-            f"hp_dtensor: no sharding rule for {name}; it runs replicated (inputs gathered, computed on "
-            "full tensors, output cut back). Results are right but slow; see [Note: fallback].",
-            stacklevel=3,
-        )
-
-
-def _replicate(flat: list[Any], positions: Sequence[int]) -> list[Any]:
-    out = list(flat)
-    for p in positions:
-        dt = flat[p]
-        local, _ = redistribute_local(dt._local, dt._layout, (Replicate(),) * dt._layout.mesh.ndim)
-        out[p] = local
-    return out
-
-
 def _lift_plain(flat: list[Any], positions: list[int], mesh: Any) -> tuple[list[Any], list[int]]:
     """Plain tensors with dims become replicated DTensors (see [Note: plain tensors]); scalars stay."""
     out = list(flat)
@@ -679,18 +658,29 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if all(k is not None for k in leaf_keys):
         key = (func, tuple(leaf_keys), mesh_key(mesh))
     decision: Decision | None = None
+    problem: str | None = None
     if rule is not None:
         if key is not None and not uncached and key in _decision_cache:
             decision = _decision_cache[key]
+            problem = _problems.get(key)
         else:
             a, k = pytree.tree_unflatten(flat, spec)
             decision = rule(OpCall(func, a, k, flat, positions))
+            if decision is not None and not uncached:
+                # see [Note: decisions that hold on every rank]
+                meta = None if decision.inplace else _output_meta(func, key, flat, spec)
+                problem = decision_problem(func, flat, spec, positions, decision, mesh, meta)
+                if problem is not None:
+                    decision = None
             if key is not None and not uncached:
                 _decision_cache[key] = decision
+                if problem is not None:
+                    _problems[key] = problem
     if decision is None:
         if func.namespace == "c10d":
             _refuse_collective(func)
-        return _fallback(func, flat, spec, positions, mesh)
+        reason = None if problem is None else f"its rule's decision does not hold on every rank: {problem}"
+        return run_fallback(func, args, kwargs, flat, spec, positions, mesh, reason)
     return _run(func, args, kwargs, flat, spec, positions, decision, key, mesh, signature)
 
 
@@ -812,42 +802,6 @@ def _wrap(
         for v, m in zip(out_flat, meta_flat, strict=True)
     ]
     return pytree.tree_unflatten(wrapped, out_spec)
-
-
-def _fallback(func: Any, flat: list[Any], spec: Any, positions: list[int], mesh: Any) -> Any:
-    """Replicate, compute, reshard (see [Note: fallback])."""
-    _warn_fallback(func)
-    full_flat = _replicate(flat, positions)
-    full_args, full_kwargs = pytree.tree_unflatten(full_flat, spec)
-    result = func(*full_args, **full_kwargs)
-    schema = getattr(func, "_schema", None)
-    if (
-        schema is not None
-        and schema.arguments
-        and schema.arguments[0].alias_info is not None
-        and schema.arguments[0].alias_info.is_write
-        and positions
-        and positions[0] == 0
-    ):
-        # In-place on a DTensor: write the new full value back into its own layout.
-        from hp_dtensor.redistribute import slice_for_layout
-
-        target = flat[0]
-        target._local.copy_(slice_for_layout(full_flat[0], target._layout))
-        return target
-    first = flat[positions[0]]._layout if positions else None
-    replicate = (Replicate(),) * mesh.ndim
-
-    def wrap(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        layout = Layout(mesh, replicate, tuple(value.shape), tuple(value.stride()))
-        if first is not None and tuple(value.shape) == first.shape and not first.has_partial():
-            local, new_layout = redistribute_local(value, layout, first.placements)
-            return DTensor(local, new_layout)
-        return DTensor(value, layout)
-
-    return pytree.tree_map(wrap, result)
 
 
 # -- ops handled directly ----------------------------------------------------------------------

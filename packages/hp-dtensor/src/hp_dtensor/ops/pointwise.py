@@ -142,7 +142,9 @@ def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bo
             targets[i][m] = Replicate()
         out.append(Replicate())
     inputs = {p: tuple(t) for p, t in zip(positions, targets, strict=True)}
-    return Decision(inputs=inputs, outputs=[tuple(out)], inplace=inplace)
+    # Every tensor the op returns is cut like the inputs (frexp's mantissa and exponent).
+    returns = sum(1 for r in call.func._schema.returns if r.type.isSubtypeOf(torch._C.TensorType.get()))
+    return Decision(inputs=inputs, outputs=[tuple(out)] * max(returns, 1), inplace=inplace)
 
 
 def _out_of_place_is_pointwise(func: Any) -> bool:

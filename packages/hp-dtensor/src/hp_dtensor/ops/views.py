@@ -50,11 +50,13 @@ def _map_dims(call: OpCall, mapping: Sequence[int | None], out_ndim: int) -> Dec
 def transpose_rule(call: OpCall) -> Decision:
     """Swap two dims; the shard follows its dim."""
     ndim = call.layout(call.positions[0]).ndim
+    mapping: list[int | None] = list(range(ndim))
+    if ndim == 0:  # t() and transpose(0, -1) of a 0-dim tensor return it as it is
+        return _map_dims(call, mapping, ndim)
     if call.func is aten.t.default:
         d0, d1 = 0, min(1, ndim - 1)
     else:
-        d0, d1 = (int(call.args[1]) % max(ndim, 1)), (int(call.args[2]) % max(ndim, 1))
-    mapping: list[int | None] = list(range(ndim))
+        d0, d1 = int(call.args[1]) % ndim, int(call.args[2]) % ndim
     mapping[d0], mapping[d1] = d1, d0
     return _map_dims(call, mapping, ndim)
 
@@ -80,7 +82,12 @@ def unsqueeze_rule(call: OpCall) -> Decision:
 
 @register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
 def squeeze_rule(call: OpCall) -> Decision:
-    """Drop size-1 dims (never sharded ones: a sharded dim of global size 1 stays)."""
+    """Drop the dims of global size 1.
+
+    The local op is told exactly which dims: ``squeeze()`` on a piece would
+    also drop a dim that is 1 only locally (a shard of 3 rows over 2 ranks
+    leaves rank 1 one row), and ``squeeze(d)`` likewise.
+    """
     layout = call.layout(call.positions[0])
     ndim = layout.ndim
     if call.func is aten.squeeze.default:
@@ -98,7 +105,10 @@ def squeeze_rule(call: OpCall) -> Decision:
         else:
             mapping.append(new)
             new += 1
-    return _map_dims(call, mapping, new)
+    decision = _map_dims(call, mapping, new)
+    dims = tuple(sorted(drop))
+    decision.kernel = lambda local: aten.squeeze.dims(local.args[0], dims)
+    return decision
 
 
 @register(aten.expand.default)

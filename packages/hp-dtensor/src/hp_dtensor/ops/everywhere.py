@@ -1,0 +1,108 @@
+"""Check a rule's decision for every rank before any rank acts on it.
+
+[Note: decisions that hold on every rank]
+A rule decides from layouts, which every rank shares, but the local op then
+runs on each rank's own piece. A decision that is wrong for some pieces only
+(``squeeze()`` dropping a dim that is 1 on one rank's piece; an op that
+refuses an empty piece) used to fail on those ranks alone, while their peers
+went on into the next collective and waited there until the timeout: one
+rank's internal error, the others' hang. So the first time a decision is
+made (decisions are cached by layouts, so this is once per signature) the
+dispatcher runs the op on meta tensors with the local shapes of *every* mesh
+coordinate and compares each result with the output layouts' local shapes
+there. Every rank computes the same answer from the same layouts, with no
+communication; a decision that fails anywhere is dropped on every rank and
+the call takes the replicated fallback, which is right by construction (and,
+under the ``"error"`` fallback policy, raises on every rank). Coordinates
+with equal local shapes share one meta run.
+
+Decisions with a ``kernel`` are not checked: a kernel may communicate and
+is written for uneven pieces itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from hp_dtensor.dtensor import DTensor
+from hp_dtensor.layout import Layout
+
+__all__ = ["decision_problem"]
+
+
+def _meta(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=like.dtype, device="meta")
+
+
+def _plain_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return torch.empty_strided(tuple(value.shape), value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    return value
+
+
+def decision_problem(
+    func: Any, flat: list[Any], spec: Any, positions: Sequence[int], decision: Any, mesh: Any, meta: Any
+) -> str | None:
+    """Why ``decision`` would go wrong on some rank, or None when it holds on every one.
+
+    ``meta`` is the op's output on global meta tensors (its shapes give the
+    output layouts).
+    """
+    outputs = decision.outputs
+    # outputs[i] belongs to the op's i-th result leaf (None for a non-tensor leaf)
+    leaves = pytree.tree_leaves(meta)
+    out_meta = [(i, m) for i, m in enumerate(leaves) if isinstance(m, torch.Tensor)]
+    if not decision.inplace:
+        for index, _ in out_meta:
+            if index >= len(outputs) or outputs[index] is None:
+                return f"the rule gives no placements for the op's tensor result #{index}"
+    if decision.kernel is not None:
+        return None
+    tables: dict[int, tuple[tuple[int, ...], ...]] = {}
+    for p in positions:
+        layout: Layout = flat[p]._layout
+        target = decision.inputs.get(p)
+        if target is not None and tuple(target) != layout.placements:
+            layout = layout.with_placements(target)
+        tables[p] = layout.table()
+    out_tables: list[tuple[tuple[int, ...], ...] | None] = []
+    if not decision.inplace:
+        for index, m in out_meta:
+            target = outputs[index]
+            assert target is not None
+            out_tables.append(Layout(mesh, tuple(target), tuple(m.shape), tuple(m.stride())).table())
+    base = [_plain_meta(v) for v in flat]
+    seen: set[tuple[Any, ...]] = set()
+    for coord in range(len(next(iter(tables.values())))):
+        shapes = tuple(tables[p][coord] for p in positions)
+        expected = tuple(t[coord] for t in out_tables if t is not None)
+        if (shapes, expected) in seen:
+            continue
+        seen.add((shapes, expected))
+        local_leaves = list(base)
+        for p in positions:
+            local_leaves[p] = _meta(tables[p][coord], flat[p])
+        args, kwargs = pytree.tree_unflatten(local_leaves, spec)
+        if decision.size_arg is not None:
+            args = list(args)
+            args[decision.size_arg] = list(expected[0])
+        try:
+            result = func(*args, **kwargs)
+        except Exception as error:  # the local op would raise on this rank only
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            return f"the local op fails on the piece of mesh coordinate #{coord}: {first}"
+        if decision.inplace:
+            continue
+        got = [tuple(r.shape) for r in pytree.tree_leaves(result) if isinstance(r, torch.Tensor)]
+        if tuple(got) != expected:
+            return (
+                f"local result shapes {got} at mesh coordinate #{coord} do not match the layouts' "
+                f"{list(expected)}"
+            )
+    return None
