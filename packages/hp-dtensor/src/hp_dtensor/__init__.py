@@ -14,6 +14,7 @@ from hp_dtensor.access import local_tensor
 from hp_dtensor.dtensor import DTensor, distribute_module, distribute_tensor, new_dtensor
 from hp_dtensor.interop import from_torch_dtensor, to_torch_dtensor
 from hp_dtensor.layout import Layout, chunk_sizes
+from hp_dtensor.local_map import local_map
 from hp_dtensor.ops.fallback import (
     FallbackStat,
     fallback_policy,
@@ -55,6 +56,7 @@ __all__ = [
     "fallback_stats",
     "from_torch_dtensor",
     "get_fallback_policy",
+    "local_map",
     "local_tensor",
     "new_dtensor",
     "parallelize_module",

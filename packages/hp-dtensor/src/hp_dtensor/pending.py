@@ -110,7 +110,8 @@ class PendingTensor(torch.Tensor):
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "is_view", False) and args and isinstance(args[0], PendingTensor):
+        first = args[0] if args else None
+        if getattr(func, "is_view", False) and isinstance(first, PendingTensor) and not first.completed:
             others = pytree.tree_leaves((args[1:], kwargs))
             if not any(isinstance(a, PendingTensor) for a in others):
                 return _pending_view(func, args, kwargs)
