@@ -21,11 +21,14 @@ head) for a few steps, clipping at a norm small enough that every step clips,
 against a deep copy trained in one process on the whole batch (float64, so
 the comparison is about the algorithm, not rounding): the loss of every
 step, the total norm ``clip_grad_norm_`` returns, every parameter after the
-step. The clipping and the optimizer step are recorded: torch's figure, and
-ours, is the norm's one scalar all-reduce per mesh dim it is partial on (or
-fewer, when one group covers both), nothing else: no all-gather, no
-reduce-scatter. A fallback would show there as gathers, and as hp_dtensor's
-"no sharding rule" warning.
+step. The clipping and the optimizer step are recorded apart. torch's FSDP2
+x TP clips with one all-reduce per mesh dim, of the stacked per-parameter
+norms (benchmarks/dtensor_step.py counts it); ours must issue as many or
+fewer, each of one scalar (the total norm is a sum over every rank's shards,
+partial on each mesh dim, so one number per dim is all it needs), and
+nothing else: no all-gather, no reduce-scatter; the optimizer step issues no
+collective at all. A fallback would show there as gathers, and as
+hp_dtensor's "no sharding rule" warning.
 """
 
 from __future__ import annotations
@@ -94,16 +97,17 @@ def _norm_groups(mesh: Any) -> set[tuple[int, ...]]:
 
 
 def _check_clip_traffic(log: CollectiveLog, mesh: Any, where: str) -> None:
-    """torch's figure for ``clip_grad_norm_``: the total norm is a sum over every rank's shards,
+    """The figure for ``clip_grad_norm_``: the total norm is a sum over every rank's shards,
     partial on each mesh dim, so it costs one all-reduce of one scalar per mesh dim, or a single
-    one over all the mesh's ranks, and nothing else (scaling the gradients is local).
+    one over all the mesh's ranks, and nothing else (scaling the gradients is local). torch's
+    own issues the same count, of the vector of per-parameter norms instead of one scalar.
 
     Here, float64 gradients: 1 x 8 B over dp for FSDP alone; 1 or 2 x 8 B (over dp and tp, or
     once over the 4 ranks) for FSDP x TP on the 2 x 2 mesh.
     """
     itemsize = torch.empty((), dtype=torch.float64).element_size()
     others = {name: n for name, n in log.counts().items() if name != "all_reduce"}
-    assert not others, f"{where}: clip_grad_norm_ issued {dict(log.counts())}; torch issues all_reduce only"
+    assert not others, f"{where}: clip_grad_norm_ issued {dict(log.counts())}; expected all_reduce only"
     reduces = log.of("all_reduce")
     seen = [(r.group_ranks, r.nbytes) for r in reduces]
     assert 1 <= len(reduces) <= mesh.ndim, (
