@@ -27,15 +27,14 @@ norms (benchmarks/dtensor_step.py counts it); ours must issue as many or
 fewer, each of one scalar (the total norm is a sum over every rank's shards,
 partial on each mesh dim, so one number per dim is all it needs), and
 nothing else: no all-gather, no reduce-scatter; the optimizer step issues no
-collective at all. A fallback would show there as gathers, and as
-hp_dtensor's "no sharding rule" warning.
+collective at all. Both run under hp_dtensor's ``fallback_policy("error")``:
+an op without a sharding rule raises, naming itself, instead of gathering.
 """
 
 from __future__ import annotations
 
 import copy
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hp_dtensor import DTensor, Replicate, distribute_module, parallelize_module
+from hp_dtensor import DTensor, Replicate, distribute_module, fallback_policy, parallelize_module
 from hp_fsdp import fully_shard
 from hp_testing import CollectiveLog, record_collectives
 from torch import nn
@@ -125,12 +124,6 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
-def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
-    """hp_dtensor's gathering fallback announces itself ("no sharding rule for <op>") once per op and
-    process; the collective counts catch it too where a pooled rank has warned before."""
-    return [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
-
-
 def _train(model: nn.Module, reference: nn.Module, mesh: Any, optim: str, where: str) -> None:
     """``STEPS`` steps of ``model`` (already sharded) against ``reference``, its copy in one process."""
     dp_rank, dp_world = mesh.get_local_rank("dp"), mesh.size("dp")
@@ -151,17 +144,16 @@ def _train(model: nn.Module, reference: nn.Module, mesh: Any, optim: str, where:
         loss = _loss(model, tokens[mine], targets[mine])
         loss.backward()
         at = f"{where} step {step}"
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        # hp_dtensor's "error" policy: an op without a sharding rule raises (naming it) instead of
+        # gathering its inputs; the counts below would show the gathers too.
+        with fallback_policy("error"):
             with record_collectives() as clip_log:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=clip_foreach)
-            assert not _fallbacks(caught), f"{at}: clip_grad_norm_ took the fallback: {_fallbacks(caught)}"
             _check_clip_traffic(clip_log, mesh, at)
             with record_collectives() as step_log:
                 opt.step()
-            assert not _fallbacks(caught), f"{at}: AdamW.step took the fallback: {_fallbacks(caught)}"
-            # the optimizer step is elementwise on the shards: torch's issues no collective at all
-            assert len(step_log) == 0, f"{at}: AdamW.step communicated: {dict(step_log.counts())}"
+        # the optimizer step is elementwise on the shards: torch's issues no collective at all
+        assert len(step_log) == 0, f"{at}: AdamW.step communicated: {dict(step_log.counts())}"
         opt.zero_grad()
 
         mean_loss = loss.detach().clone()
