@@ -46,6 +46,8 @@ NAMES = {
         "SequenceParallel",
         "to_torch_dtensor",
         "from_torch_dtensor",
+        "local_map",
+        "register_sharding",
     ],
     "hp_fsdp": ["fully_shard", "HSDPModule", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy"],
     "hp_pipeline": [
@@ -127,12 +129,32 @@ def test_dtensor_signatures() -> None:
         ("shape", KW, None),
         ("run_check", KW, False),
     ]
-    assert _params(DTensor.redistribute) == [("device_mesh", POS, None), ("placements", POS, None)]
+    assert _params(DTensor.redistribute) == [
+        ("device_mesh", POS, None),
+        ("placements", POS, None),
+        ("async_op", KW, False),
+        ("forward_dtype", KW, None),
+        ("backward_dtype", KW, None),
+    ]
     for attr in ("to_local", "full_tensor", "placements", "device_mesh"):
         assert hasattr(DTensor, attr), f"DTensor.{attr} is in the contract"
     # DCP's protocol lives on DTensor itself: a TP-only model checkpoints without hp-fsdp.
     for attr in ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__"):
         assert attr in vars(DTensor), f"DTensor must carry DCP's {attr} itself"
+
+
+def test_local_map_and_register_sharding_signatures() -> None:
+    import hp_dtensor
+
+    assert _params(hp_dtensor.local_map) == [
+        ("func", POS, None),
+        ("out_placements", POS, None),
+        ("in_placements", POS, None),
+        ("in_grad_placements", POS, None),
+        ("device_mesh", POS, None),
+        ("redistribute_inputs", KW, False),
+    ]
+    assert _params(hp_dtensor.register_sharding) == [("op", POS, MISSING)]
 
 
 def test_fully_shard_signature() -> None:

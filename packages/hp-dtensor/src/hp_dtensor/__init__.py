@@ -25,6 +25,7 @@ from hp_dtensor.ops.fallback import (
 )
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.planner import RedistributePlan, RedistributeStep, explain_redistribute
+from hp_dtensor.registration import Decision, LocalCall, OpCall, register_rule, register_sharding
 from hp_dtensor.tp import (
     ColwiseParallel,
     ParallelStyle,
@@ -36,8 +37,11 @@ from hp_dtensor.tp import (
 __all__ = [
     "ColwiseParallel",
     "DTensor",
+    "Decision",
     "FallbackStat",
     "Layout",
+    "LocalCall",
+    "OpCall",
     "ParallelStyle",
     "Partial",
     "Placement",
@@ -60,6 +64,8 @@ __all__ = [
     "local_tensor",
     "new_dtensor",
     "parallelize_module",
+    "register_rule",
+    "register_sharding",
     "reset_fallback_stats",
     "set_fallback_policy",
     "to_torch_dtensor",
