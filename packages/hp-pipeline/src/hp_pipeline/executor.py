@@ -147,6 +147,7 @@ import torch.autograd.profiler as _profiler
 import torch.distributed as dist
 from hp_core import capabilities_for
 
+from hp_pipeline.boundary import grad_to_send, is_dtensor, local_of, rebuild
 from hp_pipeline.errors import PipelineStepError, StageFailure
 from hp_pipeline.fsdp import ShardedUnits, sharded_units
 from hp_pipeline.ir import MetaStep, MetaStepType
@@ -513,17 +514,20 @@ class StepRunner:
         """The positional and keyword inputs of ``stage``'s forward of micro-batch ``i``.
 
         Stage 0 reads the step's inputs; another stage takes the previous stage's
-        output, from this rank or from its ``RECV_F``.
+        output, from this rank or from its ``RECV_F``. The keyword inputs given
+        to this rank's ``step`` reach every stage's forward, as in torch
+        ([Note: pre-split micro-batches] in :mod:`hp_pipeline._torch_api`).
         """
         s = stage.stage_index
         if stage.is_first:
             if self.arg_mbs is None or self.kwarg_mbs is None:
                 raise RuntimeError(f"stage 0 runs on rank {self.rank} but step() received no inputs here")
             return self.arg_mbs[i], self.kwarg_mbs[i]
+        kwargs = None if self.kwarg_mbs is None else self.kwarg_mbs[i]
         if (s - 1) in self.stages:
             stage.inputs_meta[i] = self.stages[s - 1].outputs_meta[i]
-            return self._outputs.pop((s - 1, i)), None
-        return tuple(self._take_recv((T.FWD_RECV, s, i))), None
+            return self._outputs.pop((s - 1, i)), kwargs
+        return tuple(self._take_recv((T.FWD_RECV, s, i))), kwargs
 
     def target_of(self, stage: PipelineStage, i: int) -> Any:
         """The target the last stage's loss compares micro-batch ``i``'s output with."""
@@ -572,8 +576,12 @@ class StepRunner:
         else:
             grads = list(self._take_recv((T.BWD_RECV, s, i)))
         metas = stage.outputs_meta[i]
+        outputs = stage._micro[i].outputs
         it = iter(grads)
-        stage._micro[i].output_grads = tuple(next(it) if m.requires_grad else None for m in metas)
+        stage._micro[i].output_grads = tuple(
+            _as_output_grad(next(it), m, out) if m.requires_grad else None
+            for m, out in zip(metas, outputs, strict=True)
+        )
 
     # -- payloads -----------------------------------------------------------------
 
@@ -824,7 +832,7 @@ def _activation_payload(runner: StepRunner, step: MetaStep) -> list[torch.Tensor
     stage, i = runner.stages[step.stage_index], step.micro_index
     assert i is not None
     if not runner.draining:
-        return list(runner._outputs.pop((step.stage_index, i)))
+        return [local_of(t).contiguous() for t in runner._outputs.pop((step.stage_index, i))]
     return [m.zeros(stage.device) for m in stage.outputs_meta[i]]
 
 
@@ -847,8 +855,16 @@ def _grad_payload(runner: StepRunner, step: MetaStep) -> list[torch.Tensor]:
     if state is not None:
         state.input_grads = None
     return [
-        (m.zeros(stage.device) if g is None else g.contiguous()) for g, m in zip(grads, metas, strict=True)
+        (m.zeros(stage.device) if g is None else grad_to_send(g, m.dtensor).contiguous())
+        for g, m in zip(grads, metas, strict=True)
     ]
+
+
+def _as_output_grad(grad: torch.Tensor | None, meta: TensorMeta, output: torch.Tensor) -> torch.Tensor | None:
+    """A received gradient's shard as a DTensor like the output it seeds ([Note: DTensors across stages])."""
+    if grad is None or meta.dtensor is None or is_dtensor(grad):
+        return grad
+    return rebuild(grad, meta.dtensor, output.device_mesh)  # type: ignore[attr-defined]
 
 
 def _grad_metas(runner: StepRunner, step: MetaStep, header: Any) -> list[TensorMeta]:

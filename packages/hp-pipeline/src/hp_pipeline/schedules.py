@@ -110,6 +110,7 @@ from hp_pipeline._checks import (
     check_positive_number,
     describe_fingerprint,
 )
+from hp_pipeline._torch_api import check_eval_losses, check_losses, microbatch_inputs
 from hp_pipeline.builders import (
     build_1f1b_order,
     build_dualpipev_order,
@@ -131,7 +132,7 @@ from hp_pipeline.fsdp import sharded_units
 from hp_pipeline.grads import TiedGroup, clip_grad_norm_, sync_tied
 from hp_pipeline.ir import MetaStep, Order
 from hp_pipeline.kinds import MetaStepType
-from hp_pipeline.microbatch import ChunkSpec, as_chunk_spec, merge_chunks, split_args_kwargs, split_target
+from hp_pipeline.microbatch import ChunkSpec, as_chunk_spec, merge_chunks
 from hp_pipeline.overlap import add_fsdp_steps_with_overlaps
 from hp_pipeline.stage import PipelineStage
 from hp_pipeline.swap import SwapPolicy, SwapStats, attach_swap, insert_swaps
@@ -474,14 +475,20 @@ class PipelineSchedule:
         losses: list[torch.Tensor] | None = None,
         return_outputs: bool = True,
         loss_kwargs: Mapping[str, Any] | None = None,
+        arg_mbs: list[tuple[Any, ...]] | None = None,
+        kwarg_mbs: list[dict[str, Any]] | None = None,
+        target_mbs: list[Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run one step over the whole batch; returns the merged output on the last stage's rank.
 
-        Every rank of the pipeline calls it. ``args`` and ``kwargs`` are the
-        model's inputs (stage 0's rank); ``target`` is split into micro-batches
-        like them (the last stage's rank). Per-micro-batch losses are appended
-        to ``losses`` on the last stage's rank. As torch's:
+        Every rank of the pipeline calls it. ``args`` (stage 0's rank) and
+        ``kwargs`` (every stage of the rank given them) are the model's inputs;
+        ``target`` is split into micro-batches like them (the last stage's
+        rank). Or, as torch's newest: ``arg_mbs`` / ``kwarg_mbs`` /
+        ``target_mbs``, one entry per micro-batch, used as given ([Note:
+        pre-split micro-batches] in :mod:`hp_pipeline._torch_api`). Per-micro-batch
+        losses are appended to ``losses`` on the last stage's rank. As torch's:
         ``return_outputs=False`` returns ``None`` without merging the outputs,
         and ``loss_kwargs`` are passed to ``loss_fn`` as keyword arguments for
         every micro-batch, whole (a tensor in them is not split: per-sample
@@ -489,25 +496,36 @@ class PipelineSchedule:
         same :class:`~hp_pipeline.PipelineStepError`.
         """
         pre_failure: StageFailure | None = None
-        arg_mbs = kwarg_mbs = targets = None
+        inputs: tuple[Any, Any, list[Any] | None] = (None, None, None)
         try:
-            self._check_losses(losses)
+            check_losses(losses)
             check_bool("step", "return_outputs", return_outputs)
             check_loss_kwargs(loss_kwargs)
-            self._check_eval_losses(target, losses)
+            last = self.num_stages - 1 if self.num_stages - 1 in self._stages else None
+            eval_losses = not self._has_backward and self._loss_fn is not None and losses is not None
+            check_eval_losses(last if eval_losses else None, target, target_mbs)
             for stage in self._stages.values():
                 stage._check_materialized()
-            arg_mbs, kwarg_mbs, targets = self._split_inputs(args, kwargs, target, "schedule.step(x)")
+            inputs = self._split_inputs(
+                args, kwargs, target, "schedule.step(x)", (arg_mbs, kwarg_mbs, target_mbs)
+            )
         except Exception as exc:
             pre_failure = _failure_outside_steps(exc)
         scale = 1.0 / self._n_microbatches if self.scale_grads else 1.0
-        self._run_step(arg_mbs, kwarg_mbs, targets, scale, pre_failure, loss_kwargs=loss_kwargs)
+        self._run_step(*inputs, scale, pre_failure, loss_kwargs=loss_kwargs)
         if self._tied and self._has_backward:
             sync_tied(self._tied, self._modules(), self._rank_of_stage(), self.group, values=False)
         return self._finish(losses, return_outputs=return_outputs)
 
     def eval(
-        self, *args: Any, target: Any = None, losses: list[torch.Tensor] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[torch.Tensor] | None = None,
+        arg_mbs: list[tuple[Any, ...]] | None = None,
+        kwarg_mbs: list[dict[str, Any]] | None = None,
+        target_mbs: list[Any] | None = None,
+        **kwargs: Any,
     ) -> Any:
         """One forward-only step over the whole batch, as torch's ``eval``: no backward, no gradient.
 
@@ -525,7 +543,8 @@ class PipelineSchedule:
                 f"build the schedule with loss_fn=None for forward-only steps"
             )
         with self._eval_mode():
-            return self.step(*args, target=target, losses=losses, **kwargs)
+            mbs = {"arg_mbs": arg_mbs, "kwarg_mbs": kwarg_mbs, "target_mbs": target_mbs}
+            return self.step(*args, target=target, losses=losses, **mbs, **kwargs)
 
     @contextmanager
     def _eval_mode(self) -> Iterator[None]:
@@ -558,60 +577,34 @@ class PipelineSchedule:
             stage.inputs_meta, stage.outputs_meta = mode.metas[index]
         return replaced
 
-    def _check_eval_losses(self, target: Any, losses: object) -> None:
-        """An eval step computes losses only from a target: ``losses=`` without one would stay empty."""
-        last = self.num_stages - 1
-        if (
-            not self._has_backward
-            and self._loss_fn is not None
-            and losses is not None
-            and target is None
-            and last in self._stages
-        ):
-            raise ValueError(
-                f"rank {dist.get_rank()} hosts the last stage ({last}) and eval() got losses= but no "
-                "target=, so there is no loss to compute; pass the batch's targets, e.g. "
-                "schedule.eval(target=y, losses=losses), or leave losses out to get the outputs only"
-            )
-
-    @staticmethod
-    def _check_losses(losses: object) -> None:
-        """``losses`` is appended to after the step, so a wrong type must fail before it runs.
-
-        Raised inside ``step``'s pre-step ``try``, so every rank raises it (as a
-        :class:`~hp_pipeline.PipelineStepError`) and no rank computes.
-        """
-        if losses is not None and not isinstance(losses, list):
-            raise TypeError(
-                f"step(losses=...) takes a list to append each micro-batch's loss to, got a "
-                f"{type(losses).__name__} ({losses!r}); pass losses=[] (or leave it None)"
-            )
-
     def _split_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, example: str
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        example: str,
+        mbs: tuple[Any, ...] = (),
     ) -> tuple[Any, Any, list[Any] | None]:
-        """Stage 0's inputs and the last stage's targets, split into micro-batches (None elsewhere)."""
-        m = self._n_microbatches
-        arg_mbs = kwarg_mbs = targets = None
-        last = self.num_stages - 1
-        if last in self._stages and self._has_backward and target is None:
-            raise ValueError(
-                f"rank {dist.get_rank()} hosts the last stage ({last}) and the schedule has a loss_fn, "
-                "but step() got target=None; pass the batch's targets there, e.g. "
-                "schedule.step(target=y, losses=losses)"
-            )
-        if 0 in self._stages:
-            if not args and not kwargs:
-                raise ValueError(
-                    f"rank {dist.get_rank()} hosts stage 0 but step() got no inputs; pass the batch "
-                    f"here, e.g. {example}"
-                )
-            arg_mbs, kwarg_mbs = split_args_kwargs(
-                args, kwargs, m, self._args_chunk_spec, self._kwargs_chunk_spec
-            )
-        if (self.num_stages - 1) in self._stages and target is not None:
-            targets = split_target(target, m)  # [Note: nested batches] in hp_pipeline.microbatch
-        return arg_mbs, kwarg_mbs, targets
+        """This rank's per-micro-batch inputs and targets, whole batch or pre-split (``mbs``), checked.
+
+        See [Note: pre-split micro-batches] in :mod:`hp_pipeline._torch_api`.
+        """
+        arg_mbs, kwarg_mbs, target_mbs = mbs or (None, None, None)
+        return microbatch_inputs(
+            m=self._n_microbatches,
+            holds_first=0 in self._stages,
+            last_stage=self.num_stages - 1 if (self.num_stages - 1) in self._stages else None,
+            needs_target=self._has_backward,
+            args=args,
+            kwargs=kwargs,
+            target=target,
+            arg_mbs=arg_mbs,
+            kwarg_mbs=kwarg_mbs,
+            target_mbs=target_mbs,
+            args_chunk_spec=self._args_chunk_spec,
+            kwargs_chunk_spec=self._kwargs_chunk_spec,
+            example=example,
+        )
 
     def _run_step(
         self,

@@ -37,12 +37,19 @@ of the zero-bubble schedules.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hp_pipeline._torch_api import as_process_group
+from hp_pipeline.boundary import DTensorMeta, MeshFinder, dtensor_meta, is_dtensor, local_of, rebuild
+
+GetMesh = Callable[[tuple[str, ...], Any], Any]
+"""torch's ``GetMeshCallback``: ``(mesh_dim_names, mesh_layout) -> DeviceMesh``."""
 
 __all__ = ["PipelineStage", "TensorMeta"]
 
@@ -54,10 +61,16 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    # A DTensor's: shape and dtype are then its shard's ([Note: DTensors across stages]).
+    dtensor: DTensorMeta | None = None
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorMeta:
-        return cls(tuple(tensor.shape), tensor.dtype, bool(tensor.requires_grad and _differentiable(tensor)))
+        grad = bool(tensor.requires_grad and _differentiable(tensor))
+        if is_dtensor(tensor):
+            local = local_of(tensor)
+            return cls(tuple(local.shape), local.dtype, grad, dtensor_meta(tensor))
+        return cls(tuple(tensor.shape), tensor.dtype, grad)
 
     def empty(self, device: torch.device) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
@@ -67,7 +80,8 @@ class TensorMeta:
 
     def __str__(self) -> str:
         grad = ", grad" if self.requires_grad else ""
-        return f"{list(self.shape)} {str(self.dtype).replace('torch.', '')}{grad}"
+        whole = "" if self.dtensor is None else f" (shard of {self.dtensor})"
+        return f"{list(self.shape)} {str(self.dtype).replace('torch.', '')}{grad}{whole}"
 
 
 def _differentiable(tensor: torch.Tensor) -> bool:
@@ -136,15 +150,21 @@ class PipelineStage:
             ``hp_core.get_platform().device()``, never to the module's device,
             so a module built on ``meta`` still gets real buffers (materialise
             its parameters, e.g. with ``to_empty``, before the first step).
-        group: the pipeline process group; ``None`` for the default group.
+        group: the pipeline process group; ``None`` for the default group. A
+            1-D ``DeviceMesh`` (ours or torch's) stands for its own group
+            ([Note: meshes as groups] in :mod:`hp_pipeline._torch_api`).
+        get_mesh: torch's ``GetMeshCallback``: ``get_mesh(mesh_dim_names,
+            mesh_layout)`` returns the mesh on which a DTensor received from a
+            neighbour stage is rebuilt, when no DTensor of this stage's module
+            (its parameters, buffers, inputs or outputs) lies on a mesh with
+            those dim names already ([Note: DTensors across stages] in
+            :mod:`hp_pipeline.boundary`).
 
     torch's other arguments (``input_args``, ``output_args``,
-    ``output_grads``, ``input_grads``, ``dw_builder``, ``get_mesh``) are not
-    taken: shapes are always learned on the first step (example tensors would
-    not be checked against them), the split backward is autograd's own (no
-    ``dw_builder``), and the exchanged metadata describes plain tensors, with
-    no DTensor placements for ``get_mesh`` to resolve. The package README lists
-    the differences from torch.
+    ``output_grads``, ``input_grads``, ``dw_builder``) are not taken: shapes
+    are always learned on the first step (example tensors would not be
+    checked against them) and the split backward is autograd's own (no
+    ``dw_builder``). The package README lists the differences from torch.
 
     Shapes and dtypes of the tensors a stage receives are learned on the first
     step and cached (see [Note: tensor metadata]).
@@ -156,7 +176,8 @@ class PipelineStage:
         stage_index: int,
         num_stages: int,
         device: torch.device | str | None = None,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | Any | None = None,
+        get_mesh: GetMesh | None = None,
     ) -> None:
         # Every argument is checked before any attribute is set: a refused stage is not half-built.
         if not isinstance(submodule, nn.Module):
@@ -182,12 +203,15 @@ class PipelineStage:
                 "PipelineStage: device='meta' cannot hold received activations; pass the device the "
                 "stage computes on (or leave it None to use hp_core.get_platform().device())"
             )
-        if group is not None and not isinstance(group, dist.ProcessGroup):
+        group = as_process_group("PipelineStage", group)
+        if get_mesh is not None and not callable(get_mesh):
             raise TypeError(
-                f"PipelineStage: group={group!r} is a {type(group).__name__}, not a ProcessGroup; pass "
-                "the pipeline's group (e.g. mesh['pp'].get_group()) or None for the default group"
+                f"PipelineStage: get_mesh={get_mesh!r} is a {type(get_mesh).__name__}, not a callable; pass "
+                "torch's GetMeshCallback, a function (mesh_dim_names, mesh_layout) -> DeviceMesh, or None"
             )
         self.submod = submodule
+        self.get_mesh = get_mesh
+        self._meshes = MeshFinder(stage_index, get_mesh)
         self.stage_index = stage_index
         self.num_stages = num_stages
         self._device = resolved
@@ -252,6 +276,8 @@ class PipelineStage:
         metas = self.inputs_meta[micro]
         out = []
         for tensor, meta in zip(tensors, metas, strict=True):
+            if meta.dtensor is not None and not is_dtensor(tensor):  # [Note: DTensors across stages]
+                tensor = rebuild(tensor.detach(), meta.dtensor, self._meshes.find(meta.dtensor, self.submod))
             leaf = tensor.detach()
             if meta.requires_grad:
                 leaf.requires_grad_(True)
@@ -273,6 +299,7 @@ class PipelineStage:
             args = self._received_inputs(micro, args)
         out = self.submod(*args, **(kwargs or {}))
         outputs = _flatten_outputs(self.stage_index, out)
+        self._meshes.remember(outputs)
         state = self._state(micro)
         if keep_for_backward:
             state.inputs = tuple(a for a in args if isinstance(a, torch.Tensor))

@@ -43,12 +43,12 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_pipeline._checks import check_bool, check_loss_kwargs, check_options
+from hp_pipeline._torch_api import as_process_group, tower_chunks
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.errors import StageFailure
 from hp_pipeline.executor import StepRunner
 from hp_pipeline.grads import clip_grad_norm_, sync_tied
 from hp_pipeline.ir import Order
-from hp_pipeline.microbatch import split_args_kwargs
 from hp_pipeline.mpipe.order import MPIPE_BASES, build_mpipe_order, mpipe_base_layout, mpipe_base_schedules
 from hp_pipeline.mpipe.ownership import OverflowMode, check_owns_data, mpipe_owned_micros
 from hp_pipeline.mpipe.runner import MPipeRunner
@@ -115,11 +115,7 @@ def _check_mpipe_keywords(
             f"{where}: ignore_index={ignore_index!r} is a {type(ignore_index).__name__}, not an int; pass "
             "the label value the loss ignores (e.g. -100)"
         )
-    if dp_group is not None and not isinstance(dp_group, dist.ProcessGroup):
-        raise TypeError(
-            f"{where}: dp_group={dp_group!r} is a {type(dp_group).__name__}, not a ProcessGroup; pass "
-            "the data-parallel group (e.g. mesh['dp'].get_group()) or None"
-        )
+    as_process_group(where, dp_group, "dp_group")
 
 
 def _base_name(base: str | type | None) -> str | None:
@@ -224,7 +220,7 @@ class ScheduleMPipe(PipelineSchedule):
         broadcast_tower: bool = True,
         check_tower_sync: bool = False,
         base: str | type | None = None,
-        dp_group: dist.ProcessGroup | None = None,
+        dp_group: dist.ProcessGroup | Any | None = None,
         **options: Any,
     ) -> None:
         _check_mpipe_keywords(
@@ -253,7 +249,7 @@ class ScheduleMPipe(PipelineSchedule):
         self.target_key, self.ignore_index = target_key, ignore_index
         self.normalize_by_tokens = bool(normalize_by_tokens)
         self.check_sync = bool(check_tower_sync)
-        self.dp_group = dp_group
+        self.dp_group = dp_group = as_process_group(self._name, dp_group, "dp_group")
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.tower_trainable = any(p.requires_grad for p in preprocess.parameters())
         local = 1 if isinstance(stage_or_stages, PipelineStage) else len(stage_or_stages)
@@ -387,6 +383,9 @@ class ScheduleMPipe(PipelineSchedule):
         losses: list[torch.Tensor] | None = None,
         return_outputs: bool = True,
         loss_kwargs: Mapping[str, Any] | None = None,
+        arg_mbs: list[tuple[Any, ...]] | None = None,
+        kwarg_mbs: list[dict[str, Any]] | None = None,
+        target_mbs: list[Any] | None = None,
         data: Iterator[Mapping[str, torch.Tensor]] | None = None,
         preprocess_inputs: Any = None,
         **kwargs: Any,
@@ -399,7 +398,11 @@ class ScheduleMPipe(PipelineSchedule):
         tower inputs: a tensor or a tuple of tensors, split along dim 0 like
         the other inputs). With it: every rank passes ``data=``, an iterator
         yielding its owned micro-batches as mappings (see :class:`PPRankOwnedSampler`).
-        ``return_outputs`` and ``loss_kwargs`` are :meth:`PipelineSchedule.step`'s (torch's).
+        ``return_outputs`` and ``loss_kwargs`` are :meth:`PipelineSchedule.step`'s (torch's),
+        and so is the pre-split form (``arg_mbs``, ``kwarg_mbs``, ``target_mbs``);
+        with it, ``preprocess_inputs`` is pre-split too: a list of ``n_microbatches``
+        entries, micro-batch ``k``'s tower inputs (a tensor or a tuple of tensors;
+        ``None`` for a micro-batch this rank does not own).
         """
         if self.check_sync:
             self.check_tower_sync()
@@ -407,7 +410,7 @@ class ScheduleMPipe(PipelineSchedule):
         runner = self._runner
         assert isinstance(runner, MPipeRunner)
         pre_failure: StageFailure | None = None
-        arg_mbs = kwarg_mbs = targets = None
+        inputs: tuple[Any, Any, list[Any] | None] = (None, None, None)
         runner.data_iter, runner.tower_chunks = None, None
         tower_params = [p for p in self.preprocess.parameters() if p.requires_grad]
         runner.tower_grad_start = [None if p.grad is None else p.grad.detach().clone() for p in tower_params]
@@ -422,7 +425,14 @@ class ScheduleMPipe(PipelineSchedule):
             check_loss_kwargs(loss_kwargs)
             for stage in self._stages.values():
                 stage._check_materialized()
+            mbs = (arg_mbs, kwarg_mbs, target_mbs)
             if self.in_schedule_loading:
+                if any(v is not None for v in mbs):
+                    raise ValueError(
+                        f"rank {dist.get_rank()}: ScheduleMPipe(in_schedule_loading=True) reads each "
+                        "micro-batch inside the step; pass step(data=iterator), not "
+                        "arg_mbs/kwarg_mbs/target_mbs"
+                    )
                 if data is None:
                     raise ValueError(
                         f"rank {dist.get_rank()}: ScheduleMPipe(in_schedule_loading=True) reads the data "
@@ -430,26 +440,21 @@ class ScheduleMPipe(PipelineSchedule):
                     )
                 runner.data_iter = iter(data)
             else:
-                arg_mbs, kwarg_mbs, targets = self._split_inputs(
-                    args, kwargs, target, "schedule.step(input_ids, preprocess_inputs=pixels)"
+                inputs = self._split_inputs(
+                    args, kwargs, target, "schedule.step(input_ids, preprocess_inputs=pixels)", mbs
                 )
                 if self.owned_micros:
-                    if preprocess_inputs is None:
-                        raise ValueError(
-                            f"rank {dist.get_rank()} owns micro-batches {self.owned_micros} but step() got "
-                            "no preprocess_inputs=; pass the whole batch's tower inputs on every owner"
-                        )
-                    tower_args = (
-                        preprocess_inputs if isinstance(preprocess_inputs, tuple) else (preprocess_inputs,)
-                    )
-                    runner.tower_chunks = split_args_kwargs(tower_args, {}, m)[0]
+                    pre_split = any(v is not None for v in mbs)
+                    runner.tower_chunks = tower_chunks(self.owned_micros, preprocess_inputs, m, pre_split)
         except Exception as exc:
             pre_failure = _failure_outside_steps(exc)
         # [Note: token-normalised loss]: seed 1 and divide by the token count after the step.
         scale = 1.0 if self.normalize_by_tokens or not self.scale_grads else 1.0 / m
-        self._run_step(arg_mbs, kwarg_mbs, targets, scale, pre_failure, loss_kwargs=loss_kwargs)
+        self._run_step(*inputs, scale, pre_failure, loss_kwargs=loss_kwargs)
         if self.normalize_by_tokens and self._loss_fn is not None:
-            self._normalise(runner, targets, stage_params, stage_start, tower_params, runner.tower_grad_start)
+            self._normalise(
+                runner, inputs[2], stage_params, stage_start, tower_params, runner.tower_grad_start
+            )
         if self._tied and self._loss_fn is not None:
             sync_tied(self._tied, self._modules(), self._rank_of_stage(), self.group, values=False)
         return self._finish(losses, return_outputs=return_outputs)
