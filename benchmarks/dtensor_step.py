@@ -28,7 +28,8 @@ Figures, per rank, the largest over the ranks:
   a reduce-scatter or all-to-all (hp_testing's convention). The mode defers to
   tensor subclasses, so the collectives DTensor issues inside an op are seen as
   the plain-tensor calls they are. The clip + optimizer part is also given
-  alone (torch: one scalar all-reduce per mesh dim, nothing more).
+  alone: torch all-reduces the stacked per-parameter norms once per mesh dim
+  (a vector of one norm per parameter), hp one scalar per mesh dim.
 - ``step_peak_memory``: the high-water mark of tensor memory during a step,
   above what is live when the step starts. On CUDA, the caching allocator's
   peak (``torch.cuda.max_memory_allocated``). On CPU there are no allocator
