@@ -205,10 +205,14 @@ def register(*ops: Any, keeps_layout: bool = False, cached: bool = True) -> Call
                 RULES[overload] = rule
                 if keeps_layout:
                     LAYOUT_PRESERVING.add(overload)
+                else:
+                    LAYOUT_PRESERVING.discard(overload)
                 if not cached:
                     UNCACHED.add(overload)
+                else:
+                    UNCACHED.discard(overload)
                 SCALAR_BLIND.discard(overload)  # a named rule may look at scalar values
-        _FAST.clear()
+        clear_caches()  # a new rule replaces the decisions remembered for the old one
         return rule
 
     return wrap
