@@ -1,23 +1,38 @@
-"""Matrix products: mm, addmm, bmm (and so linear and matmul).
+"""Matrix products as contractions: mm, bmm, mv, dot, vdot and their ``add*`` forms.
 
-Per mesh dim, ``A @ B`` with ``A`` (m, k) and ``B`` (k, n):
+Every op here is an einsum with one letter per dim: ``mm`` is ``mk,kn->mn``,
+``bmm`` ``bmk,bkn->bmn``, ``mv`` ``mk,k->m``, ``dot`` ``k,k->``, ``addr``'s
+outer product ``m,n->mn``, ``addbmm``'s ``bmk,bkn->mn`` (the batch is summed
+too). ``torch.matmul`` in every shape torch accepts, ``einsum``,
+``tensordot``, ``linalg.vecdot`` and ``outer`` decompose into these, views
+and pointwise ops. Per mesh dim, one shard decides the others (see [Note:
+contraction placements]):
 
-==========  ==========  =========  ==================================
-A           B           out        why
-==========  ==========  =========  ==================================
-S(0)        R           S(0)       rows of A give rows of out
-R           S(1)        S(1)       columns of B give columns of out
-S(1)        S(0)        P(sum)     each rank sums part of the k terms
-R           R           R
-P(sum)      R           P(sum)     linear in A
-R           P(sum)      P(sum)     linear in B
-==========  ==========  =========  ==================================
+=======================  ==========================  ==============
+a shard of letter L      the other operand           output
+=======================  ==========================  ==============
+L in both and the out    the same letter cut         ``Shard(L)``
+L in one operand + out   replicated                  ``Shard(L)``
+L in both, not the out   the same letter cut         ``Partial``
+=======================  ==========================  ==============
 
-Any other pair is moved to the nearest row of the table, preferring to keep
-the larger operand's shard. ``bmm`` adds a batch dim that may be sharded on
-both operands. ``addmm`` makes its bias match the product's placement (a
-partial product takes a partial bias: one rank keeps it, see
-:func:`hp_dtensor.redistribute._to_partial`).
+A ``Partial("sum")`` / ``Partial("avg")`` operand times a replicated one
+stays partial (the product is linear in each operand). The ``add*`` forms
+cut their ``self`` term (the bias) like the product, or make it partial to
+match a partial product (one rank keeps it: see
+:func:`hp_dtensor.redistribute._to_partial`), so ``beta * self + alpha *
+product`` is formed term by term with no communication.
+
+[Note: contraction placements]
+Each mesh dim is decided on its own. The candidates are: keep ``a``'s
+placement (and derive ``b``'s and the output's from the table), keep
+``b``'s, or replicate both. The one whose input moves cost fewest elements
+received wins (a replicated input is cut for free; a shard gathered costs
+its size; an all-to-all its size over the mesh dim; a partial reduced twice
+its size, as an all-reduce does), so ``S(1) @ S(0)`` is a partial sum with
+no communication and, when both operands must move, the smaller one does.
+Ties go to a sharded output over a partial one over a replicated one, then
+to ``a``'s shard.
 """
 
 from __future__ import annotations
@@ -26,92 +41,139 @@ from typing import Any
 
 import torch
 
+from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["mm_placements"]
+__all__ = ["contraction_placements"]
 
 aten = torch.ops.aten
 R = Replicate()
 SUM = Partial("sum")
+_LINEAR = ("sum", "avg")
 
 
-def mm_placements(a: Placement, b: Placement, batch: int) -> tuple[Placement, Placement, Placement]:
-    """Target (A, B, out) placements for one mesh dim; ``batch`` leading dims shard together."""
-    row, inner, col = batch, batch + 1, batch + 1  # A's row dim, A's k dim, B's column dim
-    b_inner = batch
-    if batch and Shard(0) in (a, b):
-        return Shard(0), Shard(0), Shard(0)
-    if isinstance(a, Shard) and a.dim == row:
-        return a, R, Shard(row)
-    if isinstance(b, Shard) and b.dim == col:
-        return R, b, Shard(col)
-    if isinstance(a, Shard) and a.dim == inner:
-        return a, Shard(b_inner), SUM
-    if isinstance(b, Shard) and b.dim == b_inner:
-        return Shard(inner), b, SUM
-    if a == SUM and not isinstance(b, Partial):
-        return a, R, SUM
-    if b == SUM and not isinstance(a, Partial):
-        return R, b, SUM
-    return R, R, R
+def _move_cost(src: Placement, dst: Placement, numel: int, ranks: int) -> float:
+    """Elements received per rank to move a tensor of ``numel`` elements from ``src`` to ``dst``."""
+    if src == dst or isinstance(src, Replicate):
+        return 0.0  # a replicated value is cut, or made partial, locally
+    if isinstance(src, Shard):
+        return numel / ranks if isinstance(dst, Shard) else float(numel)
+    return float(numel) if isinstance(dst, Shard) else 2.0 * numel
 
 
-def _mm(
-    call: OpCall, a_arg: Any, b_arg: Any, batch: int
+def _follow(
+    letters: tuple[str, str, str], side: int, placement: Placement
+) -> tuple[Placement, Placement, Placement] | None:
+    """(a, b, out) when operand ``side`` keeps ``placement``; None when no row of the table fits."""
+    own, other, out = letters[side], letters[1 - side], letters[2]
+    if isinstance(placement, Shard):
+        letter = own[placement.dim]
+        partner: Placement = Shard(other.index(letter)) if letter in other else R
+        if letter in out:
+            result: Placement = Shard(out.index(letter))
+        elif letter in other:
+            result = SUM
+        else:
+            return None  # summed within one operand: not an op of this module
+    elif isinstance(placement, Partial) and placement.reduce_op in _LINEAR:
+        partner, result = R, placement
+    else:
+        return None
+    return (placement, partner, result) if side == 0 else (partner, placement, result)
+
+
+def contraction_placements(
+    letters: tuple[str, str, str], a: Placement, b: Placement, sizes: tuple[int, int], ranks: int
+) -> tuple[Placement, Placement, Placement]:
+    """Target (a, b, out) placements on one mesh dim for the contraction ``letters`` (``a,b->out``).
+
+    ``sizes`` are the operands' element counts and ``ranks`` the mesh dim's
+    size, for the cost of moving them (see [Note: contraction placements]).
+    """
+    candidates = [c for c in (_follow(letters, 0, a), _follow(letters, 1, b)) if c is not None]
+    candidates.append((R, R, R))
+
+    def key(item: tuple[int, tuple[Placement, Placement, Placement]]) -> tuple[float, int, int]:
+        index, (ta, tb, out) = item
+        cost = _move_cost(a, ta, sizes[0], ranks) + _move_cost(b, tb, sizes[1], ranks)
+        rank = 0 if isinstance(out, Shard) else 1 if isinstance(out, Partial) else 2
+        return cost, rank, index
+
+    return min(enumerate(candidates), key=key)[1]
+
+
+def _contract(
+    call: OpCall, a_arg: Any, b_arg: Any, letters: tuple[str, str, str]
 ) -> tuple[dict[int, tuple[Placement, ...]], tuple[Placement, ...]]:
+    """Input targets and output placements of ``a_arg`` x ``b_arg`` over every mesh dim."""
     pa, pb = call.position_of(a_arg), call.position_of(b_arg)
     la, lb = call.layout(pa), call.layout(pb)
+    sizes = (a_arg.numel(), b_arg.numel())
     ta: list[Placement] = []
     tb: list[Placement] = []
     out: list[Placement] = []
     for m in range(la.mesh.ndim):
-        x, y, z = mm_placements(la.placements[m], lb.placements[m], batch)
+        x, y, z = contraction_placements(letters, la.placements[m], lb.placements[m], sizes, la.mesh.shape[m])
         ta.append(x)
         tb.append(y)
         out.append(z)
     return {pa: tuple(ta), pb: tuple(tb)}, tuple(out)
 
 
-def _lift_args(call: OpCall, *names: int) -> bool:
-    from hp_dtensor.dtensor import DTensor
-
-    return all(isinstance(call.args[i], DTensor) for i in names)
-
-
-@register(aten.mm.default)
-def mm_rule(call: OpCall) -> Decision | None:
-    """``mm``: the table above."""
-    if not _lift_args(call, 0, 1):
-        return None
-    inputs, out = _mm(call, call.args[0], call.args[1], 0)
-    return Decision(inputs=inputs, outputs=[out])
-
-
-@register(aten.bmm.default)
-def bmm_rule(call: OpCall) -> Decision | None:
-    """``bmm``: the table with a leading batch dim, which may be sharded on both operands."""
-    if not _lift_args(call, 0, 1):
-        return None
-    inputs, out = _mm(call, call.args[0], call.args[1], 1)
-    return Decision(inputs=inputs, outputs=[out])
-
-
-@register(aten.addmm.default)
-def addmm_rule(call: OpCall) -> Decision | None:
-    """``bias + A @ B``: the product's placement, with the bias cut (or made partial) to match."""
-    if not _lift_args(call, 0, 1, 2):
-        return None
-    inputs, out = _mm(call, call.args[1], call.args[2], 0)
-    pbias = call.position_of(call.args[0])
-    bias = call.layout(pbias)
+def _bias_targets(bias: Layout, out: tuple[Placement, ...], out_ndim: int) -> tuple[Placement, ...]:
+    """The ``self`` term of an ``add*`` op, broadcast to the product: cut or partial like it."""
     target: list[Placement] = []
     for placement in out:
         if isinstance(placement, Shard):
-            dim = placement.dim - (2 - bias.ndim)
+            dim = placement.dim - (out_ndim - bias.ndim)
             ok = dim >= 0 and bias.shape[dim] != 1
             target.append(Shard(dim) if ok else R)
         else:
             target.append(placement)
-    inputs[pbias] = tuple(target)
+    return tuple(target)
+
+
+def _all_dtensors(call: OpCall, *indices: int) -> bool:
+    from hp_dtensor.dtensor import DTensor
+
+    return all(isinstance(call.args[i], DTensor) for i in indices)
+
+
+_PRODUCTS: dict[Any, tuple[str, str, str]] = {
+    aten.mm.default: ("mk", "kn", "mn"),
+    aten.bmm.default: ("bmk", "bkn", "bmn"),
+    aten.mv.default: ("mk", "k", "m"),
+    aten.dot.default: ("k", "k", ""),
+    aten.vdot.default: ("k", "k", ""),
+}
+
+_ADD_PRODUCTS: dict[Any, tuple[str, str, str]] = {
+    aten.addmm.default: ("mk", "kn", "mn"),
+    aten.baddbmm.default: ("bmk", "bkn", "bmn"),
+    aten.addbmm.default: ("bmk", "bkn", "mn"),
+    aten.addmv.default: ("mk", "k", "m"),
+    aten.addr.default: ("m", "n", "mn"),
+}
+
+
+@register(*_PRODUCTS)
+def product_rule(call: OpCall) -> Decision | None:
+    """``a @ b`` for mm, bmm, mv, dot and vdot: the table in the module docstring."""
+    if not _all_dtensors(call, 0, 1):
+        return None
+    inputs, out = _contract(call, call.args[0], call.args[1], _PRODUCTS[call.func])
+    return Decision(inputs=inputs, outputs=[out])
+
+
+@register(*_ADD_PRODUCTS)
+def add_product_rule(call: OpCall) -> Decision | None:
+    """``beta * self + alpha * (a @ b)``: the product's placement; ``self`` cut or made partial to match."""
+    if not _all_dtensors(call, 1, 2):
+        return None
+    letters = _ADD_PRODUCTS[call.func]
+    inputs, out = _contract(call, call.args[1], call.args[2], letters)
+    if _all_dtensors(call, 0):
+        position = call.position_of(call.args[0])
+        inputs[position] = _bias_targets(call.layout(position), out, len(letters[2]))
     return Decision(inputs=inputs, outputs=[out])
