@@ -35,7 +35,7 @@ answer can be checked. Collectives are counted around the op call only: hp
 with ``hp_testing.record_collectives`` (every hp_core tensor collective), torch
 with ``CommDebugMode``. A fallback is recorded when hp warns that an op has
 "no sharding rule"; hp warns once per aten op, so :func:`_forget_fallback_warnings`
-resets that memory before each case when it can.
+resets that memory before each case when it can (``reset_fallback_stats``).
 """
 
 from __future__ import annotations
@@ -184,8 +184,8 @@ def _tolerance(op: Any) -> tuple[float, float]:
     for info in itertools.chain(getattr(op, "decorators", ()) or (), getattr(op, "skips", ()) or ()):
         for deco in getattr(info, "decorators", ()) or ():
             overrides = getattr(deco, "d", None)
-            if isinstance(overrides, dict) and torch.float32 in overrides:
-                tol = overrides[torch.float32]
+            tol = overrides.get(torch.float32) if isinstance(overrides, dict) else None
+            if hasattr(tol, "rtol") and hasattr(tol, "atol"):  # toleranceOverride's tol; other dicts exist
                 rtol, atol = max(rtol, float(tol.rtol)), max(atol, float(tol.atol))
     return rtol, atol
 
@@ -278,14 +278,27 @@ class _Side:
 def _forget_fallback_warnings() -> None:
     """Let hp warn again for ops it already warned about, so each case sees its own fallbacks.
 
-    hp keeps the ops it warned about in a set (``hp_dtensor.ops.dispatch._warned``
-    today); if that changes, fallbacks show on the first case of each aten op only.
+    hp_dtensor's ``reset_fallback_stats()`` where it exists (it also forgets the
+    warned ops); before it, the set ``hp_dtensor.ops.dispatch._warned``. With
+    neither, fallbacks show on the first case of each aten op only.
     """
+    reset = getattr(hp_dtensor, "reset_fallback_stats", None)
+    if reset is not None:
+        reset()
+        return
     from hp_dtensor.ops import dispatch
 
     seen = getattr(dispatch, "_warned", None)
     if isinstance(seen, set):
         seen.clear()
+
+
+def _fell_back(caught: Sequence[warnings.WarningMessage]) -> bool:
+    """Whether the op just run took hp's replicated fallback: its stats, else its warning's text."""
+    stats = getattr(hp_dtensor, "fallback_stats", None)
+    if stats is not None and stats():
+        return True
+    return any("no sharding rule" in str(w.message).lower() for w in caught)
 
 
 def _run_hp(
@@ -304,7 +317,7 @@ def _run_hp(
             warnings.simplefilter("always")
             side.output = op(args[0], *args[1], **args[2])
         side.comms = len(log)
-        side.fallback = any("no sharding rule" in str(w.message).lower() for w in caught)
+        side.fallback = _fell_back(caught)
     except Exception as exc:
         side.raised = exc
     return side
