@@ -1,4 +1,6 @@
-"""Bad input to every public entry point (issue 17): a clear error, on every rank, with nothing changed.
+"""Bad input to every public entry point: a clear error, on every rank, with nothing changed.
+
+The rule: every public entry point checks its arguments before it changes anything.
 
 Each case checks three things: the message names the value the call saw and
 the fix, the call raised (on every rank: the distributed tests run the same
@@ -6,7 +8,7 @@ body on each rank and fail if any rank does not raise), and nothing changed
 (the module has no hooks, no hp_fsdp state and plain parameters; a setter
 left every unit's flags as they were; a rejected load left every shard's
 values). Cases that need other ranks' arguments raise at the first
-communication instead ([Note: cross-rank agreement] in validation.py): those
+communication instead ([Note: cross-rank agreement] in agreement.py): those
 tests check that no all-gather was issued and the units were not initialised.
 """
 

@@ -75,7 +75,7 @@ def test_shard_dim_out_of_range(rank: int, world_size: int) -> None:
 def test_offload_needs_cpu_params() -> None:
     """No accelerator here, so a stand-in reports a non-CPU device to the validator fully_shard runs first."""
     from hp_fsdp.param import ParamInfo
-    from hp_fsdp.validation import ParamPlan, _check_params
+    from hp_fsdp.plan import ParamPlan, _check_params
 
     class OnAccelerator:
         is_meta = False

@@ -7,8 +7,8 @@ call took become DTensor shards communicated together (see
 that mixes in :class:`HSDPModule`, so ``isinstance(m, FSDPModule)`` holds and
 the control methods are available on the module itself.
 
-Everything is validated before the first module is changed (see
-:mod:`hp_fsdp.validation`): a rejected call leaves the model as it was.
+Everything is checked and planned before the first module is changed (see
+:mod:`hp_fsdp.plan`): a rejected call leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -22,21 +22,14 @@ from hp_core.distributed import get_world_size
 from hp_dtensor import Shard
 from torch import nn
 
+from hp_fsdp.arg_checks import check_divide_factor, check_flag, check_reduce_op_type
 from hp_fsdp.param import FSDPParam
 from hp_fsdp.param_group import FSDPParamGroup
+from hp_fsdp.plan import collect_params, param_ids, validate_call
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from hp_fsdp.state import FSDPState, get_state, register_load_hooks
-from hp_fsdp.validation import (
-    check_agreement,
-    check_divide_factor,
-    check_flag,
-    check_reduce_op_type,
-    check_reshard_after_forward,
-    collect_params,
-    param_ids,
-    prefetch_states,
-    validate_call,
-)
+from hp_fsdp.post_forward import check_reshard_after_forward
+from hp_fsdp.state import FSDPState, agree, get_state, prefetch_states, states_below
+from hp_fsdp.state_dict import register_state_dict_hooks
 
 __all__ = ["FSDPModule", "HSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -50,7 +43,7 @@ def _default_mesh() -> DeviceMesh:
     Building a mesh may communicate (hp_core checks that every rank passed the
     same arguments), so a mesh built per call would make every ``fully_shard``
     a synchronisation point that all ranks must reach equally often, which
-    they need not ([Note: cross-rank agreement] in :mod:`hp_fsdp.validation`).
+    they need not ([Note: cross-rank agreement] in :mod:`hp_fsdp.agreement`).
     A mesh whose groups were released is built again.
     """
     key = (get_platform().device_type, get_world_size())
@@ -150,7 +143,7 @@ def fully_shard(
         )
     state = FSDPState(modules, group, mp_policy)
     state.set_reshard_after_forward(reshard_after_forward)
-    register_load_hooks(group, modules)
+    register_state_dict_hooks(state)
     for m in modules:
         cls = type(m)
         new_cls = _CLASS_CACHE.get(cls)
@@ -193,12 +186,7 @@ class HSDPModule:
             check_flag(what, "recurse", recurse, "True: this unit and every unit below it, False: this unit")
         if not recurse:
             return [self._hp_state()]
-        out: list[FSDPState] = []
-        for sub in self.modules():  # type: ignore[attr-defined]
-            state = get_state(sub)
-            if state is not None and state not in out:
-                out.append(state)
-        return out
+        return states_below([self])  # type: ignore[list-item]
 
     # -- communication control ----------------------------------------------------------------
 
@@ -210,10 +198,7 @@ class HSDPModule:
         """
         if self._hp_state().agreed:
             return
-        states = self._hp_states(recurse=True)
-        pending = [s for s in states if not s.agreed]
-        if pending:
-            check_agreement([self], states, pending)  # type: ignore[list-item]
+        agree([self], self._hp_states(recurse=True))  # type: ignore[list-item]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this unit's parameters now (e.g. ahead of a custom forward or for a pipeline stage)."""

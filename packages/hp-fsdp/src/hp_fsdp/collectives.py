@@ -35,7 +35,7 @@ from typing import Any
 import hp_core.collectives as hc
 import torch
 
-from hp_fsdp._profiling import labelled
+from hp_fsdp._profiling import labelled, of_kwarg, of_self
 from hp_fsdp.param import FSDPParam
 from hp_fsdp.post_forward import PostForwardMesh
 
@@ -82,8 +82,9 @@ class AllGatherHandle:
     world: int = 1  # ranks in the gather's group (the shard group, or a post-forward group)
     done: bool = False
     versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    fqn: str = ""  # the unit's, for its profiler label ([Note: profiler labels])
 
-    @labelled("FSDP::all_gather_copy_out")
+    @labelled("FSDP::all_gather_copy_out", of_self("fqn"))
     def finish(self) -> None:
         """Wait for the data and make every parameter's gathered view valid."""
         if self.done:
@@ -110,7 +111,7 @@ class AllGatherHandle:
         self.done = True
 
 
-@labelled("FSDP::all_gather")
+@labelled("FSDP::all_gather", of_kwarg("fqn"))
 def all_gather_params(
     params: Sequence[FSDPParam],
     group: Any,
@@ -118,6 +119,7 @@ def all_gather_params(
     *,
     fused: bool,
     post_forward: PostForwardMesh | None = None,
+    fqn: str = "",
 ) -> AllGatherHandle:
     """Start gathering ``params`` (asynchronously); replicate params only get their local copy.
 
@@ -128,6 +130,7 @@ def all_gather_params(
     inputs are the pieces kept after forward and the gather runs over that
     smaller group instead of ``group``; the output is the same buffer
     ([Note: reshard to groups of N ranks] in :mod:`hp_fsdp.post_forward`).
+    ``fqn`` names the unit in profiler labels.
     """
     sharded = [p for p in params if not p.replicate]
     for p in params:
@@ -136,7 +139,7 @@ def all_gather_params(
             with _preserve_versions([buffer]):
                 p.copy_in(buffer)
     if not sharded:
-        return AllGatherHandle(list(params), [], None, [], done=False)
+        return AllGatherHandle(list(params), [], None, [], done=False, fqn=fqn)
     if post_forward is None:
         world, rank = sharded[0].world, sharded[0].shard_rank
         sizes = [p.padded_numel for p in sharded]
@@ -157,7 +160,7 @@ def all_gather_params(
             fill(p, segment[offset : offset + size])
             offset += size
         work = hc.all_gather_into_tensor(output, segment, group, async_op=True)
-        return AllGatherHandle(list(params), [work], output, sizes, world)
+        return AllGatherHandle(list(params), [work], output, sizes, world, fqn=fqn)
     works = []
     versions = []
     for p, size in zip(sharded, sizes, strict=True):
@@ -167,7 +170,7 @@ def all_gather_params(
         with _preserve_versions([buffer]):
             fill(p, slot)
             works.append(hc.all_gather_into_tensor(buffer, slot, group, async_op=True))
-    return AllGatherHandle(list(params), works, None, [], world, versions=versions)
+    return AllGatherHandle(list(params), works, None, [], world, versions=versions, fqn=fqn)
 
 
 # -- gradient reduction ---------------------------------------------------------------------
@@ -218,8 +221,9 @@ class ReduceHandle:
     on_done: Callable[[list[bool] | None], None] | None = None
     done: bool = field(default=False)
     inputs: list[torch.Tensor] = field(default_factory=list)  # send buffers, freed once waited
+    fqn: str = ""  # the unit's, for its profiler label ([Note: profiler labels])
 
-    @labelled("FSDP::post_backward_rs_wait")
+    @labelled("FSDP::post_backward_rs_wait", of_self("fqn"))
     def finish(self) -> None:
         """Complete the reduction and accumulate every shard's gradient."""
         if self.done:
@@ -298,7 +302,7 @@ class ReduceHandle:
 # rank is legitimate, and a rank cannot tell the two apart by itself.) So
 # every reduction also carries the unit's tag, 16 elements of +1 or -1
 # spelling a hash of the unit's name, which is the same on every rank (the
-# names are compared by [Note: cross-rank agreement] in validation.py). After
+# names are compared by [Note: cross-rank agreement] in agreement.py). After
 # the reduction an element is +-1 times the op's scale exactly when every rank
 # put the same sign there; a rank that sent another unit's tag pulls it
 # towards zero by 2/W of it, on every rank of the collective, so every rank
@@ -414,7 +418,7 @@ def _padded_chunks(p: FSDPParam, grad: torch.Tensor, out: torch.Tensor) -> None:
         start += step
 
 
-@labelled("FSDP::post_backward_reduce")
+@labelled("FSDP::post_backward_reduce", of_kwarg("fqn"))
 def reduce_grads(
     params: Sequence[FSDPParam],
     grads: list[torch.Tensor | None],
@@ -428,6 +432,7 @@ def reduce_grads(
     main_grad: bool,
     partial: Callable[[list[torch.Tensor], bool], list[torch.Tensor] | None],
     unit: str = "",
+    fqn: str = "",
 ) -> ReduceHandle:
     """Start the reduce-scatter of the sharded params' full gradients (async), with their trailer.
 
@@ -438,7 +443,8 @@ def reduce_grads(
     catches a reduction paired with another unit's ([Note: one unit's
     reduction met another's]). ``grads`` is emptied once copied into the send
     buffer, so the full gradients are freed before the output is allocated
-    (the peak of backward is here, at the largest unit).
+    (the peak of backward is here, at the largest unit). ``unit`` is the
+    name the tag spells, ``fqn`` the one profiler labels show.
     """
     has_grad = [g is not None for g in grads]
     trainable = [p.sharded_param.requires_grad for p in params]
@@ -497,6 +503,7 @@ def reduce_grads(
             main_grad,
             partial,
             inputs=[send],
+            fqn=fqn,
         )
     works = []
     outputs = []
@@ -542,6 +549,7 @@ def reduce_grads(
         main_grad,
         partial,
         inputs=sends,
+        fqn=fqn,
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from hp_core import DeviceMesh
+from hp_core import DeviceMesh, get_logger
 
 from hp_fsdp.collectives import (
     AllGatherHandle,
@@ -27,6 +27,8 @@ from hp_fsdp.policies import MixedPrecisionPolicy
 from hp_fsdp.post_forward import PostForwardMesh, build_post_forward_mesh, resolve
 
 __all__ = ["FSDPParamGroup"]
+
+logger = get_logger("hp_fsdp")
 
 
 class _Outcome:
@@ -99,6 +101,10 @@ class FSDPParamGroup:
         # the unit's name under its root, the same on every rank once the ranks agreed ([Note: cross-rank
         # agreement]); its reductions carry a tag of it ([Note: one unit's reduction met another's])
         self.unit_name = ""
+        # the unit's FQN under its root as FSDP2 names it ("" for the root), for profiler labels, and
+        # the name debug logs show (set by hp_fsdp.state.agree; see [Note: profiler labels])
+        self.fqn = ""
+        self.log_name = "<unit>"
         self.forward_calls = 0  # post-backward markers placed this iteration (a module may run twice)
         self.post_backward_runs = 0
 
@@ -134,11 +140,6 @@ class FSDPParamGroup:
         elif self.post_forward_mesh is None or self.post_forward_mesh.size != size:
             self.post_forward_mesh = build_post_forward_mesh(self.mesh, size)
 
-    @property
-    def is_sharded_post_forward(self) -> bool:
-        """Whether the pieces kept after forward are held (the next gather runs over their group)."""
-        return self._held_post_forward is not None
-
     def reshard_after_forward_pass(self) -> None:
         """The forward post-hook's reshard: none, to the post-forward group, or full.
 
@@ -158,6 +159,7 @@ class FSDPParamGroup:
             p.keep_post_forward(target.size, target.rank)
         self._free_gathered()
         self._held_post_forward = target
+        logger.debug("FSDP::reshard (%s): kept for groups of %d ranks", self.log_name, target.size)
 
     def _drop_post_forward(self) -> None:
         if self._held_post_forward is None:
@@ -179,8 +181,14 @@ class FSDPParamGroup:
             return
         held, self._held_post_forward = self._held_post_forward, None
         self._gather = all_gather_params(
-            self.params, self.shard_group, self.param_dtype, fused=self.comm_fusion, post_forward=held
+            self.params,
+            self.shard_group,
+            self.param_dtype,
+            fused=self.comm_fusion,
+            post_forward=held,
+            fqn=self.fqn,
         )
+        logger.debug("FSDP::all_gather (%s): issued", self.log_name)
 
     def wait_for_unshard(self) -> None:
         """Finish the gather and register the gathered parameters on the modules."""
@@ -191,6 +199,7 @@ class FSDPParamGroup:
                 return
         self._gather.finish()
         self._gather = None
+        logger.debug("FSDP::all_gather (%s): waited", self.log_name)
         for p in self.params:
             p.to_unsharded_module_param()
         self.is_unsharded = True
@@ -205,6 +214,7 @@ class FSDPParamGroup:
         if self._gather is not None:
             self._gather.finish()  # an in-flight gather must land before its buffers are freed
             self._gather = None
+            logger.debug("FSDP::all_gather (%s): waited", self.log_name)
             self.is_unsharded = True
 
     def _free_gathered(self) -> None:
@@ -214,6 +224,7 @@ class FSDPParamGroup:
             p.to_sharded_module_param()
             p.free_unsharded()
         self.is_unsharded = False
+        logger.debug("FSDP::reshard (%s)", self.log_name)
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -282,8 +293,10 @@ class FSDPParamGroup:
                 main_grad=main_grad,
                 partial=self._take_partial,
                 unit=self.unit_name,
+                fqn=self.fqn,
             )
             handle.on_done = outcome.add
+            logger.debug("FSDP::reduce_scatter (%s): issued", self.log_name)
         if self.replicated:
             grads = [p.take_unsharded_grad() for p in self.replicated]
             received = all_reduce_replicated(
@@ -296,6 +309,7 @@ class FSDPParamGroup:
                 main_grad=main_grad,
                 unit=self.unit_name,
             )
+            logger.debug("FSDP::all_reduce (%s): replicated parameters reduced", self.log_name)
             outcome.add(received)  # all-reduced over every data-parallel rank: assigned now
         return handle
 

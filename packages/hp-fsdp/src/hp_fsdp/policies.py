@@ -4,8 +4,8 @@ They are frozen so a policy object can be shared by many ``fully_shard``
 calls (and hashed into caches) without one unit's change leaking into another.
 Their fields are checked when the policy is built (``__post_init__``), so a
 wrong type or an unusable dtype is reported at the line that wrote it rather
-than by torch inside the first forward; the checks live in
-:mod:`hp_fsdp.validation` with the rest.
+than by torch inside the first forward; the checks live in the leaf
+:mod:`hp_fsdp.arg_checks`, the only module of hp_fsdp this one imports.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hp_fsdp.validation import check_flag, check_mixed_precision
+from hp_fsdp.arg_checks import check_flag, check_mixed_precision
 
 __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 

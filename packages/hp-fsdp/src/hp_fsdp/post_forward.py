@@ -38,18 +38,26 @@ each rank builds every group's 1-D mesh from the mesh's rank table, which is
 the same on every rank only when the mesh spans the whole world. A slice of
 a larger mesh (``mesh["dp"]`` beside ``tp`` or ``pp``) shows each rank only
 its own line: that case is refused for now (see
-:func:`hp_fsdp.validation.check_reshard_after_forward`), unless ``N`` is 1
+:func:`check_reshard_after_forward`), unless ``N`` is 1
 or ``S``, which need no group.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from hp_core import DeviceMesh
+from hp_core.distributed import get_world_size
 
-__all__ = ["PostForwardMesh", "build_post_forward_mesh", "group_sizes", "resolve"]
+__all__ = [
+    "PostForwardMesh",
+    "build_post_forward_mesh",
+    "check_reshard_after_forward",
+    "group_sizes",
+    "resolve",
+]
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,54 @@ class PostForwardMesh:
 def group_sizes(shard_size: int) -> list[int]:
     """The valid ints for ``reshard_after_forward`` on a shard dim of ``shard_size`` ranks: its divisors."""
     return [n for n in range(1, shard_size + 1) if shard_size % n == 0]
+
+
+def check_reshard_after_forward(what: str, value: Any, mesh: DeviceMesh | None = None) -> None:
+    """``reshard_after_forward`` is True, False, None or a group size; refuse anything else up front.
+
+    An int ``N`` is FSDP2's "reshard to groups of N ranks" ([Note: reshard to
+    groups of N ranks]): it must divide the
+    ranks of ``mesh``'s shard dim (checked when ``mesh`` is given). ``1`` is
+    accepted as FSDP2 does, with a warning, since it means False.
+    """
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise TypeError(
+            f"{what}: reshard_after_forward={value!r} is a {type(value).__name__}; pass True, False, None "
+            "(None: True for every unit but the root) or an int N (reshard to groups of N ranks)."
+        )
+    if mesh is None:
+        if value < 1:
+            raise ValueError(
+                f"{what}: reshard_after_forward={value} is an int, which means a group size (reshard to "
+                "groups of N ranks after forward) and must be at least 1; pass False to keep the parameters "
+                "gathered after forward, True to free them."
+            )
+        return
+    size = mesh.size(mesh.ndim - 1)
+    valid = group_sizes(size)
+    if value not in valid:
+        kind = "must be at least 1" if value < 1 else f"must divide the {size} ranks of the mesh's shard dim"
+        raise ValueError(
+            f"{what}: reshard_after_forward={value} is an int, which means a group size (after forward each "
+            f"group of N ranks keeps the parameters sharded among itself), and it {kind} (mesh "
+            f"{tuple(mesh.shape)}). Pass one of {valid} ({size}: like True; 1: like False), or True / False."
+        )
+    if 1 < value < size and mesh.size() != get_world_size():
+        raise NotImplementedError(
+            f"{what}: reshard_after_forward={value} needs new process groups of {value} ranks, which hp_fsdp "
+            f"builds from the mesh's ranks; this mesh {mesh!r} spans {mesh.size()} of the {get_world_size()} "
+            "ranks (a slice beside 'tp' or 'pp'), and each rank sees only its own line. "
+            f"Pass a mesh over all ranks, or reshard_after_forward in (True, False, 1, {size})."
+        )
+    if value == 1:
+        warnings.warn(
+            f"{what}: reshard_after_forward=1 (an int) means groups of 1 rank: every rank keeps the whole "
+            "gathered parameters after forward, like False. Pass False to say so, or True to free them.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def resolve(value: bool | int, shard_size: int) -> tuple[bool, int | None]:

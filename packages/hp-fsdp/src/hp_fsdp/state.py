@@ -30,23 +30,31 @@ gather the same parameters again.
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from hp_core import get_platform
+from hp_core import get_logger, get_platform
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hp_fsdp._profiling import label, labelled
+from hp_fsdp._profiling import label, labelled, of_self
+from hp_fsdp.agreement import check_agreement
 from hp_fsdp.collectives import ReduceHandle
 from hp_fsdp.param_group import FSDPParamGroup
 from hp_fsdp.policies import MixedPrecisionPolicy
-from hp_fsdp.validation import check_agreement, check_prefetch_under_root, check_state_dict, listed
 
-__all__ = ["FSDPState", "RootContext", "get_state"]
+__all__ = [
+    "FSDPState",
+    "RootContext",
+    "agree",
+    "eager",
+    "get_state",
+    "prefetch_states",
+    "states_below",
+]
+
+logger = get_logger("hp_fsdp")
 
 STATE_ATTR = "_hp_fsdp_state"
 
@@ -56,193 +64,60 @@ def get_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(STATE_ATTR)
 
 
-def _states_below(module: nn.Module) -> list[FSDPState]:
-    """The unit states of ``module``'s subtree (its own first), each once."""
+def states_below(modules: Sequence[nn.Module]) -> list[FSDPState]:
+    """The unit states of the subtrees of ``modules`` (the first module's own first), each once."""
     states: list[FSDPState] = []
-    for sub in module.modules():
-        state = get_state(sub)
-        if state is not None and state not in states:
-            states.append(state)
+    seen: set[int] = set()
+    for module in modules:
+        for sub in module.modules():
+            state = get_state(sub)
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
+                states.append(state)
     return states
 
 
-def _assigning(local_metadata: Any) -> bool:
-    return bool(local_metadata.get("assign_to_params_buffers", False))
+def _unit_paths(roots: Sequence[nn.Module], states: Sequence[FSDPState]) -> dict[int, list[str]]:
+    """Per unit (by ``id``), the paths of its modules under ``roots``, in ``named_modules`` order.
 
-
-def _check_assign(
-    module: nn.Module, states: list[FSDPState], state_dict: dict[str, Any], prefix: str
-) -> None:
-    """``load_state_dict(assign=True)``: every managed value of the subtree must be its shard.
-
-    See [Note: loading with assign=True] in :mod:`hp_fsdp.param`. Runs in the
-    outermost unit's pre-hook, before nn.Module assigns anything.
+    The root's own path is ``""``; with several roots (a list unit at the
+    top) each path starts with ``[i]``. A unit not reached under ``roots``
+    gets ``<ClassName>``.
     """
-    names = {id(sub): name for name, sub in module.named_modules(remove_duplicate=False)}
-    problems = []
+    paths: dict[int, list[str]] = {}
+    wanted = set(map(id, states))
+    for index, root in enumerate(roots):
+        base = "" if len(roots) == 1 else f"[{index}]"
+        for path, module in root.named_modules():
+            state = get_state(module)
+            if state is not None and id(state) in wanted:
+                paths.setdefault(id(state), []).append(f"{base}.{path}" if base and path else (base or path))
     for state in states:
-        for param in state.group.params if state.group is not None else []:
-            for info in param.infos:
-                name = names.get(id(info.module))
-                if name is None:
-                    continue
-                key = prefix + (f"{name}." if name else "") + info.name
-                value = state_dict.get(key)
-                if isinstance(value, torch.Tensor):
-                    problem = param.assign_problem(key, value)
-                    if problem is not None:
-                        problems.append(problem)
-    if problems:
-        _raise_assign(type(module).__name__, problems)
+        paths.setdefault(id(state), [f"<{type(state.modules[0]).__name__}>"])
+    return paths
 
 
-def _raise_assign(owner: str, problems: list[str]) -> None:
-    raise RuntimeError(
-        f"load_state_dict(assign=True) into {owner}: {listed(problems, 6)}. Nothing was loaded. "
-        "assign=True makes each value the sharded parameter itself, so it must be an hp_dtensor.DTensor with"
-        " the parameter's mesh and placements (the values of model.state_dict() of a model sharded the same "
-        "way, or hp_dtensor.distribute_tensor(full, param.device_mesh, param.placements)), on the shard's "
-        "device. Full tensors or DTensors of another sharding load without assign=True (for a meta-device "
-        "model after model.to_empty(device=...)), which copies them into the shards."
-    )
+def agree(roots: Sequence[nn.Module], states: Sequence[FSDPState]) -> None:
+    """Compare the units of ``states`` not compared yet with the other ranks, and name them.
 
-
-def register_load_hooks(group: FSDPParamGroup | None, modules: Sequence[nn.Module] = ()) -> list[Any]:
-    """Let ``load_state_dict`` take full tensors or sharded DTensors for every managed parameter.
-
-    The hook sits on each owning module, so the state-dict key is simply the
-    module's prefix plus the attribute name. The unit's own modules get a
-    hook that checks their whole subtree's entries first
-    (:func:`hp_fsdp.validation.check_state_dict`): nn.Module runs a parent's
-    pre-hooks before it copies anything of the parent or its children, so a
-    bad entry is refused before any parameter of the unit changes.
-
-    [Note: loading into a gathered unit]
-    A unit may still be gathered when ``load_state_dict`` runs: the root
-    keeps its parameters after a forward without grad (an evaluation pass),
-    a unit with ``reshard_after_forward=False`` too, and a prefetch may be
-    in flight. Its modules then hold the temporary gathered parameters, and
-    nn.Module would copy into those, which the next reshard throws away:
-    the shards would silently keep their old values. So every pre-hook
-    reshards first (the unit's own hook the whole subtree, each owning
-    module's hook its unit, for a ``load_state_dict`` called on a submodule),
-    as FSDP2's load pre-hook does; the next forward gathers the loaded
-    shards.
-
-    A post-hook on each owning module adopts what ``assign=True`` registered
-    (see [Note: loading with assign=True] in :mod:`hp_fsdp.param`).
+    See [Note: cross-rank agreement] in :mod:`hp_fsdp.agreement`. Every unit
+    under ``roots`` gets its FSDP2-style ``fqn`` for profiler labels and logs
+    (the paths of its modules under the root, ``""`` for the root itself, as
+    FSDP2's ``_init_fqns``); a unit compared now also gets ``unit_name``, its
+    first module's path (``'<root>'`` for the root), the same on every rank:
+    it names the unit in errors and tags its reductions.
     """
-    params = group.params if group is not None else []
-    handles = []
-    for module in modules:
-
-        def check(
-            state_dict: dict[str, Any],
-            prefix: str,
-            local_metadata: Any,
-            strict: bool,
-            *args: Any,
-            _m: nn.Module = module,
-        ) -> None:
-            check_state_dict(_m, state_dict, prefix, strict)
-            states = _states_below(_m)
-            if _assigning(local_metadata):
-                _check_assign(_m, states, state_dict, prefix)
-            for state in states:  # see [Note: loading into a gathered unit]
-                if state.group is not None:
-                    state.group.reshard()
-
-        handles.append(module._register_load_state_dict_pre_hook(check))
-    owned: dict[int, tuple[nn.Module, list[Any]]] = {}
-    for param in params:
-        for info in param.infos:
-
-            def hook(
-                state_dict: dict[str, Any],
-                prefix: str,
-                local_metadata: Any,
-                *args: Any,
-                _p: Any = param,
-                _n: str = info.name,
-                _m: nn.Module = info.module,
-            ) -> None:
-                key = prefix + _n
-                value = state_dict.get(key)
-                if isinstance(value, torch.Tensor) and _assigning(local_metadata):
-                    problem = _p.assign_problem(key, value)
-                    if problem is not None:
-                        _raise_assign(type(_m).__name__, [problem])
-                if group is not None:
-                    group.reshard()  # see [Note: loading into a gathered unit]
-                if isinstance(value, torch.Tensor) and not _assigning(local_metadata):
-                    state_dict[key] = _p.load_full_or_sharded(value)
-
-            handles.append(info.module._register_load_state_dict_pre_hook(hook))
-            owned.setdefault(id(info.module), (info.module, []))[1].append(param)
-    for module, module_params in owned.values():
-
-        def adopt(_module: nn.Module, incompatible: Any, _ps: list[Any] = module_params) -> None:
-            for p in _ps:
-                p.adopt_registered()
-
-        handles.append(module.register_load_state_dict_post_hook(adopt))
-    return handles
-
-
-_TORCH_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
-_TORCH_STATE_DICT_GETTERS = frozenset({"get_model_state_dict", "get_state_dict"})
-
-
-def _refuse_torch_full_state_dict() -> None:
-    """Refuse torch's ``get_model_state_dict`` / ``get_state_dict`` asked for a full state dict.
-
-    [Note: torch's full state dict helpers]
-    ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model,
-    options=StateDictOptions(full_state_dict=True))`` calls
-    ``model.state_dict()`` and then gathers every value that is a
-    ``torch.distributed.tensor.DTensor`` (an ``isinstance`` test); any other
-    tensor is passed through as if it were already full. hp_fsdp's values are
-    ``hp_dtensor.DTensor``s, which torch cannot recognise: the helper
-    returned each rank's local shard where the full tensor belongs, and a
-    ``torch.save`` of it on rank 0 wrote a "full" checkpoint holding one
-    shard per parameter. torch offers no protocol to take part in that
-    gather (the test is on its own class; nothing is called on a value it
-    passes through, so the value cannot object either), and the
-    ``state_dict()`` call itself does not say which kind was asked for. The
-    options are an argument of torch's public entry points, so this pre-hook
-    looks for an enclosing call of one of them and reads its ``options``; if
-    it asks for a full state dict, every rank raises here, before any
-    collective, naming what works instead. The sharded form
-    (``full_state_dict=False``) works as it is, through DCP's protocol on
-    ``hp_dtensor.DTensor``, and so do the setters with full tensors (each
-    rank cuts its shard in the load pre-hook). ``get_optimizer_state_dict``
-    with ``full_state_dict=True`` never calls into hp_fsdp and cannot be
-    caught here (see the README).
-    """
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if (
-            code.co_name in _TORCH_STATE_DICT_GETTERS
-            and frame.f_globals.get("__name__") == _TORCH_STATE_DICT_MODULE
-        ):
-            options = frame.f_locals.get("options")
-            if getattr(options, "full_state_dict", False):
-                raise NotImplementedError(
-                    f"torch.distributed.checkpoint.state_dict.{code.co_name}(..., options=StateDictOptions("
-                    f"full_state_dict=True, cpu_offload={getattr(options, 'cpu_offload', None)}, ...)) "
-                    "cannot gather an hp_fsdp model: torch gathers only torch.distributed.tensor.DTensor "
-                    "values and would return each rank's local shard of hp_fsdp's hp_dtensor.DTensor "
-                    "parameters as if it were the full tensor. For a full state dict gather on every rank: "
-                    "{k: v.full_tensor() if isinstance(v, hp_dtensor.DTensor) else v for k, v in "
-                    "model.state_dict().items()} (add .cpu() to each value to keep them off the device; "
-                    "keep the result on rank 0 only if you like). For a checkpoint use "
-                    "full_state_dict=False (sharded DTensors) with torch.distributed.checkpoint. Loading a "
-                    "full state dict works: model.load_state_dict(full) or set_model_state_dict(model, "
-                    "full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=...))."
-                )
-            return
-        frame = frame.f_back
+    paths = _unit_paths(roots, states)
+    for state in states:
+        state.set_fqn(", ".join(paths[id(state)]))
+    pending = [s for s in states if not s.agreed]
+    if not pending:
+        return
+    names = {key: value[0] or "<root>" for key, value in paths.items()}
+    check_agreement(names, pending)
+    for state in pending:
+        if state.group is not None:  # a name every rank shares: it tags the unit's reductions
+            state.group.unit_name = names[id(state)]
 
 
 def _streams_overlap() -> bool:
@@ -294,6 +169,60 @@ def _streams_overlap() -> bool:
 # fp32 parameters, ratio 1.056 to torch's fully_shard). So on CPU each unit
 # waits for its own reduction before its post-backward returns, and the send
 # buffer is freed before the next unit's backward allocates.
+
+
+# -- explicit prefetch lists ---------------------------------------------------------------
+
+
+def prefetch_states(what: str, modules: Any, owner: FSDPState) -> list[FSDPState]:
+    """The units named in a ``set_modules_to_*_prefetch`` list; all checked before any is recorded.
+
+    Whether they share ``owner``'s root can only be told once the root is
+    known: here when the tree already ran, otherwise at the root's first
+    forward (:func:`check_prefetch_under_root`).
+    """
+    if isinstance(modules, nn.Module) or not isinstance(modules, (list, tuple)):
+        raise TypeError(
+            f"{what}: modules is a {type(modules).__name__}, not a list; pass a list of fully_shard-ed "
+            f"modules, e.g. [{type(modules).__name__ if isinstance(modules, nn.Module) else 'block'}]."
+        )
+    states: list[FSDPState] = []
+    for index, module in enumerate(modules):
+        state = get_state(module) if isinstance(module, nn.Module) else None
+        if state is None:
+            raise ValueError(
+                f"{what}: modules[{index}] ({type(module).__name__}) was not passed to fully_shard; only "
+                "fully_shard-ed modules can be prefetched. Call fully_shard on it first."
+            )
+        states.append(state)
+    context = owner.context
+    if context is not None:
+        for index, state in enumerate(states):
+            if state not in context.states:
+                raise ValueError(
+                    f"{what}: modules[{index}] ({type(state.modules[0]).__name__}) is a unit of another root "
+                    f"than {type(owner.modules[0]).__name__}, so its gather would never be used there; "
+                    "prefetch only units that run under the same root module."
+                )
+    return states
+
+
+def check_prefetch_under_root(states: Sequence[FSDPState]) -> None:
+    """Every explicit prefetch target of ``states`` (one root's units) is one of them."""
+    members = set(map(id, states))
+    for state in states:
+        for what, targets in (
+            ("set_modules_to_forward_prefetch", state.forward_prefetch),
+            ("set_modules_to_backward_prefetch", state.backward_prefetch),
+        ):
+            for target in targets or ():
+                if id(target) not in members:
+                    raise ValueError(
+                        f"{what}: {type(state.modules[0]).__name__} prefetches "
+                        f"{type(target.modules[0]).__name__}, a unit outside the root "
+                        f"{type(states[0].modules[0]).__name__} it runs under, so the gather would never be "
+                        "used; prefetch only units under the same root module."
+                    )
 
 
 class RootContext:
@@ -368,7 +297,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _eager(fn: Any) -> Any:
+def eager(fn: Any) -> Any:
     """Run a hook eagerly, outside any compiled graph ([Note: hooks under torch.compile]).
 
     [Note: hooks under torch.compile]
@@ -413,33 +342,26 @@ class FSDPState:
         # reshards to groups of N ranks ([Note: reshard to groups of N ranks] in post_forward.py)
         self.reshard_after_forward: bool | int | None = None
         self.agreed = False  # compared with the other ranks: see [Note: cross-rank agreement]
+        # the FQN under the root, FSDP2's format ("" for the root), and the name logs show: set by agree
+        self.fqn = ""
+        self.log_name = f"<{type(self.modules[0]).__name__}>"
         self._ran: set[int] = set()
-        self._handles: list[Any] = []
+        self.handles: list[Any] = []
         for module in self.modules:
             module.__dict__[STATE_ATTR] = self
-            self._handles.append(
+            self.handles.append(
                 module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             )
-            self._handles.append(module.register_forward_hook(self._post_forward, prepend=False))
-            self._handles.append(module.register_state_dict_pre_hook(self._state_dict_pre_hook))
+            self.handles.append(module.register_forward_hook(self._post_forward, prepend=False))
 
     # -- lazy init ----------------------------------------------------------------------------
 
     def _lazy_init(self) -> None:
         """Make this unit the root of every unit below it (see [Note: the hook sequence])."""
-        states: list[FSDPState] = []
-        seen: set[int] = set()
-        for module in self.modules:
-            for sub in module.modules():
-                state = get_state(sub)
-                if state is not None and id(state) not in seen:
-                    seen.add(id(state))
-                    states.append(state)
+        states = states_below(self.modules)
         # Before anything is recorded or gathered, so a rejected tree is left as it was; the
         # prefetch check reads facts the agreement compared, so every rank decides alike.
-        pending = [s for s in states if not s.agreed]
-        if pending:
-            check_agreement(self.modules, states, pending)
+        agree(self.modules, states)
         check_prefetch_under_root(states)
         context = RootContext(states)
         for state in states:
@@ -447,6 +369,13 @@ class FSDPState:
             state.context = context
         for state in states:
             state.apply_reshard_after_forward()
+
+    def set_fqn(self, fqn: str) -> None:
+        """Name the unit in profiler labels and debug logs (``""``: the root, logged as ``<root>``)."""
+        self.fqn = fqn
+        self.log_name = fqn or "<root>"
+        if self.group is not None:
+            self.group.fqn, self.group.log_name = self.fqn, self.log_name
 
     def set_reshard_after_forward(self, value: bool | int | None) -> None:
         """Record the requested behaviour (None: FSDP2's default; validated already) and apply it."""
@@ -468,10 +397,11 @@ class FSDPState:
 
     # -- forward ------------------------------------------------------------------------------
 
-    @_eager
-    @labelled("FSDP::pre_forward")
+    @eager
+    @labelled("FSDP::pre_forward", of_self("fqn"))
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         context = self._root_context()
+        logger.debug("FSDP::pre_forward (%s)", self.log_name)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if _in_backward():
@@ -535,9 +465,10 @@ class FSDPState:
             flat[i] = tensor
         return pytree.tree_unflatten(flat, spec)
 
-    @_eager
-    @labelled("FSDP::post_forward")
+    @eager
+    @labelled("FSDP::post_forward", of_self("fqn"))
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        logger.debug("FSDP::post_forward (%s)", self.log_name)
         if _in_backward():  # see [Note: forward in backward]: keep the parameters for this backward
             if self.mp_policy.output_dtype is not None:
                 output = _cast_floats(output, self.mp_policy.output_dtype)
@@ -558,19 +489,13 @@ class FSDPState:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         return output
 
-    @_eager
-    def _state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        """A state dict holds shards: reshard a unit left gathered (the root after forward)."""
-        _refuse_torch_full_state_dict()
-        if self.group is not None and self.group.is_unsharded:
-            self.group.reshard()
-
     # -- backward -----------------------------------------------------------------------------
 
-    @_eager
-    @labelled("FSDP::pre_backward")
+    @eager
+    @labelled("FSDP::pre_backward", of_self("fqn"))
     def _pre_backward(self, grad: Any) -> None:
         context = self._root_context()
+        logger.debug("FSDP::pre_backward (%s)", self.log_name)
         if not context.callback_queued:
             context.callback_queued = True
             root = next(s for s in context.states if s.is_root)
@@ -596,8 +521,8 @@ class FSDPState:
                 return [order[index - 1]]
         return []
 
-    @_eager
-    @labelled("FSDP::post_backward")
+    @eager
+    @labelled("FSDP::post_backward", of_self("fqn"))
     def post_backward(self, *, final: bool = False) -> None:
         """Reduce this unit's gradients and reshard (once per forward call of the unit).
 
@@ -616,6 +541,7 @@ class FSDPState:
         group = self.group
         if group is None or (group.post_backward_done and not final):
             return
+        logger.debug("FSDP::post_backward (%s)", self.log_name)
         group.post_backward_runs += 1
         if not final and group.post_backward_runs < group.forward_calls:
             return  # earlier calls of the module still run backward on the gathered parameters
@@ -630,10 +556,11 @@ class FSDPState:
         if group.reshard_after_backward:
             group.reshard()
 
-    @_eager
+    @eager
     @labelled("FSDP::root_post_backward_callback")
     def _final_callback(self) -> None:
         context = self._root_context()
+        logger.debug("FSDP::root_post_backward_callback (%s)", self.log_name)
         for state in reversed(context.states):
             group = state.group
             if group is None:
