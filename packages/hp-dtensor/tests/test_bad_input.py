@@ -518,7 +518,7 @@ LOCAL = [
         lambda c: Partial("mean"),
         ValueError,
         r"'mean'",
-        r"one of \['sum', 'avg', 'max', 'min'\]",
+        r"one of \['sum', 'avg', 'max', 'min', 'norm'\]",
     ),
     Bad("Partial(int)", lambda c: Partial(5), TypeError, r"reduce_op=5", r"Partial\('sum'\)"),
     Bad(

@@ -101,3 +101,24 @@ def test_from_torch_and_gradients(rank, device_mesh_factory) -> None:  # type: i
     ragged = DTensor.from_local(torch.ones([3, 0, 1, 2][rank], 2), line, [Shard(0)], shape=(6, 2))
     with pytest.raises(ValueError, match="ragged"):
         to_torch_dtensor(ragged)
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("p", [2.0, 3.0, float("inf"), float("-inf")])
+def test_norm_partials_cross_both_ways(rank, device_mesh_factory, p) -> None:  # type: ignore[no-untyped-def]
+    """torch's ``_NormPartial`` says reduce_op "sum": read as a plain sum it gave wrong values."""
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+    mesh = device_mesh_factory((2,))
+    x = torch.randn(6, 5, dtype=torch.float64)
+    want = torch.linalg.vector_norm(x, p)
+    ours = torch.linalg.vector_norm(distribute_tensor(x, mesh, [Shard(0)]), p)
+    assert ours.placements[0].is_partial()
+    torch.testing.assert_close(to_torch_dtensor(ours).full_tensor(), want)
+    theirs = torch.linalg.vector_norm(td.distribute_tensor(x, mesh.to_torch(), [td.Shard(0)]), p)
+    if isinstance(theirs.placements[0], _NormPartial):
+        back = from_torch_dtensor(theirs, mesh)
+        assert back.placements == (Partial("norm", p),)
+    else:
+        back = from_torch_dtensor(theirs, mesh)
+    torch.testing.assert_close(back.full_tensor(), want)

@@ -31,22 +31,42 @@ def _to_torch_placement(placement: Placement) -> Any:
     if isinstance(placement, Shard):
         return TShard(placement.dim)
     if isinstance(placement, Partial):
+        if placement.reduce_op == "norm":
+            return _torch_norm_partial(placement.norm_type)
         return TPartial(placement.reduce_op)
     return TReplicate()
+
+
+def _torch_norm_partial(norm_type: float) -> Any:
+    """torch's form of ``Partial("norm", p)``: its ``_NormPartial`` for finite p, max / min for +-inf."""
+    from torch.distributed.tensor import Partial as TPartial
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+    if norm_type == float("inf"):
+        return TPartial("max")
+    if norm_type == float("-inf"):
+        return TPartial("min")
+    return _NormPartial(norm_type)
 
 
 def _from_torch_placement(placement: Any, placements: Any) -> Placement:
     unsupported = ValueError(
         f"from_torch_dtensor: placement {placement!r} (of {list(placements)}) has no hp_dtensor equivalent; "
-        "hp_dtensor has Shard(dim), Replicate() and Partial('sum' | 'avg' | 'max' | 'min'). Redistribute "
-        "the torch DTensor to one of those first, e.g. t.redistribute(placements=[Replicate()] * mesh.ndim)."
+        "hp_dtensor has Shard(dim), Replicate() and Partial('sum' | 'avg' | 'max' | 'min' | 'norm'). "
+        "Redistribute the torch DTensor to one of those first, e.g. "
+        "t.redistribute(placements=[Replicate()] * mesh.ndim)."
     )
     # _StridedShard (FSDP2 + TP) also answers is_shard(), but cuts in strides: mapping it to a plain
     # Shard would silently describe the wrong elements.
     if placement.is_shard() and type(placement).__name__ == "Shard":
         return Shard(placement.dim)
     if placement.is_partial():
-        if str(placement.reduce_op) not in PARTIAL_OPS:
+        # torch's p-norm partial says reduce_op "sum" but reduces |x|^p: read as a plain sum it would
+        # silently give wrong values, so it maps to our norm partial; other subclasses are refused.
+        kind = type(placement).__name__
+        if kind == "_NormPartial":
+            return Partial("norm", float(placement.norm_type))
+        if kind != "Partial" or str(placement.reduce_op) not in PARTIAL_OPS:
             raise unsupported
         return Partial(str(placement.reduce_op))
     if placement.is_replicate():

@@ -39,7 +39,7 @@ def register_placements() -> None:
     }
     extra: dict[type, dict[str, Any]] = {
         Shard: {"dim": MemberType.USE_REAL},
-        Partial: {"reduce_op": MemberType.USE_REAL},
+        Partial: {"reduce_op": MemberType.USE_REAL, "norm_type": MemberType.USE_REAL},
     }
     for cls in (Shard, Replicate, Partial):
         if not is_opaque_type(cls):
