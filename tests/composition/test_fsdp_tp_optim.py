@@ -12,8 +12,10 @@ torch's own FSDP2 x TP cannot mix a 1-D and a 2-D mesh in ``clip_grad_norm_``
 (its ``stack`` of the norms refuses); torchtitan therefore replicates the
 layers TP does not cut over ``tp`` (``layout="all-2d"`` here: every parameter
 on a 2-D mesh, ours ``("dp", "tp")`` or the permuted ``("tp", "dp")``),
-which is the case at torch's parity; ``layout="tp-plan"`` (the plan alone,
-the other layers plain) is the mix torch refuses and we are to take.
+which is the case at torch's parity. The plan alone, the other layers plain,
+mixes ``("dp",)`` with the 2-D mesh: a DTensor on ``("dp",)`` is not known to
+be equal across ``tp``, so hp refuses it as torch does, on every rank, with
+torchtitan's fix in the message (the last test).
 
 Each case trains examples/llama_3d.py's decoder (embedding, Llama blocks with
 grouped-query attention heads and the SwiGLU split over ``tp``, RMSNorms,
@@ -38,6 +40,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import hp_core
 import pytest
 import torch
 import torch.distributed as dist
@@ -182,33 +185,47 @@ def _replicate_over_tp(model: nn.Module, tp_mesh: Any) -> None:
         distribute_module(module, tp_mesh, input_fn=_replicated_input, output_fn=_local_output)
 
 
-# layout -> the meshes the parameters end on
-LAYOUTS: dict[str, set[tuple[str, ...]]] = {
-    "tp-plan": {("dp",), ("dp", "tp"), ("tp", "dp")},
-    "all-2d": {("dp", "tp"), ("tp", "dp")},
-}
-
-
-@pytest.mark.distributed(world_size=4, timeout=240)
-@pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_fsdp_x_tp_clip_grad_norm_and_adamw(
-    rank: int, device_mesh_factory: Any, layout: str, optim: str
-) -> None:
-    """dp=2 x tp=2: the parameters span the meshes of ``LAYOUTS[layout]``, one foreach list."""
-    mesh = device_mesh_factory((2, 2), ("dp", "tp"))
+def _fsdp_x_tp(mesh: Any, replicate_plain_layers: bool) -> tuple[nn.Module, nn.Module]:
+    """The model under TP on ``mesh["tp"]`` and fully_shard on ``mesh["dp"]``, and its plain copy."""
     model = _build()
     reference = copy.deepcopy(model)
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], TP_PLAN)
-    if layout == "all-2d":
+    if replicate_plain_layers:
         _replicate_over_tp(model, mesh["tp"])
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
+    return model, reference
+
+
+@pytest.mark.distributed(world_size=4, timeout=240)
+@pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
+def test_fsdp_x_tp_clip_grad_norm_and_adamw(rank: int, device_mesh_factory: Any, optim: str) -> None:
+    """dp=2 x tp=2: the parameters span ("dp", "tp") and the permuted ("tp", "dp"), one foreach list."""
+    mesh = device_mesh_factory((2, 2), ("dp", "tp"))
+    model, reference = _fsdp_x_tp(mesh, replicate_plain_layers=True)
     meshes = {p.device_mesh.mesh_dim_names for p in model.parameters()}
-    assert meshes == LAYOUTS[layout], meshes  # what the case is about
-    _train(model, reference, mesh, optim, f"fsdp x tp ({layout}), {optim} AdamW")
+    assert meshes == {("dp", "tp"), ("tp", "dp")}, meshes  # what the case is about
+    _train(model, reference, mesh, optim, f"fsdp x tp, {optim} AdamW")
+
+
+@pytest.mark.distributed(world_size=4, timeout=240)
+def test_fsdp_x_tp_with_plain_layers_on_the_dp_mesh_is_refused_with_the_fix(
+    rank: int, device_mesh_factory: Any
+) -> None:
+    """Parameters on ("dp",) and on the 2-D mesh in one clip: refused on every rank, naming the fix."""
+    mesh = device_mesh_factory((2, 2), ("dp", "tp"))
+    model, _ = _fsdp_x_tp(mesh, replicate_plain_layers=False)
+    meshes = {p.device_mesh.mesh_dim_names for p in model.parameters()}
+    assert meshes == {("dp",), ("dp", "tp"), ("tp", "dp")}, meshes
+    tokens, targets = _batch(0, mesh.size("dp") * PER_RANK)
+    _loss(model, tokens[:PER_RANK], targets[:PER_RANK]).backward()
+    with fallback_policy("error"), record_collectives() as log:
+        with pytest.raises(ValueError, match=r"not known to be equal across \('tp',\).*distribute_module"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    assert not any(r.name == "all_gather_into_tensor" for r in log), dict(log.counts())
+    assert hp_core.all_gather_object("refused") == ["refused"] * 4
 
 
 @pytest.mark.distributed(world_size=2, timeout=240)

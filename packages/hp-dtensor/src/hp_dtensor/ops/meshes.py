@@ -66,7 +66,8 @@ def on_mesh(dt: Any, mesh: Any, func: Any) -> Any:
         raise ValueError(
             f"{func}: DTensor arguments live on different meshes ({mesh!r} and {layout.mesh!r}); an op "
             "needs all of its DTensors on one mesh (or on permutations of one mesh, like ('dp', 'tp') and "
-            "('tp', 'dp')). Move one with full_tensor() + distribute_tensor()."
+            f"('tp', 'dp')).{_submesh_hint(mesh, layout.mesh)} Move one with full_tensor() + "
+            "distribute_tensor()."
         )
     shard_dims = [p.dim for p in layout.placements if isinstance(p, Shard)]
     if len(shard_dims) != len(set(shard_dims)):
@@ -127,3 +128,25 @@ def _permuted_ranks(
     for coord in itertools.product(*(range(shape[i]) for i in order)):
         out.append(ranks[sum(c * strides[i] for c, i in zip(coord, order, strict=True))])
     return tuple(out)
+
+
+def _submesh_hint(a: Any, b: Any) -> str:
+    """When one mesh's dims are a subset of the other's: why that is refused, and the usual fix.
+
+    A DTensor on ``("dp",)`` says nothing about the ranks of ``tp``: its
+    values are the same there only if the program made them so, which
+    hp_dtensor (like torch's DTensor) does not assume. FSDP x TP models meet
+    this when the layers TP does not shard stay plain before ``fully_shard``.
+    """
+    names_a, names_b = a.mesh_dim_names, b.mesh_dim_names
+    if not names_a or not names_b or set(names_a) == set(names_b):
+        return ""
+    small, large = (names_a, names_b) if len(names_a) < len(names_b) else (names_b, names_a)
+    missing = [n for n in large if n not in small]
+    if not set(small) <= set(large) or not missing:
+        return ""
+    return (
+        f" The DTensors on {small} are not known to be equal across {tuple(missing)}; put them on the "
+        f"larger mesh: replicate the layers tensor parallelism leaves whole over {missing[0]!r} "
+        f"(distribute_module(module, mesh[{missing[0]!r}]) before fully_shard, as torchtitan does)."
+    )
