@@ -1,26 +1,10 @@
 """The communication of one unit: all-gather parameters in, reduce gradients out.
 
-[Note: fused buckets]
-With ``comm_fusion=True`` a unit issues one collective per direction no matter
-how many parameters it holds:
-
-* all-gather: each rank copies its padded shards of every parameter, cast to
-  the compute dtype, into its own segment of one flat output buffer
-  (*copy-in*; the all-gather input aliases that segment, so no separate input
-  buffer exists), gathers once, and then splits the ``W x S`` result into each
-  parameter's stable gathered buffer with one ``split_with_sizes_copy``
-  (*copy-out*, see [Note: stable unsharded views] in :mod:`hp_fsdp.param`);
-* reduce-scatter: the full gradients are chunked (padded like the shards) and
-  interleaved into one ``W x S`` buffer in the reduce dtype with one
-  ``_chunk_cat``, reduce-scattered once, and each parameter's gradient shard
-  is a slice of the ``S``-element result;
-* HSDP all-reduce: that ``S``-element result is all-reduced once across the
-  replicate dim.
-
-``comm_fusion=False`` runs the same steps parameter by parameter (one
-collective per parameter) on the same padded layout, so both paths produce
-bit-identical numbers; it exists as a fallback and to measure what fusion
-buys.
+Per unit one all-gather in, one reduce-scatter out (and for HSDP one
+all-reduce), fused into one buffer per direction ([Note: fused buckets],
+beside :func:`all_gather_params`). Every reduction carries per-parameter
+gradient flags and the unit's tag ([Note: gradient flags], [Note: one unit's
+reduction met another's]).
 """
 
 from __future__ import annotations
@@ -109,6 +93,29 @@ class AllGatherHandle:
         self.output = None
         self.works = []
         self.done = True
+
+
+# [Note: fused buckets]
+# With ``comm_fusion=True`` a unit issues one collective per direction no matter
+# how many parameters it holds:
+#
+# * all-gather: each rank copies its padded shards of every parameter, cast to
+#   the compute dtype, into its own segment of one flat output buffer
+#   (*copy-in*; the all-gather input aliases that segment, so no separate input
+#   buffer exists), gathers once, and then splits the ``W x S`` result into each
+#   parameter's stable gathered buffer with one ``split_with_sizes_copy``
+#   (*copy-out*, see [Note: stable unsharded views] in :mod:`hp_fsdp.param`);
+# * reduce-scatter: the full gradients are chunked (padded like the shards) and
+#   interleaved into one ``W x S`` buffer in the reduce dtype with one
+#   ``_chunk_cat``, reduce-scattered once, and each parameter's gradient shard
+#   is a slice of the ``S``-element result;
+# * HSDP all-reduce: that ``S``-element result is all-reduced once across the
+#   replicate dim.
+#
+# ``comm_fusion=False`` runs the same steps parameter by parameter (one
+# collective per parameter) on the same padded layout, so both paths produce
+# bit-identical numbers; it exists as a fallback and to measure what fusion
+# buys.
 
 
 @labelled("FSDP::all_gather", of_kwarg("fqn"))

@@ -1,54 +1,11 @@
 """One managed parameter: its sharded DTensor, its padded shard slot, its gathered form.
 
-[Note: padded shards]
-A parameter of size ``d`` along its shard dim is cut like ``torch.chunk`` over
-``W`` ranks: chunks of ``c = ceil(d / W)`` rows, the trailing ranks holding
-fewer rows or none. Collectives need equal sizes, so every rank contributes a
-*padded* chunk of exactly ``c`` rows (zeros past its real rows). For shard
-dim 0 the ``W`` padded chunks laid end to end are the global rows followed by
-the padding, so the gathered parameter is simply the first ``numel`` elements
-of the gathered buffer: a view, no copy. Other shard dims need one copy to
-interleave the chunks (see :meth:`FSDPParam.finish_copy_out`).
-
-[Note: stable unsharded views]
-Autograd saves the gathered parameters that forward ops use (a linear saves
-its weight). When a unit reshards after forward we free the *storage* of the
-gathered buffer (``untyped_storage().resize_(0)``) but keep the tensor objects;
-before backward the storage is re-allocated and refilled in place, so every
-view autograd saved sees the right values again. This is why the gathered
-buffer of a parameter is allocated once and then only resized.
-
-[Note: the registered parameter]
-Between iterations the module holds the sharded ``nn.Parameter`` (a DTensor),
-so optimizers, ``state_dict()`` and ``named_parameters()`` see shards. While a
-unit is gathered, the module attribute is swapped to a plain
-``nn.Parameter`` viewing the gathered buffer, so the module's forward runs on
-ordinary tensors and autograd accumulates the full gradient there.
-
-[Note: FSDP x TP]
-A parameter that is already an ``hp_dtensor.DTensor`` over a 1-D tensor-parallel
-mesh (from ``parallelize_module``) is managed through its *TP-local* tensor:
-everything above (chunking, padding, gathering, reduce-scatter) treats the
-local tensor as "the parameter". The gathered form registered on the module
-is that tensor wrapped again as a DTensor with the TP layout, so the TP
-forward hooks and DTensor ops see what they saw before ``fully_shard``.
-
-The sharded form is a DTensor over the combined mesh of the data-parallel
-dims and the TP dim, with a layout that is exact for what each rank holds:
-
-* the TP placement shards another tensor dim than FSDP (row-wise weights) or
-  replicates: the mesh is ``(*dp_dims, tp)`` with placements
-  ``(*dp_placements, tp_placement)``, e.g. ``(Shard(0), Shard(1))``;
-* the TP placement shards the same dim as FSDP (column-wise weight and
-  bias): FSDP cuts the TP-local rows again, so rank ``(dp=i, tp=j)`` holds
-  rows starting at ``offset_tp(j) + offset_dp(i)`` -- TP-major, which is
-  what torch's ``_StridedShard`` expresses. hp_dtensor orders nested shards
-  of one dim by mesh dim, so the mesh is ordered with the TP dim *before*
-  the FSDP shard dim, e.g. ``("tp", "dp")`` with ``(Shard(0), Shard(0))``.
-
-Uneven sizes are recorded in the layout's ragged table (computed locally,
-no communication), so ``full_tensor()``, redistribution and DCP offsets are
-exact.
+A parameter is cut like ``torch.chunk`` and padded inside the collectives
+([Note: padded shards]); its gathered buffer is allocated once and only
+resized ([Note: stable unsharded views]); the module holds the shard or the
+gathered tensor by turns ([Note: the registered parameter]); a parameter TP
+already sharded is managed through its TP-local tensor ([Note: FSDP x TP]).
+The notes sit next to the code they explain.
 """
 
 from __future__ import annotations
@@ -80,6 +37,42 @@ class ParamInfo:
 def _set_module_param(info: ParamInfo, value: nn.Parameter) -> None:
     """Register ``value`` under the attribute without nn.Module's type checks or hooks (fast path)."""
     info.module._parameters[info.name] = value
+
+
+# [Note: padded shards]
+# A parameter of size ``d`` along its shard dim is cut like ``torch.chunk`` over
+# ``W`` ranks: chunks of ``c = ceil(d / W)`` rows, the trailing ranks holding
+# fewer rows or none. Collectives need equal sizes, so every rank contributes a
+# *padded* chunk of exactly ``c`` rows (zeros past its real rows). For shard
+# dim 0 the ``W`` padded chunks laid end to end are the global rows followed by
+# the padding, so the gathered parameter is simply the first ``numel`` elements
+# of the gathered buffer: a view, no copy. Other shard dims need one copy to
+# interleave the chunks (see :meth:`FSDPParam.finish_copy_out`).
+#
+# [Note: FSDP x TP]
+# A parameter that is already an ``hp_dtensor.DTensor`` over a 1-D tensor-parallel
+# mesh (from ``parallelize_module``) is managed through its *TP-local* tensor:
+# everything above (chunking, padding, gathering, reduce-scatter) treats the
+# local tensor as "the parameter". The gathered form registered on the module
+# is that tensor wrapped again as a DTensor with the TP layout, so the TP
+# forward hooks and DTensor ops see what they saw before ``fully_shard``.
+#
+# The sharded form is a DTensor over the combined mesh of the data-parallel
+# dims and the TP dim, with a layout that is exact for what each rank holds:
+#
+# * the TP placement shards another tensor dim than FSDP (row-wise weights) or
+#   replicates: the mesh is ``(*dp_dims, tp)`` with placements
+#   ``(*dp_placements, tp_placement)``, e.g. ``(Shard(0), Shard(1))``;
+# * the TP placement shards the same dim as FSDP (column-wise weight and
+#   bias): FSDP cuts the TP-local rows again, so rank ``(dp=i, tp=j)`` holds
+#   rows starting at ``offset_tp(j) + offset_dp(i)`` -- TP-major, which is
+#   what torch's ``_StridedShard`` expresses. hp_dtensor orders nested shards
+#   of one dim by mesh dim, so the mesh is ordered with the TP dim *before*
+#   the FSDP shard dim, e.g. ``("tp", "dp")`` with ``(Shard(0), Shard(0))``.
+#
+# Uneven sizes are recorded in the layout's ragged table (computed locally,
+# no communication), so ``full_tensor()``, redistribution and DCP offsets are
+# exact.
 
 
 class FSDPParam:
@@ -287,17 +280,20 @@ class FSDPParam:
         local = local_tensor(self.sharded_param)  # type: ignore[arg-type]  # the Parameter is a DTensor
         return local.detach() if local.requires_grad else local
 
-    def set_local_shard(self, local: torch.Tensor) -> None:
-        """Copy ``local`` into the shard in place (keeps optimizer state keyed by the Parameter)."""
-        with torch.no_grad():
-            self.local_shard().copy_(local)
-
     # -- gathered state -----------------------------------------------------------------
 
     @property
     def gathered_numel(self) -> int:
         """Elements of the padded gathered buffer: ``world`` padded chunks."""
         return self.world * self.padded_numel
+
+    # [Note: stable unsharded views]
+    # Autograd saves the gathered parameters that forward ops use (a linear saves
+    # its weight). When a unit reshards after forward we free the *storage* of the
+    # gathered buffer (``untyped_storage().resize_(0)``) but keep the tensor objects;
+    # before backward the storage is re-allocated and refilled in place, so every
+    # view autograd saved sees the right values again. This is why the gathered
+    # buffer of a parameter is allocated once and then only resized.
 
     def alloc_unsharded(self, dtype: torch.dtype) -> torch.Tensor:
         """The flat gathered buffer, (re)allocated in place; see [Note: stable unsharded views]."""
@@ -452,6 +448,13 @@ class FSDPParam:
         buffer = buffer if buffer is not None else self._unsharded_buffer
         return buffer is not None and buffer.untyped_storage().size() != 0
 
+    # [Note: the registered parameter]
+    # Between iterations the module holds the sharded ``nn.Parameter`` (a DTensor),
+    # so optimizers, ``state_dict()`` and ``named_parameters()`` see shards. While a
+    # unit is gathered, the module attribute is swapped to a plain
+    # ``nn.Parameter`` viewing the gathered buffer, so the module's forward runs on
+    # ordinary tensors and autograd accumulates the full gradient there.
+
     def to_unsharded_module_param(self) -> None:
         """Point the owning modules at the gathered parameter (see [Note: the registered parameter])."""
         assert self.unsharded_param is not None
@@ -465,11 +468,6 @@ class FSDPParam:
             _set_module_param(info, self.sharded_param)
 
     # -- gradients ----------------------------------------------------------------------
-
-    def has_unsharded_grad(self) -> bool:
-        """Whether a full gradient waits to be reduced (on the gathered param or accumulated)."""
-        full = self.unsharded_param
-        return (full is not None and full.grad is not None) or self.unsharded_accumulated_grad is not None
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """The full gradient accumulated since the last reduction (and clear it from the param)."""

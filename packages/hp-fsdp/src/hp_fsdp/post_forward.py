@@ -1,45 +1,10 @@
 """``reshard_after_forward=N``: after forward, keep the parameters sharded over groups of N ranks.
 
-[Note: reshard to groups of N ranks]
-With ``reshard_after_forward=True`` a unit frees its gathered parameters
-after forward and gathers them again over the whole shard group (``S`` ranks)
-for backward. With an int ``N`` (FSDP2's third form) each rank instead keeps
-``1/N`` of the gathered buffer after forward, so backward's all-gather runs
-over ``N`` ranks only: on a real cluster ``N`` is the ranks of one node, and
-the backward gather stays on the fast intra-node links. The price is memory:
-``S/N`` shards per rank between forward and backward instead of one.
-
-The ranks are split like FSDP2's ``mesh.view(-1, N)``: the shard line of
-``S`` ranks is cut into ``S/N`` groups of ``N`` consecutive ranks, and every
-group holds the whole unit. The gathered buffer of a parameter is ``S``
-padded chunks, rank-major ([Note: padded shards] in :mod:`hp_fsdp.param`);
-rank ``j`` of a group keeps chunks ``j*S/N`` to ``(j+1)*S/N - 1``, one
-contiguous slice. Gathering those ``N`` slices over the group rebuilds the
-same buffer in the same order, so the backward gather reuses the forward's
-copy-out unchanged, with ``N`` in place of ``S``. Each rank's input to
-that gather is ``S/N`` chunks instead of one, and its output (the payload)
-is the unit's whole padded size, as in forward; what is smaller is the
-traffic per rank, ``(N-1)/N`` of the payload instead of ``(S-1)/S``, and the
-links it crosses (the group only).
-
-Values: ``N`` must divide ``S``; ``N == S`` is ``True`` (every rank keeps
-its own chunk, which is the shard) and ``N == 1`` is ``False`` (a rank keeps
-all chunks: nothing is freed), with a warning that ``1`` is not ``True``, as
-in FSDP2. The pieces serve the backward of the forward that kept them: a
-forward run without grad (evaluation, or the first forward of reentrant
-checkpointing) reshards fully, since no backward will come, and every full
-reshard (after backward, by the root at the end of the iteration,
-``reshard()``, ``model.to(...)``) drops them.
-
-The groups are new process groups. hp_core creates a group collectively
-over the default group, every rank for every group in the same order
-([Note: group cache] in :mod:`hp_core.mesh`), and caches it by its ranks, so
-each rank builds every group's 1-D mesh from the mesh's rank table, which is
-the same on every rank only when the mesh spans the whole world. A slice of
-a larger mesh (``mesh["dp"]`` beside ``tp`` or ``pp``) shows each rank only
-its own line: that case is refused for now (see
-:func:`check_reshard_after_forward`), unless ``N`` is 1
-or ``S``, which need no group.
+An int ``N`` dividing the shard dim's ``S`` ranks: each rank keeps ``1/N``
+of the gathered unit after forward, so backward all-gathers over its group of
+``N`` consecutive ranks only (on a cluster, one node's fast links). What is
+kept, how the groups are built and which values are valid: [Note: reshard to
+groups of N ranks] below.
 """
 
 from __future__ import annotations
@@ -58,6 +23,48 @@ __all__ = [
     "group_sizes",
     "resolve",
 ]
+
+
+# [Note: reshard to groups of N ranks]
+# With ``reshard_after_forward=True`` a unit frees its gathered parameters
+# after forward and gathers them again over the whole shard group (``S`` ranks)
+# for backward. With an int ``N`` (FSDP2's third form) each rank instead keeps
+# ``1/N`` of the gathered buffer after forward, so backward's all-gather runs
+# over ``N`` ranks only: on a real cluster ``N`` is the ranks of one node, and
+# the backward gather stays on the fast intra-node links. The price is memory:
+# ``S/N`` shards per rank between forward and backward instead of one.
+#
+# The ranks are split like FSDP2's ``mesh.view(-1, N)``: the shard line of
+# ``S`` ranks is cut into ``S/N`` groups of ``N`` consecutive ranks, and every
+# group holds the whole unit. The gathered buffer of a parameter is ``S``
+# padded chunks, rank-major ([Note: padded shards] in :mod:`hp_fsdp.param`);
+# rank ``j`` of a group keeps chunks ``j*S/N`` to ``(j+1)*S/N - 1``, one
+# contiguous slice. Gathering those ``N`` slices over the group rebuilds the
+# same buffer in the same order, so the backward gather reuses the forward's
+# copy-out unchanged, with ``N`` in place of ``S``. Each rank's input to
+# that gather is ``S/N`` chunks instead of one, and its output (the payload)
+# is the unit's whole padded size, as in forward; what is smaller is the
+# traffic per rank, ``(N-1)/N`` of the payload instead of ``(S-1)/S``, and the
+# links it crosses (the group only).
+#
+# Values: ``N`` must divide ``S``; ``N == S`` is ``True`` (every rank keeps
+# its own chunk, which is the shard) and ``N == 1`` is ``False`` (a rank keeps
+# all chunks: nothing is freed), with a warning that ``1`` is not ``True``, as
+# in FSDP2. The pieces serve the backward of the forward that kept them: a
+# forward run without grad (evaluation, or the first forward of reentrant
+# checkpointing) reshards fully, since no backward will come, and every full
+# reshard (after backward, by the root at the end of the iteration,
+# ``reshard()``, ``model.to(...)``) drops them.
+#
+# The groups are new process groups. hp_core creates a group collectively
+# over the default group, every rank for every group in the same order
+# ([Note: group cache] in :mod:`hp_core.mesh`), and caches it by its ranks, so
+# each rank builds every group's 1-D mesh from the mesh's rank table, which is
+# the same on every rank only when the mesh spans the whole world. A slice of
+# a larger mesh (``mesh["dp"]`` beside ``tp`` or ``pp``) shows each rank only
+# its own line: that case is refused for now (see
+# :func:`check_reshard_after_forward`), unless ``N`` is 1
+# or ``S``, which need no group.
 
 
 @dataclass(frozen=True)

@@ -1,31 +1,11 @@
 """Per-unit state and the hooks that drive it through forward and backward.
 
-[Note: the hook sequence]
-For each unit (one ``fully_shard`` call):
-
-1. forward pre-hook: gather the parameters (or wait for a prefetched
-   gather), register the gathered tensors on the modules, start explicit
-   forward prefetches, and wrap the forward inputs in :class:`_PostBackward`
-   so that the unit learns when its backward has finished;
-2. forward post-hook: reshard (unless ``reshard_after_forward=False``; to
-   groups of N ranks for an int N, see [Note: reshard to groups of N ranks]
-   in :mod:`hp_fsdp.post_forward`) and register a multi-grad hook on the
-   outputs: the unit's *pre-backward*;
-3. pre-backward (first output gradient arrives): gather again if resharded,
-   then prefetch the unit that runs backward next (the previous one in
-   forward order on accelerators, see [Note: implicit prefetch], or the
-   explicit ``set_modules_to_backward_prefetch`` list);
-4. post-backward (the gradients of the unit's inputs are computed, so its
-   parameter gradients are too): reduce-scatter, reshard;
-5. the root's final callback, queued on the autograd engine by the first
-   pre-backward: run post-backward for units whose inputs did not need
-   gradients (the first unit, whose input is token ids, never gets step 4),
-   wait for every reduction in flight, reshard what is still gathered.
-
-The unit whose forward runs first, outermost, is the *root*. It is found
-lazily on the first forward; the root does not reshard after forward by
-default, because its backward runs right after the forward ends and would
-gather the same parameters again.
+Each unit gathers in its forward pre-hook, reshards in its post-hook, gathers
+again at its pre-backward (a multi-grad hook on its outputs) and reduces at
+its post-backward (an identity Function on its inputs); the root, the unit
+whose forward runs first, queues a final callback on the autograd engine.
+The whole sequence is [Note: the hook sequence] in the package README; the
+notes here explain the choices next to the code that makes them.
 """
 
 from __future__ import annotations
@@ -357,7 +337,7 @@ class FSDPState:
     # -- lazy init ----------------------------------------------------------------------------
 
     def _lazy_init(self) -> None:
-        """Make this unit the root of every unit below it (see [Note: the hook sequence])."""
+        """Make this unit the root of every unit below it ([Note: the hook sequence] in the README)."""
         states = states_below(self.modules)
         # Before anything is recorded or gathered, so a rejected tree is left as it was; the
         # prefetch check reads facts the agreement compared, so every rank decides alike.

@@ -183,7 +183,7 @@ def _register_load_hooks(group: FSDPParamGroup | None, modules: Sequence[nn.Modu
             _m: nn.Module = module,
         ) -> None:
             check_state_dict(_m, state_dict, prefix, strict)
-            states = states_below(_m)
+            states = states_below([_m])
             if _assigning(local_metadata):
                 _check_assign(_m, states, state_dict, prefix)
             for state in states:  # see [Note: loading into a gathered unit]
