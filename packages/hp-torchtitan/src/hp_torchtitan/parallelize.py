@@ -1,0 +1,112 @@
+"""torchtitan's parallelize function for its decoders, with hp_fsdp instead of torch's FSDP2.
+
+Same signature and the same FSDP units as torchtitan 0.3.0's
+``parallelize_llama`` + ``apply_fsdp_to_decoder`` for a dense decoder, so a
+:class:`torchtitan.protocols.model_spec.ModelSpec` can name it as its
+``parallelize_fn`` and torchtitan's trainer (or our CPU driver) calls it
+unchanged:
+
+* ``tok_embeddings`` one unit, every transformer block one unit, ``norm`` and
+  ``lm_head`` together one unit that keeps its parameters gathered after the
+  forward (the backward needs them first), the root last;
+* fp32 or the configured mixed precision, with ``cast_forward_inputs=False``;
+* gradient division off (``set_gradient_divide_factor(1.0)``): torchtitan's
+  loss is already a sum divided by the global count of valid tokens.
+
+What is not here yet raises before anything is applied: tensor, context,
+pipeline and expert parallelism, activation checkpointing, compile, CPU
+offload, weight tying (see the README's "Not yet").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from hp_fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from hp_torchtitan.meshes import hp_mesh_from_torch
+
+_RESHARD_POLICIES = ("default", "always", "never")
+
+
+def _reject(observed: str, fix: str) -> None:
+    raise NotImplementedError(f"hp_torchtitan.parallelize_decoder: {observed} is not supported yet; {fix}.")
+
+
+def _check_supported(model: nn.Module, parallel_dims: Any, parallelism: Any, compile_config: Any) -> None:
+    """Refuse, before any module is touched, every option this slice does not implement."""
+    for name in ("tp", "cp", "pp", "ep"):
+        degree = getattr(parallel_dims, name)
+        if degree != 1:
+            _reject(f"{name}={degree}", f"set parallelism's {name} degree to 1 (only FSDP/HSDP so far)")
+    backend = parallelism.spmd_backend
+    if backend != "partial_dtensor":
+        _reject(
+            f"parallelism.spmd_backend={backend!r}",
+            "set parallelism.spmd_backend='partial_dtensor' (its 'fsdp' mesh is what hp_fsdp shards over)",
+        )
+    if parallelism.fsdp_reshard_after_forward not in _RESHARD_POLICIES:
+        raise ValueError(
+            f"hp_torchtitan.parallelize_decoder: parallelism.fsdp_reshard_after_forward="
+            f"{parallelism.fsdp_reshard_after_forward!r}; use one of {_RESHARD_POLICIES}."
+        )
+    if compile_config is not None and compile_config.enable:
+        _reject("compile.enable=True", "set compile.enable=False")
+    if getattr(model, "enable_weight_tying", False):
+        _reject("a model with enable_weight_tying=True", "use a flavor without tied embeddings")
+
+
+def parallelize_decoder(
+    model: nn.Module,
+    *,
+    parallel_dims: Any,
+    training: Any,
+    parallelism: Any,
+    compile_config: Any,
+    ac_config: Any,
+    dump_folder: str,
+) -> nn.Module:
+    """Apply hp_fsdp's ``fully_shard`` to a torchtitan decoder (a ``ModelSpec.parallelize_fn``).
+
+    ``parallel_dims`` is torchtitan's ``ParallelDims`` (meshes built); the
+    data-parallel mesh is its ``fsdp`` dim, with ``dp_replicate`` in front for
+    HSDP. ``training`` gives the mixed-precision dtypes and CPU offload flag.
+    """
+    del dump_folder  # only activation-checkpoint debugging writes there
+    _check_supported(model, parallel_dims, parallelism, compile_config)
+    if ac_config is not None:
+        _reject(f"activation_checkpoint={type(ac_config).__name__}", "pass ac_config=None")
+    if training.enable_cpu_offload:
+        _reject("training.enable_cpu_offload=True", "set training.enable_cpu_offload=False")
+
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    mesh = hp_mesh_from_torch(parallel_dims.get_mesh(names))
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        cast_forward_inputs=False,
+    )
+    policy = parallelism.fsdp_reshard_after_forward
+    # torchtitan's "default" reshards every block after forward unless PP is on (it is not here).
+    blocks_reshard = policy != "never"
+    tail_reshard = policy == "always"
+
+    if model.tok_embeddings is not None:
+        fully_shard(
+            model.tok_embeddings, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=blocks_reshard
+        )
+    if model.norm is not None and model.lm_head is not None:
+        fully_shard(
+            [model.norm, model.lm_head], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=tail_reshard
+        )
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=blocks_reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return model
