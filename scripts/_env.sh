@@ -22,9 +22,10 @@ if [ ! -x "$PY" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   # An unpinned torch would pull a CUDA build of several GB.
   quiet_pip install -q --disable-pip-version-check "torch==2.13.0"
   quiet_pip install -q --disable-pip-version-check -r "$ROOT/scripts/requirements-dev.txt"
+  quiet_pip install -q --disable-pip-version-check --no-deps -r "$ROOT/scripts/requirements-torchtitan.txt"
   quiet_pip install -q --disable-pip-version-check --no-deps \
     -e "$ROOT/packages/hp-core" -e "$ROOT/packages/hp-dtensor" -e "$ROOT/packages/hp-fsdp" \
-    -e "$ROOT/packages/hp-pipeline" -e "$ROOT/packages/hp-testing"
+    -e "$ROOT/packages/hp-pipeline" -e "$ROOT/packages/hp-testing" -e "$ROOT/packages/hp-torchtitan"
   echo "$want" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -119,22 +119,18 @@ def check_alone(pkg: pathlib.Path) -> None:
     run([sys.executable, "-m", "venv", "--without-pip", str(env)])
     py = env / "bin" / "python"
     site = run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
-    pathlib.Path(site, "third_party.pth").write_text(str(THIRD_PARTY) + "\n")
-    run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "--python",
-            str(py),
-            "install",
-            "-q",
-            "--no-index",
-            "--find-links",
-            str(DIST),
-            name,
-        ]
-    )
+    extra = [Requirement(d) for d in meta["dependencies"] if not d.startswith(("hp-", "torch>", "torch="))]
+    sites = [str(THIRD_PARTY)] + ([str(integration_site(name, extra))] if extra else [])
+    pathlib.Path(site, "third_party.pth").write_text("\n".join(sites) + "\n")
+    pip = [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index", "--find-links"]
+    if extra:
+        # The siblings from the fresh wheels (their floor pins checked), then the package itself
+        # without resolving the framework's own requirements (see integration_site).
+        siblings_only = sorted({d.split(">")[0].split("=")[0].strip() for d in meta["dependencies"]} - {""})
+        run([*pip, str(DIST), *[s for s in siblings_only if s.startswith("hp-")]])
+        run([*pip, str(DIST), "--no-deps", name])
+    else:
+        run([*pip, str(DIST), name])
     names = "sorted(d.metadata['Name'] for d in m.distributions() if d.metadata['Name'].startswith('hp-'))"
     installed = run(
         [
@@ -156,6 +152,43 @@ def check_alone(pkg: pathlib.Path) -> None:
     )
     count = run([str(py), "-c", code], cwd=str(CACHE)).stdout.strip()
     print(f"[packaging] {name}: installed alone with {expected}; imported {count} modules")
+
+
+def integration_site(name: str, requirements: list[Requirement]) -> pathlib.Path:
+    """A site with the project environment's copies of an integration's framework (hp-torchtitan).
+
+    torchtitan's wheel requires its Trainer's whole stack (datasets,
+    tensorboard, wandb, ...), which the project installs without
+    (``scripts/requirements-torchtitan.txt``, ``--no-deps``). The package is
+    installed alone from its wheel with its hp siblings; the framework and
+    whatever of its requirements the environment holds are linked here.
+    """
+    target = CACHE / "integration-site" / name
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    seen: set[str] = set()
+    todo = list(requirements)
+    while todo:
+        req = todo.pop()
+        key = canonicalize_name(req.name)
+        if key in seen or key in {"torch", "numpy", "pytest"}:
+            continue
+        seen.add(key)
+        try:
+            dist = metadata.distribution(key)
+        except metadata.PackageNotFoundError:
+            continue  # a requirement of the framework's Trainer that the project does not install
+        files = {pathlib.PurePath(f).parts[0] for f in dist.files or []}
+        home = pathlib.Path(str(dist.locate_file("")))
+        for top in sorted(files - {"..", "__pycache__"}):
+            if not (target / top).exists() and (home / top).exists():
+                (target / top).symlink_to(home / top)
+        for text in dist.requires or []:
+            dep = Requirement(text)
+            if dep.marker is None or dep.marker.evaluate({"extra": ""}):
+                todo.append(dep)
+    return target
 
 
 def _transitive(names: set[str]) -> set[str]:
