@@ -85,8 +85,9 @@ def test_op_rules_match_full_tensors(rank, device_mesh_factory) -> None:  # type
 def test_fallback_warns_once_and_is_right(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2, 2), ("dp", "tp"))
     a = torch.randn(5, 6, dtype=torch.float64)
-    with pytest.warns(UserWarning, match="cumsum"):
-        _check(lambda x: torch.cumsum(x, 0), [a], [[Shard(0), Shard(1)]], mesh)
+    square = torch.randn(6, 6, dtype=torch.float64) + 6 * torch.eye(6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="no sharding rule for aten.linalg_inv_ex"):
+        _check(lambda x: torch.linalg.inv(x), [square], [[Shard(0), Shard(1)]], mesh)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _check(lambda x: torch.cumsum(x, 1), [a], [[Shard(0), Replicate()]], mesh)
