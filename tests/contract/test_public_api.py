@@ -110,6 +110,7 @@ def test_device_mesh_surface() -> None:
         "size",
         "flatten",
         "to_torch",
+        "from_torch",
         "__getitem__",
     ):
         assert hasattr(hp_core.DeviceMesh, attr), f"DeviceMesh.{attr} is in the contract"
@@ -117,6 +118,7 @@ def test_device_mesh_surface() -> None:
         (only,) = _params(getattr(hp_core.DeviceMesh, method))
         assert only[2] is None, f"DeviceMesh.{method}'s dimension defaults to None in the contract"
     assert _params(hp_core.DeviceMesh.flatten) == [("name", POS, None)]
+    assert _params(hp_core.DeviceMesh.from_torch) == [("torch_mesh", POS, MISSING)]  # a classmethod
 
 
 def test_dtensor_signatures() -> None:

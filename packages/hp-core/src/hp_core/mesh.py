@@ -65,6 +65,10 @@ class StaleMeshError(RuntimeError):
 _groups: dict[tuple[int, ...], tuple[dist.ProcessGroup | None, bool]] = {}
 # torch DeviceMesh views of our meshes (they hold groups too, so they live and die with the cache)
 _torch_meshes: dict[tuple[Any, ...], TorchDeviceMesh] = {}
+# DeviceMesh.from_torch's memo: id(torch mesh) -> (that torch mesh, our mesh); see hp_core._torch_mesh
+_from_torch: dict[int, tuple[TorchDeviceMesh, DeviceMesh]] = {}
+# per torch root mesh and root shape: state shared by the meshes converted from it (hp_core._torch_mesh)
+_torch_families: dict[tuple[int, tuple[int, ...]], Any] = {}
 _generation = 0
 _cache_world: dist.ProcessGroup | None = None
 
@@ -75,10 +79,17 @@ def _sync_with_default_group() -> None:
     global _cache_world, _generation
     world = dist.group.WORLD
     if _cache_world is not None and world is not _cache_world:
-        _groups.clear()
-        _torch_meshes.clear()
+        _forget_all()
         _generation += 1
     _cache_world = world
+
+
+def _forget_all() -> None:
+    """Drop every cache entry that holds process groups (the caller bumps the generation)."""
+    _groups.clear()
+    _torch_meshes.clear()
+    _from_torch.clear()
+    _torch_families.clear()
 
 
 def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
@@ -102,6 +113,25 @@ def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
     return group
 
 
+def _adopt_group(ranks: tuple[int, ...], group: dist.ProcessGroup | None) -> None:
+    """Cache a group someone else created (torch's DeviceMesh) for ``ranks``, unless one is cached.
+
+    ``group`` is None on ranks outside ``ranks``. Adopted groups are not
+    owned: :func:`clear_group_cache` forgets them but leaves them alive.
+    The world's ranks always map to the default group (see :func:`_group_for`).
+    """
+    _sync_with_default_group()
+    if ranks not in _groups and ranks != tuple(range(dist.get_world_size())):
+        _groups[ranks] = (group, False)
+
+
+def _lines(root: torch.Tensor, root_dims: tuple[int, ...]) -> list[list[int]]:
+    """Every line of ``root`` along ``root_dims`` (merged row-major), across the whole root."""
+    others = [d for d in range(root.dim()) if d not in root_dims]
+    line_length = math.prod(root.shape[d] for d in root_dims)
+    return root.permute(*others, *root_dims).reshape(-1, line_length).tolist()
+
+
 def cached_groups() -> list[dist.ProcessGroup]:
     """The groups the cache holds for this rank (the test harness tells them apart from leaks)."""
     return [group for group, _ in _groups.values() if group is not None]
@@ -121,8 +151,7 @@ def clear_group_cache() -> None:
             dist.destroy_process_group(group)
         except Exception:  # best-effort: the default group may already be gone
             pass
-    _groups.clear()
-    _torch_meshes.clear()
+    _forget_all()
     _generation += 1
     _cache_world = None
 
@@ -327,11 +356,8 @@ class DeviceMesh:
 
     def _create_groups(self, root_dims: tuple[int, ...]) -> tuple[int, ...] | None:
         """Create (or reuse) the groups of every line along ``root_dims``; return this rank's line."""
-        others = [d for d in range(self._root.dim()) if d not in root_dims]
-        line_length = math.prod(self._root.shape[d] for d in root_dims)
-        lines = self._root.permute(*others, *root_dims).reshape(-1, line_length)
         mine: tuple[int, ...] | None = None
-        for line in lines.tolist():
+        for line in _lines(self._root, root_dims):
             _group_for(tuple(line))
             if self._rank in line:
                 mine = tuple(line)
@@ -643,6 +669,24 @@ class DeviceMesh:
 
     # -- interop ----------------------------------------------------------------------
 
+    @classmethod
+    def from_torch(cls, torch_mesh: TorchDeviceMesh | DeviceMesh) -> DeviceMesh:
+        """The hp_core mesh for a ``torch.distributed.device_mesh.DeviceMesh``, on torch's own groups.
+
+        Same device type, rank layout and dim names. Every process group
+        comes from torch (see [Note: meshes from torch] in ``hp_core._torch_mesh``):
+        none is created and nothing is communicated, so, like slicing, it
+        may run anywhere. Slices, ``_flatten`` and ``_unflatten`` meshes of
+        one torch mesh convert to slices and flattenings of one hp_core
+        mesh (they can be sliced, flattened and concatenated together).
+        Memoised per torch mesh object: the same hp_core mesh comes back
+        every time, and ``from_torch(mesh.to_torch())`` is ``mesh``. An
+        hp_core mesh is returned as it is.
+        """
+        from hp_core._torch_mesh import convert
+
+        return convert(torch_mesh)
+
     def to_torch(self) -> TorchDeviceMesh:
         """An equivalent ``torch.distributed.device_mesh.DeviceMesh`` built on this mesh's groups.
 
@@ -673,6 +717,7 @@ class DeviceMesh:
                 groups, self._tensor_device_type, mesh=self._mesh, mesh_dim_names=self._names
             )
         _torch_meshes[key] = torch_mesh
+        _from_torch.setdefault(id(torch_mesh), (torch_mesh, self))  # from_torch(m.to_torch()) is m
         return torch_mesh
 
     # -- identity -----------------------------------------------------------------------

@@ -27,12 +27,13 @@ import torch
 from hp_core import DeviceMesh
 from hp_core.distributed import mesh_group
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
 from hp_dtensor import checkpoint as _dcp
 from hp_dtensor._agree import agree_over_mesh, describe
 from hp_dtensor.layout import Layout, global_stride_like, normalize_placements
 from hp_dtensor.pending import PendingTensor, then
-from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard, torch_equivalent
 from hp_dtensor.redistribute import redistribute_local, slice_for_layout
 
 __all__ = ["DTensor", "distribute_module", "distribute_tensor", "new_dtensor"]
@@ -49,12 +50,20 @@ _DISPATCH: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] = _dispatch_not
 
 
 def _check_mesh(mesh: Any, what: str) -> DeviceMesh:
+    """``mesh`` as an hp_core mesh: ours as it is, torch's through ``DeviceMesh.from_torch``.
+
+    from_torch is memoised per torch mesh and runs on torch's own groups, so
+    every entry may take a torch mesh at no cost after the first call, and
+    layouts on it keep one mesh object (and their cache tokens).
+    """
     if isinstance(mesh, DeviceMesh):
         return mesh
+    if isinstance(mesh, TorchDeviceMesh):
+        return DeviceMesh.from_torch(mesh)
     raise TypeError(
-        f"{what}: device_mesh must be an hp_core.DeviceMesh, got "
+        f"{what}: device_mesh must be an hp_core.DeviceMesh or a torch DeviceMesh, got "
         f"{type(mesh).__module__}.{type(mesh).__name__}; "
-        "build one with hp_core.init_device_mesh(...) (a torch DeviceMesh converts with from_torch_dtensor)."
+        "build one with hp_core.init_device_mesh(...) or torch's init_device_mesh(...)."
     )
 
 
@@ -361,7 +370,9 @@ def _agree_on_local(
 
 def _has_shard(placements: Any) -> bool:
     """Whether ``placements`` (not yet checked: any object) holds a ``Shard``."""
-    return isinstance(placements, (list, tuple)) and any(isinstance(p, Shard) for p in placements)
+    return isinstance(placements, (list, tuple)) and any(
+        isinstance(p, Shard) or isinstance(torch_equivalent(p), Shard) for p in placements
+    )
 
 
 def _check_global_shape(shape: Any, local: torch.Tensor, what: str) -> tuple[int, ...]:

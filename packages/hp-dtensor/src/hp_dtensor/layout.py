@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from hp_core import DeviceMesh
 
-from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard, as_placement, is_torch_placement
 
 __all__ = ["Layout", "chunk_sizes", "contiguous_stride", "normalize_placements"]
 
@@ -73,10 +73,13 @@ def normalize_placements(
 ) -> tuple[Placement, ...]:
     """Check ``placements`` against the mesh and the tensor rank; make shard dims non-negative.
 
-    Raises before any communication with a message that names the values and
-    the fix (see the package README's "Bad input" section).
+    torch's ``Shard``, ``Replicate`` and ``Partial`` become ours here, the one
+    place every entry's placements pass ([Note: torch placements] in
+    ``hp_dtensor.placements``). Raises before any communication with a
+    message that names the values and the fix (see the package README's
+    "Bad input" section).
     """
-    if isinstance(placements, Placement):
+    if isinstance(placements, Placement) or is_torch_placement(placements):
         raise TypeError(
             f"{what}: placements must be a sequence, got the single placement {placements!r}; "
             f"wrap it: [{placements!r}]."
@@ -88,15 +91,8 @@ def normalize_placements(
             f"give exactly one placement per mesh dim, e.g. {[Replicate()] * mesh.ndim}."
         )
     out: list[Placement] = []
-    for index, placement in enumerate(values):
-        if not isinstance(placement, Placement):
-            kind = type(placement)
-            origin = f" ({kind.__module__}.{kind.__qualname__}, not hp_dtensor's)" if kind.__module__ else ""
-            raise TypeError(
-                f"{what}: placements[{index}]={placement!r}{origin} is not an hp_dtensor Placement; use "
-                "hp_dtensor.Shard(d), Replicate() or Partial(op) (to_torch_dtensor / from_torch_dtensor "
-                "convert whole tensors between the two libraries)."
-            )
+    for index, given in enumerate(values):
+        placement = as_placement(given, f"{what}: placements[{index}]")
         if isinstance(placement, Shard):
             dim = placement.dim
             if not -ndim <= dim < ndim:

@@ -74,7 +74,7 @@ def local_map(
             f"{type(redistribute_inputs).__name__} {redistribute_inputs!r}."
         )
     if device_mesh is not None:
-        _check_mesh(device_mesh, _WHAT)
+        device_mesh = _check_mesh(device_mesh, _WHAT)  # a torch mesh becomes ours here, once
     for name, value in (("in_placements", in_placements), ("in_grad_placements", in_grad_placements)):
         if value is not None and not isinstance(value, (tuple, list)):
             raise TypeError(

@@ -25,6 +25,21 @@ non-zeros) is a plain ``Partial("sum")``.
 
 Placements are frozen dataclasses: equal by value and hashable, so layouts
 built from them can key caches of sharding decisions and redistribution plans.
+
+[Note: torch placements]
+torch's ``Shard(d)``, ``Replicate()`` and ``Partial(op)`` (op sum, avg, max or
+min) mean what ours do, so every entry that takes placements accepts them:
+:func:`as_placement` converts them where placements are checked
+(``layout.normalize_placements``, the TP styles' layouts), and nothing past
+that point sees a torch placement. Ours also compare equal to those: code
+written for torch tests ``placement == Shard(0)`` with torch's class against
+our DTensor's ``.placements``. torch's placements are C++-backed and their
+``__eq__`` answers NotImplemented for a type it does not know, so Python asks
+ours in both orders (``torch == ours`` and ``ours == torch``). Equal values
+must share a hash, so ours hash as torch's do (``hash(dim)``, ``-1`` and
+``1 + hash(op)``): a set or dict mixing both stays consistent. torch's
+subclasses that mean something else (``_StridedShard``, ``_NormPartial``,
+``_MaskPartial``) are neither equal to ours nor accepted.
 """
 
 from __future__ import annotations
@@ -33,7 +48,21 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PARTIAL_OPS", "Partial", "Placement", "Replicate", "Shard"]
+from torch.distributed.tensor.placement_types import Partial as _TorchPartial
+from torch.distributed.tensor.placement_types import Placement as _TorchPlacement
+from torch.distributed.tensor.placement_types import Replicate as _TorchReplicate
+from torch.distributed.tensor.placement_types import Shard as _TorchShard
+
+__all__ = [
+    "PARTIAL_OPS",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "as_placement",
+    "is_torch_placement",
+    "torch_equivalent",
+]
 
 PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "norm")
 
@@ -81,6 +110,14 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return self.dim == other.dim  # type: ignore[attr-defined]
+        return _equal_to_torch(self, other)
+
+    def __hash__(self) -> int:
+        return hash(self.dim)  # torch's Shard's hash ([Note: torch placements])
+
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
 
@@ -94,6 +131,14 @@ class Replicate(Placement):
 
     def is_replicate(self) -> bool:
         return True
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return True
+        return _equal_to_torch(self, other)
+
+    def __hash__(self) -> int:
+        return -1  # torch's Replicate's hash ([Note: torch placements])
 
     def __repr__(self) -> str:
         return "Replicate()"
@@ -145,6 +190,16 @@ class Partial(Placement):
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
 
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return self.reduce_op == other.reduce_op and self.norm_type == other.norm_type  # type: ignore[attr-defined]
+        return _equal_to_torch(self, other)
+
+    def __hash__(self) -> int:
+        if self.reduce_op == "norm":
+            return hash((self.reduce_op, self.norm_type))
+        return 1 + hash(self.reduce_op)  # torch's Partial's hash ([Note: torch placements])
+
     def __repr__(self) -> str:
         if self.reduce_op == "norm":
             return f"Partial('norm', {_float_repr(self.norm_type)})"
@@ -161,3 +216,60 @@ def _float_repr(value: float | None) -> str:
     if value is not None and value in (float("inf"), float("-inf")):
         return f"float({str(value)!r})"
     return repr(value)
+
+
+# -- torch's placements (see [Note: torch placements]) -------------------------------
+
+
+def torch_equivalent(value: Any) -> Placement | None:
+    """Our placement for torch's ``Shard(d)``, ``Replicate()`` or ``Partial(op)``; None for anything else.
+
+    Exact types only: torch's subclasses (``_StridedShard``, ``_NormPartial``,
+    ...) describe other data and have no equivalent here.
+    """
+    kind = type(value)
+    if kind is _TorchShard:
+        return Shard(value.dim)
+    if kind is _TorchReplicate:
+        return Replicate()
+    if kind is _TorchPartial and value.reduce_op in PARTIAL_OPS and value.reduce_op != "norm":
+        return Partial(value.reduce_op)
+    return None
+
+
+def is_torch_placement(value: Any) -> bool:
+    """Whether ``value`` is one of torch's placements (any kind, supported or not)."""
+    return isinstance(value, _TorchPlacement)
+
+
+def as_placement(value: Any, what: str) -> Placement:
+    """``value`` as our placement: ours as they are, torch's equivalents converted; else a TypeError.
+
+    ``what`` names the argument in the error (e.g. ``"distribute_tensor: placements[0]"``).
+    """
+    if isinstance(value, Placement):
+        return value
+    converted = torch_equivalent(value)
+    if converted is not None:
+        return converted
+    kind = type(value)
+    if is_torch_placement(value):
+        raise TypeError(
+            f"{what}={value!r} is torch's {kind.__module__}.{kind.__qualname__}, which has no hp_dtensor "
+            "equivalent; hp_dtensor takes Shard(d), Replicate() and Partial('sum' | 'avg' | 'max' | 'min'), "
+            "torch's or its own. Redistribute to one of those first."
+        )
+    raise TypeError(
+        f"{what}={value!r} ({kind.__module__}.{kind.__qualname__}) is not a placement; use "
+        "hp_dtensor.Shard(d), Replicate() or Partial(op) (or torch's Shard, Replicate, Partial)."
+    )
+
+
+def _equal_to_torch(ours: Placement, other: object) -> bool:
+    """``ours == other`` for an ``other`` of another class: True only for torch's equivalent."""
+    if isinstance(other, Placement):
+        return False
+    converted = torch_equivalent(other)
+    if converted is None:
+        return NotImplemented  # type: ignore[no-any-return]
+    return converted == ours

@@ -37,7 +37,7 @@ import hp_dtensor.tracing  # noqa: F401  (registers the metadata types for torch
 from hp_dtensor._agree import agree_over_mesh, describe
 from hp_dtensor.dtensor import DTensor, _check_mesh, _distribute, _FromLocal
 from hp_dtensor.layout import Layout, chunk_sizes, global_stride_like
-from hp_dtensor.placements import Placement, Replicate, Shard
+from hp_dtensor.placements import Placement, Replicate, Shard, torch_equivalent
 
 __all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel", "SequenceParallel", "parallelize_module"]
 
@@ -182,9 +182,12 @@ def _grad_like(placements: Sequence[Placement]) -> Any:
 
 
 def _layout_arg(style: str, name: str, value: Any) -> Placement | None:
-    """A style's layout argument: one Placement or None, checked where the style is built."""
+    """A style's layout argument: one Placement (ours or torch's equivalent) or None, checked when built."""
     if value is None or isinstance(value, Placement):
         return value
+    converted = torch_equivalent(value)
+    if converted is not None:
+        return converted
     hint = (
         "; pass the placement itself, not a sequence (a style has one input and one output)"
         if isinstance(value, (list, tuple))
@@ -260,7 +263,8 @@ class ParallelStyle:
         what = type(self).__name__
         if not isinstance(module, nn.Module):
             raise TypeError(f"{what}.apply: module must be a torch.nn.Module, got {type(module).__name__}.")
-        _check_tp_mesh(_check_mesh(mesh, what), what)
+        mesh = _check_mesh(mesh, what)  # a torch mesh becomes ours here, once
+        _check_tp_mesh(mesh, what)
         self._check_module(module, "the module")
         self._params(module, mesh)
         given, desired = self._boundary(module)
