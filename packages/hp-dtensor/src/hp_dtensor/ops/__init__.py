@@ -6,7 +6,9 @@ ops in :data:`hp_dtensor.ops.dispatch.RULES` at import).
 
 from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (registration; after views)
     advanced_indexing,
+    along_dims,
     attention,
+    complex_views,
     embedding,
     foreach,
     indexing,

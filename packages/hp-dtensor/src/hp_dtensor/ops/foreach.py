@@ -30,13 +30,15 @@ from torch.utils import _pytree as pytree
 
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout
-from hp_dtensor.ops.dispatch import Decision, OpCall, Rule, _distinct
+from hp_dtensor.ops.dispatch import SPECIAL, Decision, OpCall, Rule, _distinct
 from hp_dtensor.ops.meshes import common_mesh
 from hp_dtensor.ops.pointwise import pointwise_rule
 from hp_dtensor.placements import Replicate
 from hp_dtensor.redistribute import redistribute_local
 
 __all__ = ["dispatch_foreach", "element_positions", "foreach_run"]
+
+aten = torch.ops.aten
 
 # Global (shape, stride) of element output ``i`` given its first DTensor's layout.
 OutputShape = Callable[[Layout], tuple[tuple[int, ...], tuple[int, ...]]]
@@ -156,6 +158,27 @@ def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _is_first_list_member(args: tuple[Any, ...], dt: Any) -> bool:
     return isinstance(args[0], (list, tuple)) and any(x is dt for x in args[0])
+
+
+def _foreach_mm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """``_foreach_mm(selves, mat2s)``: a list of matrix products, each placed by the ``mm`` rule.
+
+    Its elements are not pointwise (element ``i``'s output is ``selves[i] @
+    mat2s[i]``, a contraction), so each product is dispatched as ``aten.mm``:
+    the contraction rule of :mod:`hp_dtensor.ops.matrix` keeps a shard of the
+    rows or columns, or makes a partial sum, instead of gathering.
+    """
+    named = dict(zip(("self", "mat2"), args, strict=False)) | kwargs
+    selves, mats = named["self"], named["mat2"]
+    if len(selves) != len(mats):
+        raise ValueError(
+            f"_foreach_mm got {len(selves)} left and {len(mats)} right matrices; "
+            "pass two lists of equal length."
+        )
+    return [aten.mm.default(a, b) for a, b in zip(selves, mats, strict=True)]
+
+
+SPECIAL[aten._foreach_mm.default] = _foreach_mm
 
 
 def _list_as_foreach_capable() -> None:

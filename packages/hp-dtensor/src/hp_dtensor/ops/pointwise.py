@@ -101,7 +101,9 @@ def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bo
 
     def aligned(layout: Layout, out_dim: int) -> int | None:
         dim = out_dim - (out_ndim - layout.ndim)
-        if dim < 0 or layout.shape[dim] != out_shape[out_dim] or out_shape[out_dim] == 1:
+        # A dim of global size 1 (or 0) is cut like any other: pieces may be empty, and the op
+        # maps an empty piece to an empty piece, so no rank needs another's elements.
+        if dim < 0 or layout.shape[dim] != out_shape[out_dim]:
             return None
         return dim
 

@@ -32,8 +32,7 @@ from typing import Any
 import torch
 
 from hp_dtensor.layout import Layout
-from hp_dtensor.ops import views as _views
-from hp_dtensor.ops.dispatch import RULES, SPECIAL, Decision, LocalCall, OpCall, register
+from hp_dtensor.ops.dispatch import SPECIAL, Decision, LocalCall, OpCall, register
 from hp_dtensor.ops.foreach import dispatch_foreach, element_positions
 from hp_dtensor.ops.reductions import reduce_decision
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
@@ -205,38 +204,3 @@ def _foreach_norm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 SPECIAL[aten._foreach_norm.Scalar] = _foreach_norm
-
-
-# -- stack keeps a shared partial --------------------------------------------------------------
-# The proper home of this is views.stack_rule (owned elsewhere); it wraps that rule and only
-# changes mesh dims where every input is the same Partial or Replicate.
-
-_base_stack_rule = RULES.get(aten.stack.default, _views.stack_rule)
-
-
-@register(aten.stack.default)
-def stack_keeping_partials(call: OpCall) -> Decision:
-    """``stack``: as :func:`hp_dtensor.ops.views.stack_rule`, but a partial every input shares is kept.
-
-    Stacking moves no element, and each element of a partial reduces on its
-    own, so the stack of terms is the term of the stack; a replicated input
-    becomes a term of that partial locally (no communication).
-    """
-    decision = _base_stack_rule(call)
-    assert decision is not None
-    tensors = list(call.args[0])
-    positions = [call.position_of(t) for t in tensors]
-    layouts = [call.layout(p) for p in positions]
-    out = list(decision.outputs[0] or ())
-    for m in range(layouts[0].mesh.ndim):
-        current = {layout.placements[m] for layout in layouts}
-        partials = [p for p in current if isinstance(p, Partial)]
-        if len(partials) != 1 or any(not isinstance(p, (Partial, Replicate)) for p in current):
-            continue
-        for p in positions:
-            target = list(decision.inputs[p])
-            target[m] = partials[0]
-            decision.inputs[p] = tuple(target)
-        out[m] = partials[0]
-    decision.outputs[0] = tuple(out)
-    return decision

@@ -1,4 +1,4 @@
-"""Shape ops: views, transposes, permutes, (un)squeeze, expand, split and cat.
+"""Shape ops: views, transposes, permutes, (un)squeeze, expand, split, unbind, cat and stack.
 
 These ops only relabel or regroup dims, so a shard survives when its dim
 maps to an output dim whose pieces are the same elements: a transpose moves
@@ -7,6 +7,10 @@ keeps a shard on the outermost dim of a group only when the ``torch.chunk``
 cut of the input dim and of the output dim select the same rows (checked
 exactly, uneven sizes included). Otherwise that mesh dim is gathered first.
 Partial and replicated values pass through every shape op.
+
+The ``*_copy`` forms (``t_copy``, ``view_copy``, ``squeeze_copy``, ...) move
+the same elements as their views into new storage, so they share the views'
+rules (and ``unsafe_split``/``unsafe_chunk`` those of ``split``).
 """
 
 from __future__ import annotations
@@ -18,14 +22,14 @@ import torch
 
 from hp_dtensor.layout import Layout, chunk_sizes
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
-from hp_dtensor.placements import Placement, Replicate, Shard
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["view_groups"]
+__all__ = ["covers", "map_dims", "view_groups"]
 
 aten = torch.ops.aten
 
 
-def _map_dims(call: OpCall, mapping: Sequence[int | None], out_ndim: int) -> Decision:
+def map_dims(call: OpCall, mapping: Sequence[int | None], out_ndim: int) -> Decision:
     """Shard(d) -> Shard(mapping[d]); a None entry means the dim cannot stay sharded."""
     position = call.positions[0]
     layout = call.layout(position)
@@ -46,22 +50,22 @@ def _map_dims(call: OpCall, mapping: Sequence[int | None], out_ndim: int) -> Dec
     return Decision(inputs={position: tuple(inputs)}, outputs=[tuple(out)])
 
 
-@register(aten.t.default, aten.transpose.int)
+@register(aten.t.default, aten.transpose.int, aten.t_copy.default, aten.transpose_copy.int)
 def transpose_rule(call: OpCall) -> Decision:
     """Swap two dims; the shard follows its dim."""
     ndim = call.layout(call.positions[0]).ndim
     mapping: list[int | None] = list(range(ndim))
     if ndim == 0:  # t() and transpose(0, -1) of a 0-dim tensor return it as it is
-        return _map_dims(call, mapping, ndim)
-    if call.func is aten.t.default:
+        return map_dims(call, mapping, ndim)
+    if call.func in (aten.t.default, aten.t_copy.default):
         d0, d1 = 0, min(1, ndim - 1)
     else:
         d0, d1 = int(call.args[1]) % ndim, int(call.args[2]) % ndim
     mapping[d0], mapping[d1] = d1, d0
-    return _map_dims(call, mapping, ndim)
+    return map_dims(call, mapping, ndim)
 
 
-@register(aten.permute.default)
+@register(aten.permute.default, aten.permute_copy.default)
 def permute_rule(call: OpCall) -> Decision:
     """Reorder dims; the shard follows its dim."""
     ndim = call.layout(call.positions[0]).ndim
@@ -69,18 +73,26 @@ def permute_rule(call: OpCall) -> Decision:
     mapping: list[int | None] = [0] * ndim
     for new, old in enumerate(order):
         mapping[old] = new
-    return _map_dims(call, mapping, ndim)
+    return map_dims(call, mapping, ndim)
 
 
-@register(aten.unsqueeze.default)
+@register(aten.unsqueeze.default, aten.unsqueeze_copy.default)
 def unsqueeze_rule(call: OpCall) -> Decision:
     """Insert a size-1 dim; later dims shift by one."""
     ndim = call.layout(call.positions[0]).ndim
     dim = int(call.args[1]) % (ndim + 1)
-    return _map_dims(call, [d if d < dim else d + 1 for d in range(ndim)], ndim + 1)
+    return map_dims(call, [d if d < dim else d + 1 for d in range(ndim)], ndim + 1)
 
 
-@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+_SQUEEZE_DIMS = {
+    **dict.fromkeys((aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default), aten.squeeze.dims),
+    **dict.fromkeys(
+        (aten.squeeze_copy.dim, aten.squeeze_copy.dims, aten.squeeze_copy.default), aten.squeeze_copy.dims
+    ),
+}
+
+
+@register(*_SQUEEZE_DIMS)
 def squeeze_rule(call: OpCall) -> Decision:
     """Drop the dims of global size 1.
 
@@ -90,9 +102,9 @@ def squeeze_rule(call: OpCall) -> Decision:
     """
     layout = call.layout(call.positions[0])
     ndim = layout.ndim
-    if call.func is aten.squeeze.default:
+    if call.func in (aten.squeeze.default, aten.squeeze_copy.default):
         drop = {d for d in range(ndim) if layout.shape[d] == 1}
-    elif call.func is aten.squeeze.dim:
+    elif call.func in (aten.squeeze.dim, aten.squeeze_copy.dim):
         drop = {int(call.args[1]) % max(ndim, 1)} if ndim else set()
     else:
         drop = {int(d) % max(ndim, 1) for d in call.args[1]} if ndim else set()
@@ -105,13 +117,14 @@ def squeeze_rule(call: OpCall) -> Decision:
         else:
             mapping.append(new)
             new += 1
-    decision = _map_dims(call, mapping, new)
+    decision = map_dims(call, mapping, new)
     dims = tuple(sorted(drop))
-    decision.kernel = lambda local: aten.squeeze.dims(local.args[0], dims)
+    by_dims = _SQUEEZE_DIMS[call.func]
+    decision.kernel = lambda local: by_dims(local.args[0], dims)
     return decision
 
 
-@register(aten.expand.default)
+@register(aten.expand.default, aten.expand_copy.default)
 def expand_rule(call: OpCall) -> Decision:
     """Broadcast size-1 dims; existing dims keep their shard (an expanded dim had size 1, never cut)."""
     layout = call.layout(call.positions[0])
@@ -121,7 +134,7 @@ def expand_rule(call: OpCall) -> Decision:
     for d in range(layout.ndim):
         expanded = layout.shape[d] == 1 and sizes[d + lead] not in (-1, 1)
         mapping.append(None if expanded else d + lead)
-    decision = _map_dims(call, mapping, len(sizes))
+    decision = map_dims(call, mapping, len(sizes))
     decision.size_arg = 1
     return decision
 
@@ -193,24 +206,47 @@ def _infer(shape: Sequence[int], sizes: Sequence[int]) -> list[int]:
     return sizes
 
 
-@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
 def view_rule(call: OpCall) -> Decision:
     """Regroup dims; see the module docstring for when a shard survives."""
     layout = call.layout(call.positions[0])
     return _view_decision(call, layout, _infer(layout.shape, call.args[1]))
 
 
-@register(aten.split.Tensor, aten.split_with_sizes.default)
+@register(
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unsafe_split.Tensor,
+    aten.unsafe_split_with_sizes.default,
+    aten.split_copy.Tensor,
+    aten.split_with_sizes_copy.default,
+)
 def split_rule(call: OpCall) -> Decision:
     """Split along one dim: that dim must be whole; other shards carry over to every piece."""
     layout = call.layout(call.positions[0])
     dim = (int(call.args[2]) if len(call.args) > 2 else int(call.kwargs.get("dim", 0))) % layout.ndim
     inputs = tuple(Replicate() if p == Shard(dim) else p for p in layout.placements)
-    if call.func is aten.split.Tensor:
-        pieces = -(-layout.shape[dim] // int(call.args[1])) if layout.shape[dim] else 1
+    sizes = call.args[1] if len(call.args) > 1 else call.kwargs["split_size"]
+    if isinstance(sizes, (list, tuple)):
+        pieces = len(sizes)
     else:
-        pieces = len(call.args[1])
+        pieces = -(-layout.shape[dim] // int(sizes)) if layout.shape[dim] else 1
     return Decision(inputs={call.positions[0]: inputs}, outputs=[inputs] * max(pieces, 1))
+
+
+@register(aten.unbind.int, aten.unbind_copy.int)
+def unbind_rule(call: OpCall) -> Decision:
+    """One output per index of a dim: that dim must be whole; other shards carry over, shifted down."""
+    layout = call.layout(call.positions[0])
+    dim = (int(call.args[1]) if len(call.args) > 1 else int(call.kwargs.get("dim", 0))) % max(layout.ndim, 1)
+    decision = map_dims(call, _dropping(layout.ndim, dim), layout.ndim - 1)
+    decision.outputs = decision.outputs * layout.shape[dim]
+    return decision
+
+
+def _dropping(ndim: int, dim: int, dropped: bool = True) -> list[int | None]:
+    """Dim mapping of an op that removes (or, ``dropped=False``, rewrites) ``dim`` and keeps the rest."""
+    return [None if d == dim else d - 1 if dropped and d > dim else d for d in range(ndim)]
 
 
 @register(aten.cat.default)
@@ -240,29 +276,64 @@ def stack_rule(call: OpCall) -> Decision:
     """Stack along a new dim: every input takes the first's cut of the existing dims, which keep it.
 
     Stacking moves no element across ranks: a shard of dim ``d`` stays a shard
-    of the same rows, at ``d + 1`` when the new dim comes before it. Partial
-    terms are summed first (as for ``cat``), so the output is whole there.
+    of the same rows, at ``d + 1`` when the new dim comes before it. On a mesh
+    dim where every input is the same partial or replicated, the output is
+    that partial: each element reduces on its own, so the stack of terms is
+    the term of the stack, and a replicated input becomes a term locally (no
+    communication; ``clip_grad_norm_`` stacks partial per-tensor norms).
+    Other partial terms are summed first (as for ``cat``).
     """
     tensors = list(call.args[0])
     layouts = [call.layout(call.position_of(t)) for t in tensors]
     ref = layouts[0]
     dim = int(call.args[1]) if len(call.args) > 1 else int(call.kwargs.get("dim", 0))
     dim %= ref.ndim + 1
-    target = tuple(p if isinstance(p, (Shard, Replicate)) else Replicate() for p in ref.placements)
+    target: list[Placement] = []
+    for m, placement in enumerate(ref.placements):
+        seen = {layout.placements[m] for layout in layouts}
+        partials = [p for p in seen if isinstance(p, Partial)]
+        if len(partials) == 1 and all(isinstance(p, (Partial, Replicate)) for p in seen):
+            target.append(partials[0])
+        else:
+            target.append(placement if isinstance(placement, (Shard, Replicate)) else Replicate())
     out = tuple(Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in target)
-    return Decision(inputs={call.position_of(t): target for t in tensors}, outputs=[out])
+    return Decision(inputs={call.position_of(t): tuple(target) for t in tensors}, outputs=[out])
 
 
-@register(aten.slice.Tensor, aten.select.int, aten.narrow.default)
+def covers(start: int | None, end: int | None, step: int | None, size: int) -> bool:
+    """Whether ``[start:end:step]`` keeps every index of a dim of ``size``, in order (moves nothing)."""
+    return slice(start, end, step or 1).indices(size) == (0, size, 1)
+
+
+def _whole_slice(call: OpCall, size: int) -> bool:
+    if call.func in (aten.narrow.default, aten.narrow_copy.default):
+        start, length = int(call.args[2]), int(call.args[3])
+        return start in (0, -size) and length == size
+    named = dict(zip(("self", "dim", "start", "end", "step"), call.args, strict=False)) | call.kwargs
+    return covers(named.get("start"), named.get("end"), named.get("step"), size)
+
+
+@register(aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.narrow_copy.default)
 def slice_rule(call: OpCall) -> Decision:
-    """Take part of one dim: that dim must be whole; other shards carry over (select drops the dim)."""
+    """Take part of one dim: that dim must be whole; other shards carry over (select drops the dim).
+
+    A slice or narrow that keeps the whole dim (``x[0:]``, ``narrow(d, 0,
+    size)``) keeps its shard too: every rank's piece is already the answer.
+    """
     layout = call.layout(call.positions[0])
     dim = (int(call.args[1]) if len(call.args) > 1 else int(call.kwargs.get("dim", 0))) % max(layout.ndim, 1)
     dropped = call.func is aten.select.int
-    mapping: list[int | None] = []
-    for d in range(layout.ndim):
-        if d == dim:
-            mapping.append(None)
-        else:
-            mapping.append(d - 1 if dropped and d > dim else d)
-    return _map_dims(call, mapping, layout.ndim - (1 if dropped else 0))
+    mapping = _dropping(layout.ndim, dim, dropped)
+    decision = map_dims(call, mapping, layout.ndim - (1 if dropped else 0))
+    if not dropped and layout.ndim and _whole_slice(call, layout.shape[dim]):
+        decision = map_dims(call, list(range(layout.ndim)), layout.ndim)
+        if call.func in (aten.narrow.default, aten.narrow_copy.default):
+            func = call.func  # a piece is shorter than the global length: narrow it to its own
+            decision.kernel = lambda local: func(local.args[0], dim, 0, local.args[0].shape[dim])
+    return decision
+
+
+@register(aten.alias_copy.default)
+def alias_copy_rule(call: OpCall) -> Decision:
+    """A copy of the whole tensor: every placement carries over."""
+    return map_dims(call, list(range(call.layout(call.positions[0]).ndim)), 0)

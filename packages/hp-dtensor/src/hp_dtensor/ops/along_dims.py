@@ -1,0 +1,136 @@
+"""Ops that move elements only along the dims they name: flip, roll, rot90, pad, slice/select scatter.
+
+Each of these reads and writes along a few named dims and treats every
+other index independently, so a shard of any other dim is the answer for
+its own rows: the op runs on each piece with no communication. Only a
+named dim that is cut is gathered first (a flip of a cut dim would need
+the other rank's rows). torch's DTensor sends nothing in the same cases.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hp_dtensor.dtensor import DTensor
+from hp_dtensor.ops.dispatch import Decision, OpCall, register
+from hp_dtensor.ops.views import covers, map_dims
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+
+__all__: list[str] = []
+
+aten = torch.ops.aten
+
+
+def _keep_all_but(call: OpCall, named: set[int]) -> Decision:
+    """The first tensor's shards survive except on ``named`` dims, which are gathered."""
+    ndim = call.layout(call.positions[0]).ndim
+    return map_dims(call, [None if d in named else d for d in range(ndim)], ndim)
+
+
+def _arg(call: OpCall, index: int, name: str, default: object) -> object:
+    if len(call.args) > index:
+        return call.args[index]
+    return call.kwargs.get(name, default)
+
+
+@register(aten.flip.default)
+def flip_rule(call: OpCall) -> Decision:
+    """``flip(dims)``: only the flipped dims must be whole."""
+    ndim = call.layout(call.positions[0]).ndim
+    dims = _arg(call, 1, "dims", ())
+    assert isinstance(dims, (list, tuple))
+    return _keep_all_but(call, {int(d) % max(ndim, 1) for d in dims})
+
+
+@register(aten.roll.default)
+def roll_rule(call: OpCall) -> Decision:
+    """``roll(shifts, dims)``: a dim rolled by a nonzero amount must be whole (no dims: the flat tensor)."""
+    layout = call.layout(call.positions[0])
+    ndim = layout.ndim
+    shifts = _arg(call, 1, "shifts", ())
+    dims = _arg(call, 2, "dims", ())
+    assert isinstance(shifts, (list, tuple)) and isinstance(dims, (list, tuple))
+    if not dims:
+        return _keep_all_but(call, set(range(ndim)))
+    named = set()
+    for shift, dim in zip(shifts, dims, strict=True):
+        d = int(dim) % max(ndim, 1)
+        if layout.shape[d] and int(shift) % layout.shape[d]:
+            named.add(d)
+    return _keep_all_but(call, named)
+
+
+@register(aten.rot90.default)
+def rot90_rule(call: OpCall) -> Decision:
+    """``rot90(k, dims=[a, b])``: a flip of one or both dims plus a swap of ``a`` and ``b``.
+
+    ``k = 1`` is ``flip(b)`` then ``transpose(a, b)``, so a shard of ``a``
+    moves to ``b`` untouched; ``k = 3`` is ``flip(a)`` then the transpose, so
+    a shard of ``b`` moves to ``a``; ``k = 2`` flips both; ``k = 0`` is a copy.
+    """
+    ndim = call.layout(call.positions[0]).ndim
+    k = int(_arg(call, 1, "k", 1)) % 4  # type: ignore[call-overload]
+    dims = _arg(call, 2, "dims", (0, 1))
+    assert isinstance(dims, (list, tuple))
+    a, b = (int(d) % max(ndim, 1) for d in dims)
+    mapping: list[int | None] = list(range(ndim))
+    if k == 1:
+        mapping[a], mapping[b] = b, None
+    elif k == 2:
+        mapping[a] = mapping[b] = None
+    elif k == 3:
+        mapping[a], mapping[b] = None, a
+    return map_dims(call, mapping, ndim)
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad_rule(call: OpCall) -> Decision:
+    """``constant_pad_nd(pad)``: pads pair up from the last dim back; a padded (cropped) dim is gathered."""
+    ndim = call.layout(call.positions[0]).ndim
+    pad = _arg(call, 1, "pad", ())
+    assert isinstance(pad, (list, tuple))
+    named = {ndim - 1 - i // 2 for i, amount in enumerate(pad) if int(amount)}
+    return _keep_all_but(call, named)
+
+
+@register(aten.select_scatter.default, aten.slice_scatter.default)
+def scatter_rule(call: OpCall) -> Decision:
+    """Write ``src`` into one index (select) or a slice of one dim of ``self``.
+
+    ``src`` is ``self``'s selection, so each rank writes its own rows of it
+    into its own rows of ``self``: a shard of another dim is kept on both
+    (``src`` lacks the selected dim for ``select_scatter``). The written dim
+    must be whole, unless a slice covers all of it (then ``src`` is cut the
+    same way). A plain ``src`` is whole, so ``self`` is gathered to meet it;
+    a partial is summed first (``src`` would be counted once per rank).
+    """
+    self_pos = call.positions[0]
+    layout = call.layout(self_pos)
+    ndim = layout.ndim
+    select = call.func is aten.select_scatter.default
+    dim = int(_arg(call, 2, "dim", 0)) % max(ndim, 1)  # type: ignore[call-overload]
+    src = _arg(call, 1, "src", None)
+    whole = not select and covers(
+        _arg(call, 3, "start", None),  # type: ignore[arg-type]
+        _arg(call, 4, "end", None),  # type: ignore[arg-type]
+        _arg(call, 5, "step", 1),  # type: ignore[arg-type]
+        layout.shape[dim] if ndim else 1,
+    )
+    src_layout = src._layout if isinstance(src, DTensor) else None
+    targets: list[Placement] = []
+    src_targets: list[Placement] = []
+    for m, placement in enumerate(layout.placements):
+        keep = isinstance(placement, Shard) and (placement.dim != dim or whole) and src_layout is not None
+        if keep and src_layout is not None and isinstance(src_layout.placements[m], Partial):
+            keep = False
+        if keep:
+            assert isinstance(placement, Shard)
+            targets.append(placement)
+            src_targets.append(Shard(placement.dim - (select and placement.dim > dim)))
+        else:
+            targets.append(Replicate())
+            src_targets.append(Replicate())
+    inputs = {self_pos: tuple(targets)}
+    if src_layout is not None:
+        inputs[call.position_of(src)] = tuple(src_targets)
+    return Decision(inputs=inputs, outputs=[tuple(targets)])
