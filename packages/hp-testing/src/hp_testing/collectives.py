@@ -147,6 +147,48 @@ def _recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return recorded
 
 
+class _Installed:
+    """The wrapped functions and how many ranks record through them.
+
+    One object shared by the whole process, while ``_ACTIVE`` is each rank's
+    own in local mode (hp_testing.collectives is one of the modules whose
+    globals every local rank owns, see :mod:`hp_testing._local_state`): the
+    wrappers go in when the first rank starts recording and come out when the
+    last one stops, so one rank leaving its block does not cut off another.
+    A process of the pool is a single rank, and the count is then 0 or 1.
+    """
+
+    def __init__(self) -> None:
+        self.ranks = 0
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def acquire(self) -> None:
+        import hp_core
+        import hp_core.collectives as hc
+
+        self.ranks += 1
+        if self.ranks > 1:
+            return
+        for name in RECORDED:
+            original = getattr(hc, name)
+            wrapper = _recording(name, original)
+            for module in (hc, hp_core):
+                if getattr(module, name, None) is original:
+                    self.saved.append((module, name, original))
+                    setattr(module, name, wrapper)
+
+    def release(self) -> None:
+        self.ranks -= 1
+        if self.ranks > 0:
+            return
+        for module, name, original in self.saved:
+            setattr(module, name, original)
+        self.saved.clear()
+
+
+_INSTALLED = _Installed()
+
+
 @contextlib.contextmanager
 def record_collectives() -> Iterator[CollectiveLog]:
     """Record, on this rank, every hp_core collective issued inside the block.
@@ -156,23 +198,13 @@ def record_collectives() -> Iterator[CollectiveLog]:
     or the records themselves ([Note: collective records]). The outermost block
     installs the wrappers and removes them on exit, exceptions included.
     """
-    import hp_core
-    import hp_core.collectives as hc
-
     log = CollectiveLog()
-    saved: list[tuple[Any, str, Any]] = []
     if not _ACTIVE:
-        for name in RECORDED:
-            original = getattr(hc, name)
-            wrapper = _recording(name, original)
-            for module in (hc, hp_core):
-                if getattr(module, name, None) is original:
-                    saved.append((module, name, original))
-                    setattr(module, name, wrapper)
+        _INSTALLED.acquire()
     _ACTIVE.append(log)
     try:
         yield log
     finally:
         _ACTIVE.remove(log)
-        for module, name, original in saved:
-            setattr(module, name, original)
+        if not _ACTIVE:
+            _INSTALLED.release()

@@ -154,6 +154,12 @@ def _parser() -> argparse.ArgumentParser:
     strict.add_argument(
         "--no-strict", dest="strict", action="store_const", const=False, help="turn strict mode off"
     )
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        help="run every rank as a thread of this process over an in-memory backend (for world sizes "
+        "too large to fork); no async-hazard checks (--strict), no --emulate",
+    )
     parser.add_argument("script", help="the script (or module with -m) to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -167,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(f"-n must be at least 1, got {args.nproc}")
     if not args.module and not os.path.exists(args.script):
         _parser().error(f"script {args.script!r} does not exist (use -m to run a module)")
+    if args.local:
+        return _run_local(args, parser)
     target = ["-m", args.script] if args.module else [args.script]
     strict = _strict(args.strict, args.emulate, parser)
     checks = not args.no_checks
@@ -198,6 +206,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra_env={"TORCHELASTIC_USE_AGENT_STORE": "True"},
             on_exit=agent.announce,
         )
+
+
+def _run_local(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--local``: refuse what needs concurrent ranks, then run the script on in-process ranks."""
+    from hp_testing._local_run import run_script
+    from hp_testing.local import ConcurrencyNeededError, refuse_concurrency
+
+    flags, why = [], []
+    if args.emulate is not None:
+        flags.append(f"--emulate {args.emulate}")
+        why.append(f"--emulate {args.emulate} (its rules and async-hazard checks)")
+    if _strict(args.strict, None, parser):
+        flags.append("--strict")
+        why.append("--strict (async hazards)")
+    if flags:
+        try:
+            refuse_concurrency(" and ".join(why), f"hp-run -n {args.nproc} {' '.join(flags)} {args.script}")
+        except ConcurrencyNeededError as exc:
+            parser.error(f"--local: {exc}")
+    return run_script(args.script, args.module, args.script_args, args.nproc)
 
 
 class _AgentStore:

@@ -35,6 +35,7 @@ BACKENDS = ("gloo", "nccl-emu", "hccl-emu")
 ENV_BACKEND = "HP_TEST_BACKEND"
 ENV_STRICT = "HP_TEST_STRICT"
 ENV_CHECKS = "HP_TEST_CHECKS"
+ENV_MODE = "HP_TEST_MODE"
 _DEFAULT_TIMEOUT_S = 60.0
 _SESSION_KEY = "hp-testing-session"
 
@@ -124,7 +125,7 @@ def _run_options(item: pytest.Item, marker: pytest.Mark) -> RunOptions:
 
 def _options(item: pytest.Item, marker: pytest.Mark, config: pytest.Config) -> tuple[int, str, float]:
     """Validate the marker's arguments; a bad marker is a usage error, not a test failure."""
-    allowed = {"world_size", "backend", "timeout", "checks", "strict", "faults"}
+    allowed = {"world_size", "backend", "timeout", "checks", "strict", "faults", "mode"}
     unknown = set(marker.kwargs) - allowed
     if marker.args or unknown:
         raise MarkerError(
@@ -151,6 +152,33 @@ def _options(item: pytest.Item, marker: pytest.Mark, config: pytest.Config) -> t
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise MarkerError(f"{item.nodeid}: timeout must be a positive number, got {timeout!r}")
     return world, backend, float(timeout)
+
+
+def _mode(item: pytest.Item, marker: pytest.Mark, backend: str, options: RunOptions) -> str:
+    """``"process"`` (the pool) or ``"local"`` (every rank a thread of this process)."""
+    from hp_testing._local_pytest import MODES
+
+    mode = marker.kwargs.get("mode", os.environ.get(ENV_MODE, "process") or "process")
+    if mode not in MODES:
+        origin = "" if "mode" in marker.kwargs else f" (from ${ENV_MODE})"
+        raise MarkerError(f"{item.nodeid}: unknown mode {mode!r}{origin}; choose one of {list(MODES)}")
+    if mode == "local":
+        wanted = []
+        if options.strict:
+            wanted.append("strict=True (async hazards)")
+        if options.faults:
+            wanted.append("faults=[...] (fault injection)")
+        if "timeout" in marker.kwargs:
+            wanted.append("timeout= (a hang is reported at once in local mode, no timeout needed)")
+        if backend != "gloo":
+            wanted.append(f"backend={backend!r} (local mode judges collectives by gloo's rules for now)")
+        if wanted:
+            raise MarkerError(
+                f"{item.nodeid}: mode='local' runs the ranks one at a time in one process and cannot "
+                f"honour {', '.join(wanted)}; use the multi-process mode for it: "
+                f"@pytest.mark.{MARKER}(world_size=N, mode='process', ...)"
+            )
+    return str(mode)
 
 
 class HarnessSession:
@@ -186,6 +214,8 @@ class HarnessSession:
             if marker is not None:
                 try:
                     world, backend, _ = _options(item, marker, self.config)
+                    if _mode(item, marker, backend, _run_options(item, marker)) == "local":
+                        continue  # no pool: the ranks run in this process
                 except MarkerError:
                     continue  # reported when the test runs
                 needed.add((world, backend))
@@ -200,12 +230,18 @@ class HarnessSession:
         try:
             world, backend, timeout = _options(pyfuncitem, marker, self.config)
             options = _run_options(pyfuncitem, marker)
+            mode = _mode(pyfuncitem, marker, backend, options)
             task = None if _inline() else _task(pyfuncitem)
         except MarkerError as exc:
             pytest.fail(str(exc), pytrace=False)
         if task is None:
             _run_inline(world)
             return None  # pytest calls the function itself, in this process
+        if mode == "local":
+            from hp_testing._local_pytest import run_local_test
+
+            _report(pyfuncitem, run_local_test(pyfuncitem, world), "hplocal (local mode)", options)
+            return True
         if os.getpid() != self.owner_pid:
             # A pytest-forked child: the parent's pools belong to the parent.
             pool = WorkerPool(world, backend=backend)
@@ -333,8 +369,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{MARKER}(world_size=N, backend='gloo'|'nccl-emu'|'hccl-emu', timeout=60, checks=True, "
-        "strict=False, faults=[]): run the test body on N ranks of a pooled process group and "
-        "report it once",
+        "strict=False, faults=[], mode='process'|'local'): run the test body on N ranks of a pooled "
+        "process group (mode='local': N threads of this process) and report it once",
     )
     if not config.pluginmanager.has_plugin(_SESSION_KEY):
         config.pluginmanager.register(HarnessSession(config), _SESSION_KEY)

@@ -1,0 +1,334 @@
+"""The ``hplocal`` c10d backend: collectives between the threads of one local world, in memory.
+
+Every rank's group is its own ``ProcessGroup`` object (as in separate
+processes); the ranks of one group meet in the world's ``pending`` table
+under (group name, sequence number), which is how NCCL matches collectives
+too: the k-th collective a rank issues on a group meets the k-th of each
+peer. The last rank to arrive checks that all agree (the same collective,
+reduce op, root, dtype and shapes) and then computes every rank's output at
+once from the inputs; a disagreement fails the collective on every rank of
+the group with each rank's arguments. Point-to-point messages match in issue
+order per (group, source, destination), ignoring tags, as NCCL does; a send
+completes when its receive took it.
+
+``wait()`` on the returned work hands the baton to another rank until the
+result is there (see [Note: cooperative ranks] in :mod:`hp_testing._local_world`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp_testing._local_world import World, current
+
+__all__ = ["BACKEND", "register"]
+
+BACKEND = "hplocal"
+
+_REDUCE: dict[Any, tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = {
+    dist.ReduceOp.SUM: ("sum", torch.add),
+    dist.ReduceOp.AVG: ("avg", torch.add),
+    dist.ReduceOp.MAX: ("max", torch.maximum),
+    dist.ReduceOp.MIN: ("min", torch.minimum),
+    dist.ReduceOp.PRODUCT: ("product", torch.mul),
+    dist.ReduceOp.BAND: ("band", torch.bitwise_and),
+    dist.ReduceOp.BOR: ("bor", torch.bitwise_or),
+    dist.ReduceOp.BXOR: ("bxor", torch.bitwise_xor),
+}
+
+
+def _reduce_name(op: Any) -> str:
+    for key, (name, _) in _REDUCE.items():
+        if op == key:
+            return name
+    raise ValueError(
+        f"hp_testing local mode: reduce op {op!r} is not supported by the in-memory backend; use "
+        "sum, avg, max, min, product, band, bor or bxor (hp_core emulates premul_sum over sum)"
+    )
+
+
+def _reduce(name: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Reduce in group-rank order, as a ring would visit them."""
+    fn = next(fn for key, (n, fn) in _REDUCE.items() if n == name)
+    result = tensors[0].clone()
+    for tensor in tensors[1:]:
+        result = fn(result, tensor)
+    if name == "avg":
+        result = result / len(tensors) if result.is_floating_point() else result // len(tensors)
+    return result
+
+
+def _sig(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}{tuple(tensor.shape)}"
+
+
+class LocalWork(dist.Work):
+    """A handle whose ``wait()`` lets the other ranks run until the operation completed."""
+
+    def __init__(self, world: World, done: Callable[[], bool], error: Callable[[], str | None], what: str):
+        super().__init__()
+        self._world, self._done, self._error, self._what = world, done, error, what
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        self._world.block_until(self._done, self._what)
+        problem = self._error()
+        if problem is not None:
+            raise RuntimeError(problem)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done()
+
+    def is_success(self) -> bool:
+        return self._done() and self._error() is None
+
+
+@dataclass
+class _Call:
+    """One rank's side of a collective: what it issued, and what must agree across ranks."""
+
+    group_rank: int
+    kind: str
+    agree: tuple[Any, ...]
+    shown: str
+    payload: tuple[Any, ...]
+
+
+@dataclass
+class _Meeting:
+    size: int
+    calls: dict[int, _Call] = field(default_factory=dict)
+    done: bool = False
+    error: str | None = None
+
+
+@dataclass
+class _Message:
+    tensor: torch.Tensor | None = None  # a send's data, until received
+    buffer: torch.Tensor | None = None  # a receive's destination
+    shown: str = ""
+    done: bool = False
+    error: str | None = None
+
+
+class LocalGroup(dist.ProcessGroup):
+    """One rank's handle on a group of a local world."""
+
+    def __init__(self, world: World, name: str, ranks: Sequence[int], group_rank: int) -> None:
+        super().__init__(group_rank, len(ranks))
+        self._world = world
+        self._name = name
+        self._ranks = tuple(ranks)
+        self._group_rank = group_rank
+        self._seq = 0
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    # -- collectives: meet, agree, compute -----------------------------------------------------------
+
+    def _meet(
+        self,
+        kind: str,
+        agree: tuple[Any, ...],
+        shown: str,
+        payload: tuple[Any, ...],
+        compute: Callable[[list[_Call]], str | None],
+    ) -> LocalWork:
+        self._seq += 1
+        key = (self._name, self._seq)
+        meeting = self._world.pending.setdefault(key, _Meeting(len(self._ranks)))
+        meeting.calls[self._group_rank] = _Call(self._group_rank, kind, agree, shown, payload)
+        where = f"collective #{self._seq} on group {list(self._ranks)}"
+        if len(meeting.calls) == meeting.size:
+            del self._world.pending[key]
+            calls = [meeting.calls[r] for r in range(meeting.size)]
+            if any((c.kind, c.agree) != (calls[0].kind, calls[0].agree) for c in calls):
+                per_rank = "; ".join(f"rank {self._ranks[c.group_rank]}: {c.shown}" for c in calls)
+                meeting.error = (
+                    f"hp_testing local mode: the ranks disagree in {where}: {per_rank}. Every rank of "
+                    "a group must issue the same collective, with the same op, root, dtype and shapes, "
+                    "in the same order."
+                )
+            else:
+                problem = compute(calls)
+                if problem is not None:
+                    meeting.error = f"hp_testing local mode: {shown} ({where}): {problem}"
+            meeting.done = True
+            self._world.wake()
+        return LocalWork(self._world, lambda: meeting.done, lambda: meeting.error, f"{shown} ({where})")
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> LocalWork:
+        (tensor,) = tensors
+        op = _reduce_name(opts.reduceOp)
+
+        def compute(calls: list[_Call]) -> None:
+            result = _reduce(op, [c.payload[0] for c in calls])
+            for c in calls:
+                c.payload[0].copy_(result)
+
+        return self._meet(
+            "all_reduce", (op, _sig(tensor)), f"all_reduce({_sig(tensor)}, {op})", (tensor,), compute
+        )
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> LocalWork:
+        (tensor,) = tensors
+        root = opts.rootRank
+
+        def compute(calls: list[_Call]) -> None:
+            source = calls[root].payload[0].clone()
+            for c in calls:
+                c.payload[0].copy_(source)
+
+        shown = f"broadcast({_sig(tensor)}, group_src={root})"
+        return self._meet("broadcast", (root, _sig(tensor)), shown, (tensor,), compute)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> LocalWork:
+        def compute(calls: list[_Call]) -> None:
+            gathered = torch.cat([c.payload[1].reshape(-1) for c in calls])
+            for c in calls:
+                c.payload[0].view(-1).copy_(gathered)
+
+        shown = f"all_gather_into_tensor({_sig(input)} -> {_sig(output)})"
+        return self._meet("all_gather", (_sig(input), _sig(output)), shown, (output, input), compute)
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> LocalWork:
+        (chunks,), (input,) = outputs, inputs
+
+        def compute(calls: list[_Call]) -> None:
+            for c in calls:
+                for out, src in zip(c.payload[0], calls, strict=True):
+                    out.copy_(src.payload[1])
+
+        shown = f"all_gather([{len(chunks)} x], {_sig(input)})"
+        return self._meet("all_gather_list", (_sig(input),), shown, (chunks, input), compute)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> LocalWork:
+        op = _reduce_name(opts.reduceOp)
+
+        def compute(calls: list[_Call]) -> None:
+            result = _reduce(op, [c.payload[1] for c in calls]).reshape(len(calls), -1)
+            for c in calls:
+                c.payload[0].view(-1).copy_(result[c.group_rank])
+
+        shown = f"reduce_scatter_tensor({_sig(input)} -> {_sig(output)}, {op})"
+        return self._meet("reduce_scatter", (op, _sig(input), _sig(output)), shown, (output, input), compute)
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> LocalWork:
+        (output,), (chunks,) = outputs, inputs
+        op = _reduce_name(opts.reduceOp)
+
+        def compute(calls: list[_Call]) -> None:
+            for c in calls:
+                c.payload[0].copy_(_reduce(op, [src.payload[1][c.group_rank] for src in calls]))
+
+        shown = f"reduce_scatter({_sig(output)}, {op})"
+        return self._meet("reduce_scatter_list", (op, _sig(output)), shown, (output, chunks), compute)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any,
+    ) -> LocalWork:
+        size = len(self._ranks)
+        ins = list(input_split_sizes) or [input.shape[0] // size] * size
+        outs = list(output_split_sizes) or [output.shape[0] // size] * size
+
+        def compute(calls: list[_Call]) -> str | None:
+            for c in calls:
+                for src in calls:
+                    sent, expected = src.payload[2][c.group_rank], c.payload[3][src.group_rank]
+                    if sent != expected:
+                        return (
+                            f"rank {self._ranks[src.group_rank]} sends {sent} rows to rank "
+                            f"{self._ranks[c.group_rank]}, which expects {expected} from it; rank i's "
+                            "input_split_sizes[j] must equal rank j's output_split_sizes[i]"
+                        )
+            pieces = {c.group_rank: c.payload[1].split(c.payload[2]) for c in calls}
+            for c in calls:
+                torch.cat([pieces[src.group_rank][c.group_rank] for src in calls], out=c.payload[0])
+            return None
+
+        shown = f"all_to_all_single({_sig(input)} -> {_sig(output)}, in={ins}, out={outs})"
+        payload = (output, input, ins, outs)
+        return self._meet("all_to_all", (_sig(input[:0]),), shown, payload, compute)
+
+    def barrier(self, opts: Any = None) -> LocalWork:
+        return self._meet("barrier", (), "barrier()", (), lambda calls: None)
+
+    # -- point to point ---------------------------------------------------------------------------------
+
+    def _channel(self, src: int, dst: int) -> tuple[deque[_Message], deque[_Message]]:
+        return self._world.channels.setdefault((self._name, src, dst), (deque(), deque()))
+
+    def _pair(self, sends: deque[_Message], recvs: deque[_Message]) -> None:
+        while sends and recvs:
+            send, recv = sends.popleft(), recvs.popleft()
+            assert send.tensor is not None and recv.buffer is not None
+            if send.tensor.dtype != recv.buffer.dtype or send.tensor.numel() != recv.buffer.numel():
+                problem = (
+                    f"hp_testing local mode: a send and the receive it meets disagree: {send.shown} vs "
+                    f"{recv.shown}; messages between two ranks match in issue order (tags are ignored, as "
+                    "under NCCL), so issue the receives in the order of the sends, with matching sizes."
+                )
+                send.error = recv.error = problem
+            else:
+                recv.buffer.view(-1).copy_(send.tensor.reshape(-1))
+            send.tensor = None
+            send.done = recv.done = True
+        self._world.wake()
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> LocalWork:
+        (tensor,) = tensors
+        me, peer = self._ranks[self._group_rank], self._ranks[dst]
+        message = _Message(tensor=tensor.clone(), shown=f"rank {me} send({_sig(tensor)}) to rank {peer}")
+        sends, recvs = self._channel(self._group_rank, dst)
+        sends.append(message)
+        self._pair(sends, recvs)
+        return LocalWork(self._world, lambda: message.done, lambda: message.error, message.shown)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> LocalWork:
+        (tensor,) = tensors
+        me, peer = self._ranks[self._group_rank], self._ranks[src]
+        message = _Message(buffer=tensor, shown=f"rank {me} recv({_sig(tensor)}) from rank {peer}")
+        sends, recvs = self._channel(src, self._group_rank)
+        recvs.append(message)
+        self._pair(sends, recvs)
+        return LocalWork(self._world, lambda: message.done, lambda: message.error, message.shown)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> LocalWork:
+        raise RuntimeError(
+            "hp_testing local mode: recv() without src is not supported (NCCL and HCCL refuse it too); "
+            "pass src="
+        )
+
+
+def _create(options: Any, backend_options: Any = None) -> LocalGroup:
+    world, _ = current()
+    ranks = list(options.global_ranks_in_group) or list(range(world.size))
+    return LocalGroup(world, str(options.group_id), ranks, options.group_rank)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Make ``dist.init_process_group("hplocal")`` and ``new_group`` build :class:`LocalGroup` s."""
+    global _registered
+    if not _registered:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+        _registered = True

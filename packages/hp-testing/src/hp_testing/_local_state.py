@@ -1,0 +1,148 @@
+"""What one rank of a local-mode world owns: the process state a real rank would have to itself.
+
+[Note: one process, many ranks' state]
+Local mode runs every rank of a world as a thread of one process, but the
+code under test keeps per-process state in module globals: torch's
+``distributed_c10d`` holds the default group and the group maps, hp_core's
+mesh module caches groups by rank list, the RNG is one generator, and
+``os.environ`` carries ``RANK``. Shared, rank 1 would find rank 0's groups.
+
+The ranks therefore run one at a time (see :mod:`hp_testing._local_world`)
+and switch only where a rank blocks in communication. At each switch the
+leaving rank's state is saved and the entering rank's is put back, as an
+operating system swaps processes:
+
+* module data globals (dicts, lists, sets, and plain values) of torch's
+  ``distributed_c10d`` and of every loaded ``hp_*`` module but hp_testing's
+  (whose only per-rank global is ``record_collectives``' list of open logs):
+  each rank starts from a copy of what the process had (containers copied one
+  level, as ``fork`` would give it), then keeps its own;
+* the CPU RNG state and the default dtype;
+* ``sys.stdout`` / ``sys.stderr`` (each rank writes to its own buffer) and
+  ``sys.excepthook`` (``init_process_group`` installs a rank-prefixing one);
+* the torchrun environment variables (``RANK``, ``LOCAL_RANK``, ...).
+
+Only globals are swapped: state a module captured elsewhere (a class
+attribute, a closure, an ``lru_cache``) stays shared between the ranks, which
+is right for caches whose values do not depend on the rank and wrong for any
+that do; hp's packages keep rank-dependent state in module globals.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+
+__all__: list[str] = []
+
+# Packages whose module globals are per rank; hp_testing's own stay shared (they run the world).
+_PER_RANK_PREFIXES = ("hp_core", "hp_dtensor", "hp_fsdp", "hp_pipeline", "hp_torchtitan")
+# hp_testing's record_collectives keeps each rank's open logs in a global, as a pool rank would.
+_PER_RANK_MODULES = ("hp_testing.collectives",)
+_CONTAINERS = (dict, list, set)
+_PLAIN = (int, float, str, bool, bytes, tuple, frozenset, type(None))
+
+
+def _per_rank_globals(module: types.ModuleType) -> list[str]:
+    """Names of ``module``'s data globals: the values a process would own privately."""
+    names = []
+    for name, value in vars(module).items():
+        if name.startswith("__"):
+            continue
+        kind = type(value)  # not isinstance: it would touch deprecated module attributes that warn
+        if kind in _CONTAINERS or kind in _PLAIN or issubclass(kind, (c10d._World, c10d.ProcessGroup)):
+            names.append(name)
+    return names
+
+
+def _modules() -> list[types.ModuleType]:
+    found = [c10d]
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name.split(".")[0] in _PER_RANK_PREFIXES or name in _PER_RANK_MODULES):
+            found.append(module)
+    return found
+
+
+def _fork_value(value: Any) -> Any:
+    """A rank's starting copy of a global: containers one level deep, a fresh c10d world."""
+    kind = type(value)
+    if issubclass(kind, c10d._World):
+        return c10d._World()
+    if kind in _CONTAINERS:
+        return kind(value)
+    return value
+
+
+class Slots:
+    """The (module, global name) pairs every rank owns a copy of, found once per world."""
+
+    def __init__(self, modules: Iterable[types.ModuleType] | None = None) -> None:
+        self.pairs: list[tuple[types.ModuleType, str]] = [
+            (module, name) for module in (modules or _modules()) for name in _per_rank_globals(module)
+        ]
+
+    def read(self) -> list[Any]:
+        return [getattr(module, name) for module, name in self.pairs]
+
+    def write(self, values: list[Any]) -> None:
+        for (module, name), value in zip(self.pairs, values, strict=True):
+            setattr(module, name, value)
+
+
+class RankState:
+    """One rank's saved process state while another rank runs."""
+
+    def __init__(self, slots: Slots, parent: list[Any], env: dict[str, str]) -> None:
+        self.slots = slots
+        self.globals = [_fork_value(value) for value in parent]
+        self.rng = torch.Generator().get_state()  # a fresh process's default seed, as each pool test gets
+        self.dtype = torch.get_default_dtype()
+        self.stdout = io.StringIO()
+        self.stderr = io.StringIO()
+        self.excepthook = sys.excepthook
+        self.env = env
+
+    def enter(self) -> None:
+        """Make this rank's state the process's."""
+        self.slots.write(self.globals)
+        torch.set_rng_state(self.rng)
+        torch.set_default_dtype(self.dtype)
+        sys.stdout, sys.stderr, sys.excepthook = self.stdout, self.stderr, self.excepthook
+        os.environ.update(self.env)
+
+    def leave(self) -> None:
+        """Save what this rank changed, so the next rank can enter."""
+        self.globals = self.slots.read()
+        self.rng = torch.get_rng_state()
+        self.dtype = torch.get_default_dtype()
+        self.excepthook = sys.excepthook
+
+
+class HostState:
+    """The launching thread's state, put back once the world has finished."""
+
+    def __init__(self, slots: Slots, env_keys: Iterable[str]) -> None:
+        self.slots = slots
+        self.globals = slots.read()
+        self.rng = torch.get_rng_state()
+        self.dtype = torch.get_default_dtype()
+        self.stdout, self.stderr, self.excepthook = sys.stdout, sys.stderr, sys.excepthook
+        self.env = {key: os.environ.get(key) for key in env_keys}
+
+    def restore(self) -> None:
+        self.slots.write(self.globals)
+        torch.set_rng_state(self.rng)
+        torch.set_default_dtype(self.dtype)
+        sys.stdout, sys.stderr, sys.excepthook = self.stdout, self.stderr, self.excepthook
+        for key, value in self.env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,176 @@
+"""The scheduler of local mode: every rank a thread, one running at a time, switching where one blocks.
+
+[Note: cooperative ranks]
+A local world holds one lock, the baton. A rank runs only while it holds the
+baton and gives it up only where it would block in communication (waiting for
+a collective its peers have not all issued, a receive nobody sent yet). The
+rank that takes the baton next puts its own process state back first
+(:mod:`hp_testing._local_state`), so each rank sees the globals, RNG and
+environment it would have in its own process, and the run is deterministic
+apart from which runnable rank the OS wakes first.
+
+Because nothing runs concurrently, a hang cannot hide: when every rank that
+has not ended is waiting and none of their waits can complete, no one will
+ever complete them. The world then fails every waiting rank at once with what
+each one waits in, and which ranks ended (returned or raised) before issuing
+what their peers wait for, instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hp_testing._local_state import HostState, RankState, Slots
+
+__all__: list[str] = []
+
+
+class LocalHangError(RuntimeError):
+    """Every live rank of a local world waits for communication that can no longer happen."""
+
+
+_tls = threading.local()
+
+
+def current() -> tuple[World, int]:
+    """The world and rank of the calling thread (a local-mode rank)."""
+    world = getattr(_tls, "world", None)
+    if world is None:
+        raise RuntimeError(
+            "hp_testing local mode: this thread is not a rank of a local world; the 'hplocal' backend "
+            "only works inside hp_testing.run_local, @pytest.mark.distributed(..., mode='local') "
+            "or hp-run --local"
+        )
+    return world, _tls.rank
+
+
+@dataclass
+class RankOutcome:
+    """What one rank of a local world did."""
+
+    rank: int
+    ok: bool = True
+    value: Any = None
+    error: str = ""
+    exception: BaseException | None = None
+    stdout: str = ""
+    stderr: str = ""
+
+
+@dataclass
+class _Wait:
+    ready: Callable[[], bool]
+    what: str
+
+
+@dataclass
+class World:
+    """One local world: its ranks' states, the baton, and what each waiting rank waits for."""
+
+    size: int
+    slots: Slots
+    baton: threading.Condition = field(default_factory=threading.Condition)
+    states: dict[int, RankState] = field(default_factory=dict)
+    running: int | None = None
+    alive: set[int] = field(default_factory=set)
+    ended: dict[int, str] = field(default_factory=dict)  # rank -> "returned" / "raised X"
+    waiting: dict[int, _Wait] = field(default_factory=dict)
+    stalled: str | None = None
+    # Shared by the backend's groups: rendezvous of collectives and p2p channels.
+    pending: dict[Any, Any] = field(default_factory=dict)
+    channels: dict[Any, Any] = field(default_factory=dict)
+
+    # -- switching (called with the baton held) --------------------------------------------------
+
+    def switch_in(self, rank: int) -> None:
+        if self.running == rank:
+            return
+        if self.running is not None:
+            self.states[self.running].leave()
+        self.states[rank].enter()
+        self.running = rank
+
+    def block_until(self, ready: Callable[[], bool], what: str) -> None:
+        """Give the baton away until ``ready()``; raise :class:`LocalHangError` if it never can be."""
+        _, rank = current()
+        if ready():
+            return
+        self.waiting[rank] = _Wait(ready, what)
+        try:
+            self._detect_stall()
+            while not ready():
+                if self.stalled is not None:
+                    raise LocalHangError(self.stalled)
+                self.baton.wait()
+        finally:
+            del self.waiting[rank]
+            self.switch_in(rank)
+
+    def wake(self) -> None:
+        """Tell the waiting ranks that something completed."""
+        self.baton.notify_all()
+
+    def _detect_stall(self) -> None:
+        if self.stalled is not None or set(self.waiting) != self.alive:
+            return
+        if any(wait.ready() for wait in self.waiting.values()):
+            return
+        lines = [f"rank {rank} waits in {wait.what}" for rank, wait in sorted(self.waiting.items())]
+        lines += [f"rank {rank} {how}" for rank, how in sorted(self.ended.items())]
+        self.stalled = (
+            f"local world of {self.size} ranks stopped: every live rank waits for communication no rank "
+            "can still issue (a real backend would hang here):\n  "
+            + "\n  ".join(lines)
+            + "\nEvery rank of a group must issue the same collectives on it in the same order, and "
+            "each send needs its receive."
+        )
+        self.baton.notify_all()
+
+    # -- rank threads -----------------------------------------------------------------------------
+
+    def _rank_main(self, rank: int, body: Callable[[int], Any], out: RankOutcome) -> None:
+        _tls.world, _tls.rank = self, rank
+        with self.baton:
+            self.switch_in(rank)
+            try:
+                out.value = body(rank)
+                self.ended[rank] = "returned (ended)"
+            except BaseException as exc:  # reported per rank, like a failing process
+                out.ok = False
+                out.exception = exc
+                out.error = "".join(traceback.format_exception(exc))
+                self.ended[rank] = f"raised {type(exc).__name__} (ended)"
+            finally:
+                state = self.states[rank]
+                out.stdout, out.stderr = state.stdout.getvalue(), state.stderr.getvalue()
+                self.alive.discard(rank)
+                self._detect_stall()
+                self.wake()
+
+    def run(self, body: Callable[[int], Any], env: Callable[[int], dict[str, str]]) -> list[RankOutcome]:
+        """Run ``body(rank)`` on every rank; the calling thread's process state is put back after."""
+        envs = [env(rank) for rank in range(self.size)]
+        host = HostState(self.slots, {key for each in envs for key in each})
+        parent = self.slots.read()
+        self.states = {rank: RankState(self.slots, parent, envs[rank]) for rank in range(self.size)}
+        self.alive = set(range(self.size))
+        outcomes = [RankOutcome(rank) for rank in range(self.size)]
+        threads = [
+            threading.Thread(
+                target=self._rank_main, args=(rank, body, outcomes[rank]), name=f"hp-local-rank{rank}"
+            )
+            for rank in range(self.size)
+        ]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            self.running = None
+            host.restore()
+        return outcomes

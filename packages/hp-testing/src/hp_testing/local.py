@@ -1,0 +1,144 @@
+"""Local mode: every rank of a world in this process, for world sizes a laptop cannot fork.
+
+``run_local(fn, world_size)`` runs ``fn(rank)`` once per rank, each rank a
+thread with its own default process group over the in-memory ``hplocal``
+backend and its own copy of the process state a rank owns (see
+[Note: one process, many ranks' state] and [Note: cooperative ranks]). The
+marker's ``mode="local"`` and ``hp-run --local`` are built on it.
+
+Why threads and not torch's ``LocalTensor``: ``LocalTensorMode`` runs the
+program once over tensors that hold every rank's value, so a rank's Python
+control flow (``if rank == 0``, a shard size computed from the mesh
+coordinate, a pipeline stage per rank) must become symbolic per-rank ints,
+and only torch's own ``DeviceMesh`` methods are patched to produce them.
+hp's packages compute with plain ints from their own mesh, and a test body
+written for the multi-process harness branches on ``rank``; running each rank
+as its own thread runs that code unchanged, the same body in both modes.
+
+What it cannot do is what needs ranks that run at the same time: async hazards
+(a touch of a pending collective's buffer is only a race when the collective
+runs concurrently), fault injection (killing or stalling a process) and
+timeouts. Those stay with the multi-process mode, and asking for them here
+raises :class:`ConcurrencyNeededError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from hp_testing._local_backend import BACKEND, register
+from hp_testing._local_state import Slots
+from hp_testing._local_world import LocalHangError, RankOutcome, World
+
+__all__ = [
+    "BACKEND",
+    "ConcurrencyNeededError",
+    "LocalHangError",
+    "LocalModeFailed",
+    "RankOutcome",
+    "run_local",
+    "run_local_outcomes",
+]
+
+_HP_PACKAGES = ("hp_core", "hp_dtensor", "hp_fsdp", "hp_pipeline", "hp_testing.collectives")
+
+
+class ConcurrencyNeededError(RuntimeError):
+    """A feature that needs ranks running at the same time was asked for in local mode."""
+
+
+class LocalModeFailed(RuntimeError):
+    """At least one rank of :func:`run_local` raised; the message holds every failing rank's traceback."""
+
+    def __init__(self, message: str, outcomes: list[RankOutcome]) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+
+
+def refuse_concurrency(feature: str, process_mode: str) -> None:
+    """Raise :class:`ConcurrencyNeededError` naming ``feature`` and how to get the multi-process mode."""
+    raise ConcurrencyNeededError(
+        f"{feature} needs ranks that run at the same time, and local mode runs them one at a time in "
+        f"one process; use the multi-process mode instead: {process_mode}"
+    )
+
+
+def _torchrun_env(world_size: int) -> Callable[[int], dict[str, str]]:
+    """The variables ``hp-run`` gives a rank (torchrun's names), without the rest of the environment."""
+    from hp_testing.launcher import rank_env
+
+    def env(rank: int) -> dict[str, str]:
+        return {
+            key: value
+            for key, value in rank_env(rank, world_size, 0, base={}).items()
+            if key != "OMP_NUM_THREADS"
+        }
+
+    return env
+
+
+def _import_hp_packages() -> None:
+    """Load hp's packages before the ranks fork their state, so their globals are per rank."""
+    for name in _HP_PACKAGES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+
+
+def run_local_outcomes(fn: Callable[[int], Any], world_size: int) -> list[RankOutcome]:
+    """Run ``fn(rank)`` on ``world_size`` local ranks; every rank's outcome, failures included.
+
+    Each rank's default group is initialised (backend ``hplocal``) before
+    ``fn`` runs, so ``hp_core.init_distributed()`` is a no-op there.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"run_local: world_size must be an int >= 1, got {world_size!r}")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "run_local: this process already has a default process group (it is a rank itself, e.g. under "
+            "torchrun); local mode simulates a whole world and needs a process without one. Run it "
+            "from plain pytest or python."
+        )
+    register()
+    _import_hp_packages()
+    from hp_core import set_backend_semantics
+
+    previous = set_backend_semantics(BACKEND, "gloo")  # hp_core judges the ranks' groups as gloo's
+    world = World(world_size, Slots())
+
+    def body(rank: int) -> Any:
+        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+        return fn(rank)
+
+    isolate = _thread_isolation(True)
+    try:
+        return world.run(body, _torchrun_env(world_size))
+    finally:
+        _thread_isolation(isolate)
+        set_backend_semantics(BACKEND, previous)
+
+
+def run_local(fn: Callable[[int], Any], world_size: int) -> list[Any]:
+    """``[fn(0), ..., fn(world_size - 1)]``, each run as its own rank; raises if any rank raised."""
+    outcomes = run_local_outcomes(fn, world_size)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        parts = [f"{'-' * 20} rank {o.rank} failed {'-' * 20}\n{o.error.rstrip()}" for o in failed]
+        raise LocalModeFailed(
+            f"run_local: rank(s) {[o.rank for o in failed]} of {world_size} failed\n" + "\n".join(parts),
+            outcomes,
+        )
+    return [o.value for o in outcomes]
+
+
+def _thread_isolation(on: bool) -> bool:
+    """Give each thread its own c10d group-name registry (every rank names its groups alike)."""
+    from torch._C import _distributed_c10d as c10d_ext
+
+    c10d_ext._set_thread_isolation_mode(on)
+    return False
