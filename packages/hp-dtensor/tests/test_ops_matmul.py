@@ -207,6 +207,8 @@ def test_einsum_tensordot_vecdot(rank, device_mesh_factory) -> None:  # type: ig
     _sweep(lambda a, b: torch.tensordot(a, b, dims=([1], [0])), [(4, 5), (5, 3)], mesh, "tensordot 1")
     _sweep(lambda a, b: torch.tensordot(a, b, dims=2), [(2, 4, 5), (4, 5, 3)], mesh, "tensordot 2")
     _sweep(lambda a, b: torch.tensordot(a, b, dims=([0], [0])), [(2, 3, 4), (2, 5)], mesh, "tensordot 0-0")
+    # the issue's tensordot: a full contraction runs squeeze() on pieces of one row (views' fix)
+    _sweep(lambda a, b: torch.tensordot(a, b, dims=([0, 1], [1, 0])), [(2, 4), (4, 2)], mesh, "tensordot all")
     _sweep(torch.linalg.vecdot, [(4, 5), (4, 5)], mesh, "vecdot")
 
 
