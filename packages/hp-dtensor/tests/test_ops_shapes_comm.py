@@ -133,6 +133,9 @@ def test_foreach_ops_keep_every_member_cut(rank, device_mesh_factory, cut) -> No
         mesh,
         grad=False,
     )
+    # _foreach_maximum is pointwise (it was taken for the _foreach_max reduction and fell back)
+    check_local(lambda *t: torch._foreach_maximum(list(t[:n]), list(t[n:])), xs + ys, [cut] * (2 * n), mesh)
+    check_local(lambda *t: torch._foreach_maximum(list(t), 0.1), xs, [cut] * n, mesh)
     targets = [distribute_tensor(x.clone(), mesh, [cut]) for x in xs]
     others = [distribute_tensor(y.clone(), mesh, [cut]) for y in ys]
     with record_collectives() as log:

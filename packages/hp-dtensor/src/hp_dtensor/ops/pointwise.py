@@ -163,8 +163,9 @@ def _out_of_place_is_pointwise(func: Any) -> bool:
 
 def resolve_by_tag(func: Any) -> Any:
     """Find a rule for an op not registered by name, from its tags (called once per op)."""
-    name = str(func)
-    if name.startswith("aten._foreach_") and not name.startswith(("aten._foreach_norm", "aten._foreach_max")):
+    packet = str(func).rsplit(".", 1)[0]
+    # _foreach_norm and _foreach_max reduce (their rules are elsewhere); _foreach_maximum is pointwise.
+    if packet.startswith("aten._foreach_") and packet not in ("aten._foreach_norm", "aten._foreach_max"):
         from hp_dtensor.ops.foreach import foreach_run
 
         SPECIAL[func] = lambda args, kwargs: foreach_run(func, args, kwargs)
