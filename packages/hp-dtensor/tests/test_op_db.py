@@ -69,10 +69,6 @@ CI_OPS = (
 #: again (remove it) and when an op not listed here fails (fix it, or list it with the reason).
 #: Found by the full sweep (2 samples per op) on this session's tree; none is in CI_OPS.
 KNOWN: dict[tuple[str, str], str] = {
-    (
-        "_foreach_mm",
-        "",
-    ): "the foreach rule takes _foreach_mm as pointwise: broadcast / shape errors, Replicate too",
     ("tensor_split", ""): "a tensor of split indices is read as data in C++; torch's DTensor fails alike",
     ("to_sparse", ""): "a sparse result cannot be a DTensor's local tensor (SparseCPU NotImplementedError)",
     ("linalg.matrix_rank", ""): "sample 1 (Replicate) returns a plain tensor; torch's DTensor too",
