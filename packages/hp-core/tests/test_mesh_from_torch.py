@@ -137,3 +137,37 @@ def test_unflattened_world_mesh(rank: int) -> None:
         )
         assert rebuilt == mesh and rebuilt.flatten("world").mesh.tolist() == [0, 1, 2, 3]
     assert summed(rank, mesh.get_group("tp")) == {0: 1, 1: 1, 2: 5, 3: 5}[rank]
+
+
+@pytest.mark.distributed(world_size=8)
+def test_torchtitan_meshes_on_eight_ranks(rank: int) -> None:
+    clear_group_cache()
+    theirs = torch_init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+    dp_shard_cp = theirs["dp_shard", "cp"]._flatten("dp_shard_cp")
+    dp_tp = theirs["dp_shard", "tp"]._flatten("dp_tp")  # dims that are not adjacent
+    world = torch_init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
+    three = world._unflatten(0, (2, 2, 2), ("pp", "dp", "tp"))
+    two = world._unflatten(0, (2, 4), ("pp", "rest"))
+    with no_new_groups():
+        mesh = DeviceMesh.from_torch(theirs)
+        for dim in ("dp_shard", "cp", "tp"):
+            assert mesh.get_group(dim) is theirs.get_group(dim)
+        for name, flat in (("dp_shard_cp", dp_shard_cp), ("dp_tp", dp_tp)):
+            assert (
+                mesh[name] is DeviceMesh.from_torch(flat) and mesh[name].mesh.tolist() == flat.mesh.tolist()
+            )
+            assert mesh[name].get_group() is flat.get_group()
+        assert mesh["dp_shard", "cp"].flatten("dp_shard_cp") is mesh["dp_shard_cp"]
+        fsdp_tp = DeviceMesh.concatenate([mesh["dp_shard_cp"], DeviceMesh.from_torch(theirs["tp"])])
+        assert fsdp_tp.mesh.tolist() == theirs.mesh.reshape(4, 2).tolist()
+        unflat = DeviceMesh.from_torch(three)
+        # one group per set of ranks: the unflattened dims have the ranks of the first mesh's dims
+        for dim, same in (("pp", "dp_shard"), ("dp", "cp"), ("tp", "tp")):
+            assert ranks(unflat.get_group(dim)) == ranks(three.get_group(dim))
+            assert unflat.get_group(dim) is theirs.get_group(same)
+        # two unflattenings of one world mesh cut its rank list alike, so their dims compose
+        rest = DeviceMesh.from_torch(two["rest"])
+        assert rest.get_group() is two.get_group("rest")
+        both = DeviceMesh.concatenate([DeviceMesh.from_torch(three["pp"]), rest])
+        assert both.mesh.tolist() == two.mesh.tolist()
+    assert summed(rank, mesh["dp_tp"].get_group()) == sum(mesh["dp_tp"].mesh.tolist())

@@ -4,7 +4,9 @@
 world's ranks out row-major; ``mesh["tp"]`` is this rank's row, ``mesh["dp"]``
 its column, and ``mesh.get_group("tp")`` the process group that talks along
 it. ``to_torch()`` hands the same layout and the same groups to PyTorch's own
-``DeviceMesh`` so torch DTensor and FSDP2 can use them.
+``DeviceMesh`` so torch DTensor and FSDP2 can use them; ``DeviceMesh.from_torch``
+reads a torch mesh the other way, on torch's groups ([Note: meshes from torch]
+in ``hp_core._torch_mesh``).
 
 [Note: group cache]
 Creating a process group is a collective over the *default* group: every rank
