@@ -130,10 +130,12 @@ CASES = [
     ),
     Bad(
         "torch's placement",
-        lambda c: distribute_tensor(c.tensor, c.mesh, [torch.distributed.tensor.Shard(0)]),
+        lambda c: distribute_tensor(
+            c.tensor, c.mesh, [torch.distributed.tensor.placement_types._StridedShard(0, split_factor=2)]
+        ),
         TypeError,
-        r"torch\.distributed\.tensor\.placement_types\.Shard, not hp_dtensor's",
-        r"hp_dtensor\.Shard\(d\)",
+        r"torch\.distributed\.tensor\.placement_types\._StridedShard, which has no hp_dtensor equivalent",
+        r"takes Shard\(d\), Replicate\(\) and Partial",
     ),
     Bad(
         "a single placement",

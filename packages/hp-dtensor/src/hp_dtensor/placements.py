@@ -48,6 +48,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.tensor._ops._math_ops import _NormPartial as _TorchNormPartial
 from torch.distributed.tensor.placement_types import Partial as _TorchPartial
 from torch.distributed.tensor.placement_types import Placement as _TorchPlacement
 from torch.distributed.tensor.placement_types import Replicate as _TorchReplicate
@@ -224,8 +225,9 @@ def _float_repr(value: float | None) -> str:
 def torch_equivalent(value: Any) -> Placement | None:
     """Our placement for torch's ``Shard(d)``, ``Replicate()`` or ``Partial(op)``; None for anything else.
 
-    Exact types only: torch's subclasses (``_StridedShard``, ``_NormPartial``,
-    ...) describe other data and have no equivalent here.
+    Exact types only: torch's subclasses describe other data (``_StridedShard``,
+    ``_MaskPartial``) and have no equivalent here, except ``_NormPartial``,
+    which is our ``Partial("norm", p)``.
     """
     kind = type(value)
     if kind is _TorchShard:
@@ -234,6 +236,8 @@ def torch_equivalent(value: Any) -> Placement | None:
         return Replicate()
     if kind is _TorchPartial and value.reduce_op in PARTIAL_OPS and value.reduce_op != "norm":
         return Partial(value.reduce_op)
+    if kind is _TorchNormPartial:  # its reduce_op says "sum" but it reduces |x|^p: our norm partial
+        return Partial("norm", float(value.norm_type))
     return None
 
 
@@ -267,8 +271,8 @@ def as_placement(value: Any, what: str) -> Placement:
 
 def _equal_to_torch(ours: Placement, other: object) -> bool:
     """``ours == other`` for an ``other`` of another class: True only for torch's equivalent."""
-    if isinstance(other, Placement):
-        return False
+    if isinstance(other, Placement) or type(other) is _TorchNormPartial:
+        return False  # torch's _NormPartial compares unequal to ours: keep == symmetric
     converted = torch_equivalent(other)
     if converted is None:
         return NotImplemented  # type: ignore[no-any-return]
