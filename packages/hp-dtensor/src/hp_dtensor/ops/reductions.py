@@ -130,8 +130,12 @@ def _select_kernel(kind: str) -> Callable[[LocalCall], tuple[torch.Tensor, torch
                 shape[dim] = 1
             else:
                 del shape[dim]
-            info = torch.finfo(x.dtype) if x.is_floating_point() else torch.iinfo(x.dtype)
-            values = x.new_full(shape, info.min if kind == "max" else info.max)
+            if x.dtype == torch.bool:  # the identities of max and min over bools
+                fill: Any = kind != "max"
+            else:
+                info = torch.finfo(x.dtype) if x.is_floating_point() else torch.iinfo(x.dtype)
+                fill = info.min if kind == "max" else info.max
+            values = x.new_full(shape, fill)
             indices = torch.full(shape, sentinel, dtype=torch.int64, device=x.device)
         else:
             values, indices = call.func(x, dim, keepdim)
@@ -172,3 +176,144 @@ def _select_rule(kind: str) -> Callable[[OpCall], Decision]:
 
 register(aten.max.dim)(_select_rule("max"))
 register(aten.min.dim)(_select_rule("min"))
+
+
+# -- reductions computed by a kernel, or with the reduced dims gathered ----------------------------
+
+
+def kernel_reduce_decision(
+    layout: Layout, dims: list[int], keepdim: bool, gather: bool = False
+) -> tuple[tuple[Placement, ...], tuple[Placement, ...], list[int]]:
+    """(input, output, mesh dims cutting a reduced dim) for a reduction that is not a partial.
+
+    Partial inputs are reduced. With ``gather`` the reduced dims' shards are
+    gathered and the op runs locally; otherwise they stay and a kernel combines
+    the pieces across the returned mesh dims, its output replicated there.
+    Shards of other dims pass, renumbered when the reduced dims are dropped.
+    """
+    inputs: list[Placement] = []
+    out: list[Placement] = []
+    cutting: list[int] = []
+    for m, placement in enumerate(layout.placements):
+        if isinstance(placement, Shard) and placement.dim in dims:
+            inputs.append(Replicate() if gather else placement)
+            out.append(Replicate())
+            if not gather:
+                cutting.append(m)
+        elif isinstance(placement, Shard):
+            inputs.append(placement)
+            shift = 0 if keepdim else sum(1 for d in dims if d < placement.dim)
+            out.append(Shard(placement.dim - shift))
+        else:
+            inputs.append(Replicate())
+            out.append(Replicate())
+    return tuple(inputs), tuple(out), cutting
+
+
+def _groups(layout: Layout, mesh_dims: list[int]) -> list[Any]:
+    return [mesh_group(layout.mesh, m) for m in mesh_dims]
+
+
+def _drop(value: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    """``value`` reduced with ``keepdim=True`` over ``dims``, squeezed unless ``keepdim``."""
+    return value if keepdim or not dims else value.squeeze(dims)
+
+
+def _kwarg(call: OpCall | LocalCall, index: int, name: str, default: Any) -> Any:
+    if len(call.args) > index:
+        return call.args[index]
+    return call.kwargs.get(name, default)
+
+
+def _logsumexp_kernel(dims: list[int], keepdim: bool, mesh_dims: list[int]) -> Callable[[LocalCall], Any]:
+    """Local max, ``all_reduce(max)``, local sum of ``exp(x - max)``, ``all_reduce(sum)``, log."""
+
+    def run(call: LocalCall) -> torch.Tensor:
+        x = call.args[0]
+        if not x.is_floating_point() and not x.is_complex():
+            x = x.to(torch.get_default_dtype())
+        groups = _groups(call.layout(0), mesh_dims)
+        if x.numel() == 0:
+            shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+            best = x.new_full(shape, float("-inf"))
+        else:
+            best = x.amax(dims, keepdim=True).contiguous()
+        for group in groups:
+            hc.all_reduce(best, "max", group)
+        best = best.masked_fill(best.isinf(), 0.0)  # torch's shift for rows of infinities
+        total = (x - best).exp().sum(dims, keepdim=True).contiguous()
+        for group in groups:
+            hc.all_reduce(total, "sum", group)
+        return _drop(total.log() + best, dims, keepdim)
+
+    return run
+
+
+@register(aten.logsumexp.default)
+def logsumexp_rule(call: OpCall) -> Decision:
+    """``logsumexp``: other dims' shards pass; sharded reduced dims by a max and a sum all-reduce."""
+    position = call.position_of(call.args[0])
+    layout = call.layout(position)
+    dims = _reduced_dims(layout, _kwarg(call, 1, "dim", None))
+    keepdim = bool(_kwarg(call, 2, "keepdim", False))
+    inputs, out, cutting = kernel_reduce_decision(layout, dims, keepdim)
+    kernel = _logsumexp_kernel(dims, keepdim, cutting) if cutting else None
+    return Decision(inputs={position: inputs}, outputs=[out], kernel=kernel)
+
+
+def _prod_kernel(mesh_dims: list[int]) -> Callable[[LocalCall], Any]:
+    """The product of the local products: one ``all_reduce(product)`` of the output per mesh dim."""
+
+    def run(call: LocalCall) -> torch.Tensor:
+        out = call.func(*call.args, **call.kwargs).contiguous()
+        for group in _groups(call.layout(0), mesh_dims):
+            hc.all_reduce(out, "product", group)
+        return out
+
+    return run
+
+
+@register(aten.prod.default, aten.prod.dim_int)
+def prod_rule(call: OpCall) -> Decision:
+    """``prod``: other dims' shards pass; sharded reduced dims by one product all-reduce.
+
+    (torch's DTensor leaves the result a ``Partial("product")``, a placement
+    hp_dtensor does not have; the all-reduce here is of the output's size.)
+    """
+    position = call.position_of(call.args[0])
+    layout = call.layout(position)
+    if call.func is aten.prod.default:
+        dims, keepdim = _reduced_dims(layout, None), False
+    else:
+        dims = _reduced_dims(layout, call.args[1])
+        keepdim = bool(_kwarg(call, 2, "keepdim", False))
+    inputs, out, cutting = kernel_reduce_decision(layout, dims, keepdim)
+    return Decision(
+        inputs={position: inputs}, outputs=[out], kernel=_prod_kernel(cutting) if cutting else None
+    )
+
+
+@register(aten.aminmax.default)
+def aminmax_rule(call: OpCall) -> Decision:
+    """``aminmax``: sharded reduced dims give ``Partial("min")`` and ``Partial("max")``, no communication."""
+    position = call.position_of(call.args[0])
+    layout = call.layout(position)
+    dim = call.kwargs.get("dim", call.args[1] if len(call.args) > 1 else None)
+    dims = _reduced_dims(layout, dim)
+    keepdim = bool(_kwarg(call, 2, "keepdim", False))
+    # Only the shards reach the outputs: partial inputs are reduced (their min and max differ).
+    whole = layout.with_placements([p if isinstance(p, Shard) else Replicate() for p in layout.placements])
+    inputs, low = reduce_decision(whole, dims, keepdim, "min")
+    _, high = reduce_decision(whole, dims, keepdim, "max")
+    return Decision(inputs={position: tuple(inputs)}, outputs=[tuple(low), tuple(high)])
+
+
+@register(aten.mode.default)
+def mode_rule(call: OpCall) -> Decision:
+    """``mode`` along ``dim``: that dim is gathered if sharded (a mode is not combinable); others pass."""
+    position = call.position_of(call.args[0])
+    layout = call.layout(position)
+    dims = _reduced_dims(layout, int(_kwarg(call, 1, "dim", -1)))
+    keepdim = bool(_kwarg(call, 2, "keepdim", False))
+    inputs, out, _ = kernel_reduce_decision(layout, dims, keepdim, gather=True)
+    return Decision(inputs={position: inputs}, outputs=[out, out])

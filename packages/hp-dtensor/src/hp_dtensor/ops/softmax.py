@@ -122,10 +122,26 @@ _KERNELS = {
 }
 
 
+def _merged_target(call: OpCall, ref_index: int) -> tuple[Placement, ...]:
+    """Per mesh dim, the first shard held by an argument of the reference's shape, else ``Replicate()``.
+
+    The backward's ``grad_output`` and ``output`` may arrive cut differently
+    (one sharded, one replicated): cutting the replicated one is free, while
+    taking the reference's ``Replicate()`` would gather the sharded one.
+    """
+    ref = call.layout(call.position_of(call.args[ref_index]))
+    layouts = [ref] + [call.layout(p) for p in call.positions if call.layout(p).shape == ref.shape]
+    target: list[Placement] = []
+    for m in range(len(ref.placements)):
+        shards = [lay.placements[m] for lay in layouts if isinstance(lay.placements[m], Shard)]
+        target.append(shards[0] if shards else Replicate())
+    return tuple(target)
+
+
 def _decide(call: OpCall, ref_index: int, dim_index: int) -> Decision:
     ref = call.layout(call.position_of(call.args[ref_index]))
     dim = int(call.args[dim_index]) % max(ref.ndim, 1)
-    target = softmax_placements(ref.placements)
+    target = _merged_target(call, ref_index)
     inputs = {
         p: target if call.layout(p).shape == ref.shape else (Replicate(),) * len(target)
         for p in call.positions

@@ -1,0 +1,377 @@
+"""Batch norm forward and backward with the input cut on any dim.
+
+Batch norm normalises each channel (dim 1) over every other dim. So:
+
+* a cut channel dim is independent work: each rank normalises its channels
+  with its slice of the weight, bias and running statistics;
+* a cut batch or spatial dim needs the statistics of the whole batch in
+  training: see [Note: distributed batch norm]. In evaluation the running
+  statistics are used and every piece normalises on its own.
+
+Partial inputs are reduced first. The running statistics are updated in
+place, as on one process, and stay as they were placed: replicated running
+statistics with a cut channel dim get each rank's updated slice back by one
+``all_gather`` of ``2 C / world`` values, so every rank holds the same, right
+values afterwards (torch's DTensor updates a temporary cut copy instead and
+skips that exchange, leaving the module's running statistics stale).
+
+[Note: distributed batch norm]
+With the batch (or a spatial dim) cut, the training forward computes, per
+channel, the sum of the local piece and ``all_reduce(sum)`` gives the mean
+(the count is known from the global shape, uneven cuts included); the sum of
+squared deviations from that mean, all-reduced the same way, gives the
+biased variance for normalising and the unbiased one for the running
+variance. Every rank then holds the same statistics and updates its
+replicated running statistics identically. The training backward needs, per
+channel, ``sum(dy)`` and ``sum(dy * xhat)`` over the whole batch: one
+``all_reduce`` of both stacked; they are also the bias and weight gradients,
+replicated. Evaluation's backward is local with weight and bias gradients
+``Partial("sum")`` over the batch cut.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import hp_core.collectives as hc
+import torch
+from hp_core.distributed import mesh_group
+
+from hp_dtensor.dtensor import DTensor
+from hp_dtensor.layout import Layout
+from hp_dtensor.ops.dispatch import SPECIAL, Decision, LocalCall, OpCall, register
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+
+__all__ = ["batch_norm_backward_rule", "batch_norm_rule"]
+
+aten = torch.ops.aten
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class _Args(NamedTuple):
+    """The forward's arguments by meaning: tensor indices and scalars."""
+
+    weight: int | None
+    bias: int | None
+    running_mean: int | None
+    running_var: int | None
+    training: bool
+    momentum: float
+    eps: float
+    outputs: int
+
+
+def _forward_args(call: OpCall | LocalCall) -> _Args:
+    a, func = call.args, call.func
+    if func is aten._native_batch_norm_legit.no_stats:
+        return _Args(1, 2, None, None, bool(a[3]), float(a[4]), float(a[5]), 3)
+    if func is aten._native_batch_norm_legit_no_training.default:
+        return _Args(1, 2, 3, 4, False, float(a[5]), float(a[6]), 3)
+    if func is aten._batch_norm_with_update.default:
+        return _Args(1, 2, 3, 4, True, float(a[5]), float(a[6]), 4)
+    return _Args(1, 2, 3, 4, bool(a[5]), float(a[6]), float(a[7]), 3)  # native_batch_norm, _legit
+
+
+def _channel_target(layout: Layout) -> tuple[Placement, ...]:
+    """Where a per-channel vector of this input goes: cut where the channel dim is cut."""
+    return tuple(Shard(0) if isinstance(p, Shard) and p.dim == 1 else Replicate() for p in layout.placements)
+
+
+def _input_target(layout: Layout) -> tuple[Placement, ...]:
+    return tuple(p if isinstance(p, Shard) else Replicate() for p in layout.placements)
+
+
+def _batch_mesh_dims(target: tuple[Placement, ...]) -> list[int]:
+    return [m for m, p in enumerate(target) if isinstance(p, Shard) and p.dim != 1]
+
+
+def _stat_target(
+    call: OpCall, index: int | None, channel: tuple[Placement, ...]
+) -> tuple[Placement, ...] | None:
+    """A running statistic stays where it is when that is replicated or cut like the channels."""
+    value = call.args[index] if index is not None else None
+    if value is None:
+        return None
+    placements = call.layout(call.position_of(value)).placements
+    replicate = (Replicate(),) * len(channel)
+    return placements if placements in (replicate, channel) else None
+
+
+def _narrow(vector: torch.Tensor | None, layout: Layout | None, x_layout: Layout) -> torch.Tensor | None:
+    """This rank's channels of a per-channel vector (a view, so in-place updates reach the vector)."""
+    if vector is None or layout is None or not _is_full(layout, x_layout):
+        return vector
+    return vector.narrow(0, x_layout.local_offset()[1], x_layout.local_shape()[1])
+
+
+def _is_full(layout: Layout, x_layout: Layout) -> bool:
+    """Whether a per-channel vector is whole on every rank while the input's channels are cut.
+
+    Decided from layouts alone, so every rank takes the same branch (and joins
+    the same collectives), whatever its own piece's size.
+    """
+    channel_cut = any(isinstance(p, Shard) and p.dim == 1 for p in x_layout.placements)
+    return channel_cut and layout.ndim == 1 and not any(isinstance(p, Shard) for p in layout.placements)
+
+
+def _channel_sums(values: list[torch.Tensor], dims: list[int], groups: list[Any]) -> list[torch.Tensor]:
+    """Per-channel sums of each tensor over ``dims``, all-reduced together (one collective per group)."""
+    stacked = torch.stack([v.sum(dims) for v in values]).contiguous()
+    for group in groups:
+        hc.all_reduce(stacked, "sum", group)
+    return list(stacked.unbind(0))
+
+
+def _broadcast_shape(x: torch.Tensor) -> list[int]:
+    return [1, x.shape[1]] + [1] * (x.dim() - 2)
+
+
+def _sync_full(full: list[torch.Tensor], x_layout: Layout) -> None:
+    """Every rank's updated channel slice into every rank's full vectors: one all_gather per cut mesh dim."""
+    cutting = [m for m, p in enumerate(x_layout.placements) if isinstance(p, Shard) and p.dim == 1]
+    if len(cutting) != 1:  # a channel dim cut twice: gather through the general path instead
+        raise NotImplementedError("batch norm: a channel dim cut over two mesh dims with replicated stats")
+    m = cutting[0]
+    sizes = x_layout.line_sizes(m, 1)
+    width = max(sizes)
+    mine = torch.zeros(len(full), width, dtype=full[0].dtype, device=full[0].device)
+    offset, size = x_layout.local_offset()[1], x_layout.local_shape()[1]
+    for row, vector in enumerate(full):
+        mine[row, :size] = vector.narrow(0, offset, size)
+    gathered = mine.new_empty((len(sizes), len(full), width))
+    hc.all_gather_into_tensor(gathered, mine, mesh_group(x_layout.mesh, m))
+    pieces = [gathered[r, :, :s] for r, s in enumerate(sizes)]
+    merged = torch.cat(pieces, dim=1)
+    for row, vector in enumerate(full):
+        vector.copy_(merged[row])
+
+
+def _forward_kernel(call: LocalCall) -> Any:
+    spec = _forward_args(call)
+    x = call.args[0]
+    x_layout = call.layout(0)
+    target = x_layout.placements
+    vectors = {}
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        index = getattr(spec, name)
+        value = call.args[index] if index is not None else None
+        vectors[name] = _narrow(value, call.layouts[index] if index is not None else None, x_layout)
+    batch = _batch_mesh_dims(target)
+    if not spec.training or not batch:
+        args = list(call.args)
+        for name, value in vectors.items():
+            index = getattr(spec, name)
+            if index is not None:
+                args[index] = value
+        result = _saved_like_meta(call.func(*args, **call.kwargs), x)
+    else:
+        result = _train_forward(x, vectors, spec, x_layout, batch)
+    if spec.training:
+        full = [
+            call.args[i]
+            for i in (spec.running_mean, spec.running_var)
+            if i is not None and call.args[i] is not None and _is_full(call.layouts[i], x_layout)
+        ]
+        if full:
+            _sync_full(full, x_layout)
+    return result
+
+
+def _saved_like_meta(result: tuple[torch.Tensor, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Evaluation on CPU saves empty statistics where the meta kernel says ``(C,)``: give zeros of that shape.
+
+    The backward of evaluation reads the running statistics, never these.
+    """
+    out, mean, invstd, *rest = result
+    if mean.numel() == 0 and x.shape[1] > 0:
+        mean = mean.new_zeros(x.shape[1])
+        invstd = invstd.new_zeros(x.shape[1])
+    return (out, mean, invstd, *rest)
+
+
+def _train_forward(
+    x: torch.Tensor, vectors: dict[str, Any], spec: _Args, layout: Layout, batch: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """See [Note: distributed batch norm]."""
+    groups = [mesh_group(layout.mesh, m) for m in batch]
+    dims = [0, *range(2, x.dim())]
+    count = math.prod(layout.shape[d] for d in dims)
+    work = x.float() if x.dtype in _LOW_PRECISION else x
+    (total,) = _channel_sums([work], dims, groups)
+    mean = total / count
+    centred = work - mean.view(_broadcast_shape(x))
+    (m2,) = _channel_sums([centred * centred], dims, groups)
+    var = m2 / count
+    invstd = (var + spec.eps).rsqrt()
+    out = centred * invstd.view(_broadcast_shape(x))
+    if vectors["weight"] is not None:
+        out = out * vectors["weight"].view(_broadcast_shape(x))
+    if vectors["bias"] is not None:
+        out = out + vectors["bias"].view(_broadcast_shape(x))
+    with torch.no_grad():
+        if vectors["running_mean"] is not None:
+            rm = vectors["running_mean"]
+            rm.mul_(1 - spec.momentum).add_(mean.to(rm.dtype), alpha=spec.momentum)
+        if vectors["running_var"] is not None:
+            rv = vectors["running_var"]
+            unbiased = m2 / (count - 1) if count > 1 else m2 * math.inf
+            rv.mul_(1 - spec.momentum).add_(unbiased.to(rv.dtype), alpha=spec.momentum)
+    results: tuple[torch.Tensor, ...] = (out.to(x.dtype), mean, invstd)
+    if spec.outputs == 4:
+        results += (torch.empty(0, dtype=torch.uint8, device=x.device),)
+    return results
+
+
+_FORWARD = [
+    aten._native_batch_norm_legit.no_stats,
+    aten._batch_norm_with_update.default,
+]
+
+
+@register(*_FORWARD)
+def batch_norm_rule(call: OpCall) -> Decision | None:
+    """Channel cuts are local; batch cuts in training use [Note: distributed batch norm]."""
+    position = call.position_of(call.args[0])
+    layout = call.layout(position)
+    if layout.ndim < 2:
+        return None
+    spec = _forward_args(call)
+    target = _input_target(layout)
+    channel = _channel_target(layout.with_placements(target))
+    inputs: dict[int, tuple[Placement, ...]] = {position: target}
+    for index in (spec.weight, spec.bias):
+        if index is not None and call.args[index] is not None:
+            inputs[call.position_of(call.args[index])] = channel
+    for index in (spec.running_mean, spec.running_var):
+        if index is not None and call.args[index] is not None:
+            kept = _stat_target(call, index, channel)
+            if kept is None:
+                return None  # partial or oddly cut statistics: the general path
+            inputs[call.position_of(call.args[index])] = kept
+    outputs: list[tuple[Placement, ...] | None] = [target, channel, channel]
+    if spec.outputs == 4:
+        outputs.append((Replicate(),) * len(target))
+    return Decision(inputs=inputs, outputs=outputs, kernel=_forward_kernel)
+
+
+# -- backward ---------------------------------------------------------------------------------
+
+# op -> (weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask)
+_BACKWARD = {
+    aten.native_batch_norm_backward.default: (2, 3, 4, 5, 6, 7, 8, 9),
+    aten.batch_norm_backward.default: (2, 3, 4, 5, 6, 7, 8, 9),
+}
+
+
+def _backward_kernel(call: LocalCall) -> Any:
+    w_i, rm_i, rv_i, sm_i, si_i, train_i, _, mask_i = _BACKWARD[call.func]
+    dy, x = call.args[0], call.args[1]
+    x_layout = call.layout(1)
+    args = list(call.args)
+    for index in (w_i, rm_i, rv_i, sm_i, si_i):
+        if args[index] is not None and args[index].numel() > 0:
+            args[index] = _narrow(args[index], call.layouts[index], x_layout)
+    batch = _batch_mesh_dims(x_layout.placements)
+    if not bool(args[train_i]) or not batch:
+        return call.func(*args, **call.kwargs)
+    mask = list(args[mask_i])
+    groups = [mesh_group(x_layout.mesh, m) for m in batch]
+    dims = [0, *range(2, x.dim())]
+    count = math.prod(x_layout.shape[d] for d in dims)
+    shape = _broadcast_shape(x)
+    work_dy = dy.float() if dy.dtype in _LOW_PRECISION else dy
+    work_x = x.float() if x.dtype in _LOW_PRECISION else x
+    mean, invstd = args[sm_i].view(shape), args[si_i].view(shape)
+    xhat = (work_x - mean) * invstd
+    sum_dy, sum_dy_xhat = _channel_sums([work_dy, work_dy * xhat], dims, groups)
+    grad_input = None
+    if mask[0]:
+        scale = invstd if args[w_i] is None else invstd * args[w_i].view(shape)
+        grad_input = scale * (work_dy - sum_dy.view(shape) / count - xhat * (sum_dy_xhat.view(shape) / count))
+        grad_input = grad_input.to(x.dtype)
+    weight_dtype = x.dtype if args[w_i] is None else args[w_i].dtype
+    grad_weight = sum_dy_xhat.to(weight_dtype) if mask[1] else None
+    grad_bias = sum_dy.to(weight_dtype) if mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
+@register(*_BACKWARD)
+def batch_norm_backward_rule(call: OpCall) -> Decision | None:
+    """``grad_input`` cut like the input; weight and bias gradients cut like the channels.
+
+    In training they come back replicated over the batch cut (their sums are
+    all-reduced for ``grad_input`` anyway); in evaluation they are
+    ``Partial("sum")`` there.
+    """
+    w_i, rm_i, rv_i, sm_i, si_i, train_i, _, _ = _BACKWARD[call.func]
+    position = call.position_of(call.args[1])
+    layout = call.layout(position)
+    if layout.ndim < 2:
+        return None
+    target = _input_target(layout)
+    channel = _channel_target(layout.with_placements(target))
+    inputs: dict[int, tuple[Placement, ...]] = {position: target, call.position_of(call.args[0]): target}
+    if call.args[w_i] is not None:
+        inputs[call.position_of(call.args[w_i])] = channel
+    for index in (rm_i, rv_i, sm_i, si_i):
+        value = call.args[index]
+        if value is None:
+            continue
+        placements = call.layout(call.position_of(value)).placements
+        if value.numel() == 0 or placements not in ((Replicate(),) * len(target), channel):
+            inputs[call.position_of(value)] = (Replicate(),) * len(target)
+    batch = _batch_mesh_dims(target)
+    train = bool(call.args[train_i])
+    param = tuple(Partial("sum") if (m in batch and not train) else p for m, p in enumerate(channel))
+    if all(isinstance(p, Replicate) for p in target):
+        return Decision(inputs=inputs, outputs=[target, param, param])
+    return Decision(inputs=inputs, outputs=[target, param, param], kernel=_backward_kernel)
+
+
+# -- the three-output forms called directly ---------------------------------------------------
+
+# [Note: evaluation's empty statistics]
+# In evaluation, ``native_batch_norm`` and the ``_native_batch_norm_legit`` forms return
+# empty ``save_mean`` / ``save_invstd`` on CPU while their meta kernels say ``(C,)``, and the
+# dispatcher builds output layouts from the meta kernel. So these ops are handled whole here:
+# evaluation normalises with the running statistics through DTensor pointwise ops (local
+# for every cut) and returns the empty statistics replicated, as one process would;
+# training goes to ``_batch_norm_with_update`` (or ``.no_stats``), which the rule above covers.
+
+
+def _empty_replicated(like: DTensor) -> DTensor:
+    mesh = like._layout.mesh
+    layout = Layout(mesh, (Replicate(),) * mesh.ndim, (0,), (1,))
+    return DTensor(like._local.new_empty(0), layout)
+
+
+def _three_output_forward(args: tuple[Any, ...], kwargs: dict[str, Any], func: Any) -> Any:
+    call = LocalCall(func, tuple(args), kwargs, (), {}, None)  # only the argument parsing is used
+    spec = _forward_args(call)
+    x = args[0]
+    weight, bias = args[1], args[2]
+    rm = args[spec.running_mean] if spec.running_mean is not None else None
+    rv = args[spec.running_var] if spec.running_var is not None else None
+    if spec.training or rm is None or rv is None:  # without running statistics: the batch's own
+        if spec.training and rm is not None and rv is not None:
+            out = aten._batch_norm_with_update.default(x, weight, bias, rm, rv, spec.momentum, spec.eps)
+            return out[0], out[1], out[2]
+        return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, spec.momentum, spec.eps)
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    out = (x - rm.view(shape)) * (rv + spec.eps).rsqrt().view(shape)
+    if weight is not None:
+        out = out * weight.view(shape)
+    if bias is not None:
+        out = out + bias.view(shape)
+    if out.dtype != x.dtype:  # low-precision input, float statistics
+        out = aten._to_copy.default(out, dtype=x.dtype)
+    return out, _empty_replicated(x), _empty_replicated(x)
+
+
+for _func in (
+    aten.native_batch_norm.default,
+    aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit_no_training.default,
+):
+    SPECIAL[_func] = lambda args, kwargs, func=_func: _three_output_forward(args, kwargs, func)
