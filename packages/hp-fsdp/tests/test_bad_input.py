@@ -221,7 +221,8 @@ FULLY_SHARD_CASES: list[tuple[str, Callable[[nn.Module], dict[str, Any]], type[E
         "mesh a string",
         lambda m: {"mesh": "cpu"},
         TypeError,
-        r"mesh must be an hp_core.DeviceMesh, got str; build one with hp_core.init_device_mesh",
+        r"mesh must be an hp_core.DeviceMesh \(or a torch DeviceMesh\), got str; build one with "
+        r"hp_core.init_device_mesh",
     ),
 ]
 

@@ -63,18 +63,18 @@ def test_torch_policy_names_the_hp_fsdp_equivalent(rank: int, world_size: int, n
 
 
 @pytest.mark.distributed(world_size=2)
-def test_torch_device_mesh_is_named(rank: int, world_size: int) -> None:
+def test_torch_device_mesh_is_taken(rank: int, world_size: int) -> None:
+    """torch's DeviceMesh is read once as ours, on its own process groups: the same units, no new group."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    torch_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     model = build()
-    before = dict(model.named_parameters())
-    with pytest.raises(
-        TypeError,
-        match=r"mesh must be an hp_core\.DeviceMesh, got torch\.distributed\.device_mesh\.DeviceMesh; "
-        r"build one with hp_core\.init_device_mesh",
-    ):
-        fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-    _untouched(model, before)
+    fully_shard(model, mesh=torch_mesh)
+    param = next(model.parameters())
+    assert param.device_mesh.mesh_dim_names == ("dp",)
+    assert param.device_mesh.get_group() is torch_mesh.get_group()
+    with pytest.raises(TypeError, match=r"hp_core\.DeviceMesh \(or a torch DeviceMesh\), got str"):
+        fully_shard(build(), mesh="dp")  # type: ignore[arg-type]
 
 
 @pytest.mark.distributed(world_size=2)

@@ -21,6 +21,7 @@ from hp_core import DeviceMesh, StaleMeshError, get_platform, init_device_mesh
 from hp_core.distributed import get_world_size
 from hp_dtensor import Shard
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
 from hp_fsdp.arg_checks import check_divide_factor, check_flag, check_reduce_op_type
 from hp_fsdp.param import FSDPParam
@@ -62,7 +63,7 @@ def _default_mesh() -> DeviceMesh:
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
-    mesh: DeviceMesh | None = None,
+    mesh: DeviceMesh | TorchDeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared on purpose
@@ -99,6 +100,9 @@ def fully_shard(
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if mesh is None:
         mesh = _default_mesh()
+    elif isinstance(mesh, TorchDeviceMesh):
+        # torch's mesh, read once on torch's own process groups (no group created, no communication)
+        mesh = DeviceMesh.from_torch(mesh)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     validate_call(
         modules,

@@ -80,8 +80,8 @@ def validate_call(
     if not isinstance(mesh, DeviceMesh):
         kind = torch_name(mesh) if from_torch(mesh) else type(mesh).__name__
         raise TypeError(
-            f"fully_shard: mesh must be an hp_core.DeviceMesh, got {kind}; build one with "
-            "hp_core.init_device_mesh(device_type, (world_size,))."
+            f"fully_shard: mesh must be an hp_core.DeviceMesh (or a torch DeviceMesh), got {kind}; build "
+            "one with hp_core.init_device_mesh(device_type, (world_size,))."
         )
     if mesh.ndim not in (1, 2):
         raise ValueError(
