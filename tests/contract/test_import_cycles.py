@@ -35,15 +35,6 @@ ACYCLIC = {"hp_fsdp"}
 # The cycles of the other packages today; remove or shrink an entry when its cycle goes.
 KNOWN: set[frozenset[str]] = {
     frozenset({"hp_dtensor.checkpoint", "hp_dtensor.dtensor"}),
-    frozenset(
-        {
-            "hp_pipeline._builtin_kinds",
-            "hp_pipeline._deps",
-            "hp_pipeline.errors",
-            "hp_pipeline.ir",
-            "hp_pipeline.kinds",
-        }
-    ),
 }
 
 

@@ -36,8 +36,6 @@ from hp_pipeline import (
     write_order_csv,
 )
 from hp_pipeline.swap import (
-    SWAP_IN,
-    SWAP_OUT,
     SwapError,
     SwapPolicy,
     SwapSession,
@@ -47,6 +45,7 @@ from hp_pipeline.swap import (
 from torch import nn
 
 B, W = 4, 8
+SWAP_OUT, SWAP_IN = MetaStepType.SWAP_OUT, MetaStepType.SWAP_IN
 CPU = Platform("cpu", "gloo")
 MANAGED = 2 * B * W * 8  # two float64 B x W tensors per micro-batch
 

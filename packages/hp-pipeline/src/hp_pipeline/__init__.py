@@ -8,7 +8,15 @@ built-in or plug-in, is declared once with :func:`register_step_kind`. The sched
 classes (:class:`Schedule1F1B`, ...) run an order over :class:`PipelineStage`\\ s.
 """
 
+# ruff: noqa: E402 - the registration below comes before the imports that need it.
+from hp_pipeline import _builtin_kinds
+
+# Every kind hp_pipeline ships, and its handler, is registered here, once and first: the
+# modules imported below may name kinds at import (the builders' F, B, I, W).
+_builtin_kinds.register_builtins()
+
 from hp_pipeline.__about__ import __version__
+from hp_pipeline._deps import Edge
 from hp_pipeline.builders import (
     build_1f1b_order,
     build_dualpipev_order,
@@ -35,7 +43,6 @@ from hp_pipeline.ir import (
     write_order_csv,
 )
 from hp_pipeline.kinds import (
-    Edge,
     StepKind,
     Transfer,
     register_step_handler,

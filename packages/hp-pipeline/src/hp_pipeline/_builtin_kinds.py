@@ -2,55 +2,11 @@
 
 See [Note: step-kind registry] in :mod:`hp_pipeline.kinds` for what each field
 means and [Note: dependency model] in :mod:`hp_pipeline._deps` for the rules
-below. The executor attaches the handlers (:mod:`hp_pipeline.executor`), so
-this module, like the rest of the IR, needs no torch (but for the one
-context below, imported when it runs).
-
-[Note: compiled split backward]
-``I`` runs a stage's backward with ``retain_graph=True`` (``W`` walks the graph
-again, [Note: split backward] in :mod:`hp_pipeline.stage`). AOTAutograd's
-*donated buffers* (``torch._functorch.config.donated_buffer``, on by default)
-let a compiled graph's backward reuse the memory of tensors it saved, which a
-retained graph still needs. Torch decides it per graph: the forward's compile
-lists the buffers it may donate, and the first backward through the graph
-compiles it, donating when that backward frees the graph. A stage that runs a
-full ``B`` first and an ``I`` later through the same compiled graph (DualPipeV
-does, a zero-bubble schedule that only splits does not) would run a donating
-backward on a retained graph, which torch refuses ("compiled with non-empty
-donated buffers which requires ... retain_graph=False").
-
-So ``I`` declares a context around every ``F``, ``B``, ``I`` and ``W`` of a
-runner whose list holds ``I`` steps, all run with ``donated_buffer=False``: a
-stage's modules compile (and recompile) inside its forward, so their graphs
-list no donated buffers and no backward of theirs donates; and torch's runtime
-check, which reads the switch again at each retained backward, stands aside for
-the ``I``. The switch is scoped (``config.patch``): other code in the process,
-and schedules without split backward (1F1B, GPipe, ...), keep torch's default
-and its optimisation.
-
-[Note: compile caches under a split backward]
-Switching donation off for a graph is not enough while torch's caches share
-compiled code: inductor's FX graph cache keys a backward graph by its code and
-configuration but not by which of its inputs it may donate (torch 2.13), so
-the first backward of a graph compiled with donation off is served a donating
-kernel cached by any full backward of the same graph: a 1F1B or GPipe run, a
-plain training script, an earlier process sharing ``TORCHINDUCTOR_CACHE_DIR``,
-or the first stage of this very pipeline (its ``I`` computes nothing, so its
-``W`` is the graph's first backward). Such a kernel writes into tensors the
-graph saved (``tanh``'s output, say); the ``I`` runs it on the retained graph
-and the ``W``, running it again, reads the overwritten values: wrong weight
-gradients and no error, since the check above stands aside. An AOTAutograd
-cache entry saved from such a compile points at the donating kernel too. So
-the same context also appends :data:`_CACHE_KEY_TAG` to
-``torch.compiler.config.cache_key_tag``: what these steps compile (the
-forward, and the backward compiled lazily in whichever of ``B``, ``I`` or
-``W`` reaches the graph first) is looked up and stored apart from what
-donating compiles cache, and is still cached across runs. What it cannot
-cover: a graph compiled *and* backpropagated by a full backward before the
-schedule's first step (say, a warm-up outside the schedule) keeps its donating
-backward, and inside ``I`` torch's check would not stop it: compile the
-stages' modules inside the schedule (their first call is the schedule's), or
-turn the switch off around such a warm-up too.
+below. :func:`register_builtins`, called once by ``hp_pipeline/__init__``,
+registers them with MPipe's and the activation swap's kinds and attaches the
+executor handlers (:mod:`hp_pipeline.executor`, :mod:`hp_pipeline.mpipe.runner`).
+The declarations themselves need no torch (but for the one context below,
+imported when it runs).
 """
 
 from __future__ import annotations
@@ -58,15 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from hp_pipeline._deps import Edge, OrderView
 from hp_pipeline.ir import MetaStep
-from hp_pipeline.kinds import Edge, MetaStepType, StepKind, register_step_kind
+from hp_pipeline.kinds import MetaStepType, StepKind, register_step_handler, register_step_kind
 
-if TYPE_CHECKING:
-    from hp_pipeline._deps import OrderView
-
-__all__: list[str] = []
+__all__ = ["BUILTIN_KINDS", "register_builtins"]
 
 
 # -- dependency rules ------------------------------------------------------------------
@@ -132,6 +86,52 @@ def _input_grad_consumer(view: OrderView, step: MetaStep) -> MetaStep:
     return _same_input_grad(view, step)[0]
 
 
+# [Note: compiled split backward]
+# ``I`` runs a stage's backward with ``retain_graph=True`` (``W`` walks the graph
+# again, [Note: split backward] in :mod:`hp_pipeline.stage`). AOTAutograd's
+# *donated buffers* (``torch._functorch.config.donated_buffer``, on by default)
+# let a compiled graph's backward reuse the memory of tensors it saved, which a
+# retained graph still needs. Torch decides it per graph: the forward's compile
+# lists the buffers it may donate, and the first backward through the graph
+# compiles it, donating when that backward frees the graph. A stage that runs a
+# full ``B`` first and an ``I`` later through the same compiled graph (DualPipeV
+# does, a zero-bubble schedule that only splits does not) would run a donating
+# backward on a retained graph, which torch refuses ("compiled with non-empty
+# donated buffers which requires ... retain_graph=False").
+#
+# So ``I`` declares a context around every ``F``, ``B``, ``I`` and ``W`` of a
+# runner whose list holds ``I`` steps, all run with ``donated_buffer=False``: a
+# stage's modules compile (and recompile) inside its forward, so their graphs
+# list no donated buffers and no backward of theirs donates; and torch's runtime
+# check, which reads the switch again at each retained backward, stands aside for
+# the ``I``. The switch is scoped (``config.patch``): other code in the process,
+# and schedules without split backward (1F1B, GPipe, ...), keep torch's default
+# and its optimisation.
+#
+# [Note: compile caches under a split backward]
+# Switching donation off for a graph is not enough while torch's caches share
+# compiled code: inductor's FX graph cache keys a backward graph by its code and
+# configuration but not by which of its inputs it may donate (torch 2.13), so
+# the first backward of a graph compiled with donation off is served a donating
+# kernel cached by any full backward of the same graph: a 1F1B or GPipe run, a
+# plain training script, an earlier process sharing ``TORCHINDUCTOR_CACHE_DIR``,
+# or the first stage of this very pipeline (its ``I`` computes nothing, so its
+# ``W`` is the graph's first backward). Such a kernel writes into tensors the
+# graph saved (``tanh``'s output, say); the ``I`` runs it on the retained graph
+# and the ``W``, running it again, reads the overwritten values: wrong weight
+# gradients and no error, since the check above stands aside. An AOTAutograd
+# cache entry saved from such a compile points at the donating kernel too. So
+# the same context also appends :data:`_CACHE_KEY_TAG` to
+# ``torch.compiler.config.cache_key_tag``: what these steps compile (the
+# forward, and the backward compiled lazily in whichever of ``B``, ``I`` or
+# ``W`` reaches the graph first) is looked up and stored apart from what
+# donating compiles cache, and is still cached across runs. What it cannot
+# cover: a graph compiled *and* backpropagated by a full backward before the
+# schedule's first step (say, a warm-up outside the schedule) keeps its donating
+# backward, and inside ``I`` torch's check would not stop it: compile the
+# stages' modules inside the schedule (their first call is the schedule's), or
+# turn the switch off around such a warm-up too.
+
 #: appended to torch's compile-cache key tag by the context of [Note: compile caches under a split backward]
 _CACHE_KEY_TAG = "|hp_pipeline:no_donated_buffers"
 
@@ -180,7 +180,7 @@ _BACKWARD: dict[str, Any] = {
     "edges": _backward_edges,
 }
 
-for _kind in (
+BUILTIN_KINDS = (
     StepKind(
         "FWD",
         "F",
@@ -339,5 +339,28 @@ for _kind in (
         cost=_overlap_cost,
         colour="#8cd17d",
     ),
-):
-    register_step_kind(_kind)
+)
+
+
+def register_builtins() -> None:
+    """Register every kind hp_pipeline ships and attach the executor handlers; ``hp_pipeline`` calls it.
+
+    The one place the package's kinds come into the registry, in a fixed order
+    (the built-in kinds, MPipe's, the activation swap's: ``step_kinds()`` lists
+    them so). ``hp_pipeline/__init__`` calls it before importing anything else,
+    because the builders name the built-in kinds at import; the modules holding
+    MPipe's and the swap's declarations and the handlers are imported here,
+    after the built-in kinds exist. Calling it again changes nothing.
+    """
+    for kind in BUILTIN_KINDS:
+        register_step_kind(kind)
+    # Imported once the built-in kinds exist: importing MPipe imports the builders.
+    from hp_pipeline.executor import BUILTIN_HANDLERS
+    from hp_pipeline.mpipe.kinds import MPIPE_KINDS
+    from hp_pipeline.mpipe.runner import MPIPE_HANDLERS
+    from hp_pipeline.swap import SWAP_KINDS
+
+    for kind in (*MPIPE_KINDS, *SWAP_KINDS):
+        register_step_kind(kind)
+    for code, handler in (*BUILTIN_HANDLERS, *MPIPE_HANDLERS):
+        register_step_handler(code, handler)

@@ -45,12 +45,26 @@ what they record, which they pass in.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from hp_pipeline.errors import ScheduleError
 from hp_pipeline.ir import MetaStep, MetaStepType
-from hp_pipeline.kinds import Edge
 
 __all__ = ["Edge", "OrderView", "matching", "walk_order"]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``consumer`` needs what ``producer`` made; ``send``/``recv`` would carry it across ranks.
+
+    When producer and consumer run on one rank the pair is unused (the rank's
+    list orders them), so a rule may repeat the producer there.
+    """
+
+    producer: MetaStep
+    consumer: MetaStep
+    send: MetaStep
+    recv: MetaStep
 
 
 class OrderView:

@@ -151,12 +151,12 @@ from hp_pipeline.boundary import grad_to_send, is_dtensor, local_of, rebuild
 from hp_pipeline.errors import PipelineStepError, StageFailure
 from hp_pipeline.fsdp import ShardedUnits, sharded_units
 from hp_pipeline.ir import MetaStep, MetaStepType
-from hp_pipeline.kinds import Transfer, register_step_handler
+from hp_pipeline.kinds import Transfer
 from hp_pipeline.overlap import split_overlaps
 from hp_pipeline.stage import PipelineStage, TensorMeta
 from hp_pipeline.vote import FailureVote
 
-__all__ = ["CommError", "StepRunner"]
+__all__ = ["BUILTIN_HANDLERS", "CommError", "StepRunner"]
 
 T = MetaStepType
 _OK = "ok"
@@ -872,23 +872,23 @@ def _grad_metas(runner: StepRunner, step: MetaStep, header: Any) -> list[TensorM
     return [m for m in runner.stages[step.stage_index].outputs_meta[step.micro_index] if m.requires_grad]
 
 
-for _kind, _handler in (
-    (T.FWD, _run_forward),
-    (T.BWD, _backward_pass(PipelineStage.backward_one_chunk, True)),
-    (T.BWD_INPUT, _backward_pass(PipelineStage.backward_input, True)),
-    (T.BWD_WEIGHT, _backward_pass(PipelineStage.backward_weight, False)),
-    (T.UNSHARD, _fsdp_pass(_unshard)),
-    (T.RESHARD, _fsdp_pass(lambda runner, units, _: units.reshard(runner.training))),
-    (T.REDUCE_GRAD, _fsdp_pass(lambda runner, units, _: units.reduce_grad())),
+#: The built-in kinds' handlers by code, attached by ``hp_pipeline._builtin_kinds.register_builtins``.
+BUILTIN_HANDLERS: tuple[tuple[str, Any], ...] = (
+    ("F", _run_forward),
+    ("B", _backward_pass(PipelineStage.backward_one_chunk, True)),
+    ("I", _backward_pass(PipelineStage.backward_input, True)),
+    ("W", _backward_pass(PipelineStage.backward_weight, False)),
+    ("UNSHARD", _fsdp_pass(_unshard)),
+    ("RESHARD", _fsdp_pass(lambda runner, units, _: units.reshard(runner.training))),
+    ("REDUCE_GRAD", _fsdp_pass(lambda runner, units, _: units.reduce_grad())),
     (
-        T.FWD_SEND,
+        "SEND_F",
         Transfer(
             payload=_activation_payload,
             header=lambda r, s: r.stages[s.stage_index].outputs_meta[s.micro_index],
         ),
     ),
-    (T.FWD_RECV, Transfer(metas=_activation_metas)),
-    (T.BWD_SEND, Transfer(payload=_grad_payload)),
-    (T.BWD_RECV, Transfer(metas=_grad_metas)),
-):
-    register_step_handler(_kind, _handler)
+    ("RECV_F", Transfer(metas=_activation_metas)),
+    ("SEND_B", Transfer(payload=_grad_payload)),
+    ("RECV_B", Transfer(metas=_grad_metas)),
+)

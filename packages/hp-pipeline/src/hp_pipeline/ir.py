@@ -414,7 +414,3 @@ def read_order_csv(file: str | os.PathLike[str] | TextIO) -> Order:
                 raise ValueError(f"order CSV line {line}, column {col}: {exc}") from None
         order[rank] = steps
     return order
-
-
-# The built-in kinds register on import of the IR, so every pass sees them ([Note: step-kind registry]).
-from hp_pipeline import _builtin_kinds  # noqa: E402, F401

@@ -65,11 +65,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from hp_pipeline._deps import OrderView
-    from hp_pipeline.ir import MetaStep
-
 __all__ = [
-    "Edge",
     "MetaStepType",
     "StepKind",
     "Transfer",
@@ -79,18 +75,17 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Edge:
-    """``consumer`` needs what ``producer`` made; ``send``/``recv`` would carry it across ranks.
-
-    When producer and consumer run on one rank the pair is unused (the rank's
-    list orders them), so a rule may repeat the producer there.
-    """
-
-    producer: MetaStep
-    consumer: MetaStep
-    send: MetaStep
-    recv: MetaStep
+# A rule sees an ``hp_pipeline._deps.OrderView`` and an ``hp_pipeline.ir.MetaStep`` and makes steps
+# or ``hp_pipeline._deps.Edge`` s. They are ``Any`` here: ``ir`` imports this module, so this one
+# imports nothing of the package (no import cycle, not even one for typing).
+_Step = Any
+_View = Any
+NeedsRule = Callable[[_View, _Step], Iterable[_Step]]
+EdgesRule = Callable[[_View, _Step], Iterable[Any]]
+ConsumerRule = Callable[[_View, _Step], "_Step | None"]
+Problems = list[tuple[str, list[tuple[int, int]]]]
+CheckRule = Callable[[_View, "set[int]"], Problems]
+AroundFactory = Callable[[Any, _Step], "AbstractContextManager[Any] | None"]
 
 
 @dataclass(frozen=True)
@@ -106,17 +101,10 @@ class Transfer:
     posts, told the peer's header on the first step and ``None`` after.
     """
 
-    payload: Callable[[Any, MetaStep], list[Any]] | None = None
-    header: Callable[[Any, MetaStep], Any] | None = None
-    metas: Callable[[Any, MetaStep, Any], list[Any]] | None = None
+    payload: Callable[[Any, _Step], list[Any]] | None = None
+    header: Callable[[Any, _Step], Any] | None = None
+    metas: Callable[[Any, _Step, Any], list[Any]] | None = None
 
-
-NeedsRule = Callable[["OrderView", "MetaStep"], Iterable["MetaStep"]]
-EdgesRule = Callable[["OrderView", "MetaStep"], Iterable[Edge]]
-ConsumerRule = Callable[["OrderView", "MetaStep"], "MetaStep | None"]
-Problems = list[tuple[str, list[tuple[int, int]]]]
-CheckRule = Callable[["OrderView", "set[int]"], Problems]
-AroundFactory = Callable[[Any, "MetaStep"], "AbstractContextManager[Any] | None"]
 
 _CODE = re.compile(r"^[A-Z][A-Z_]*$")
 _NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")

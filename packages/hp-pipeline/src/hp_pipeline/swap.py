@@ -119,14 +119,13 @@ import torch
 from hp_core import DeviceHandle, Platform, get_platform
 
 from hp_pipeline.ir import MetaStep, MetaStepType, Order
-from hp_pipeline.kinds import StepKind, register_step_kind
+from hp_pipeline.kinds import StepKind
 
 if TYPE_CHECKING:
     from hp_pipeline._deps import OrderView
 
 __all__ = [
-    "SWAP_IN",
-    "SWAP_OUT",
+    "SWAP_KINDS",
     "SwapError",
     "SwapPolicy",
     "SwapSession",
@@ -255,14 +254,14 @@ def _after_forward(view: OrderView, step: MetaStep) -> list[MetaStep]:
 
 
 def _after_swap_out(view: OrderView, step: MetaStep) -> list[MetaStep]:
-    return [MetaStep(step.micro_index, SWAP_OUT, step.stage_index)]
+    return [MetaStep(step.micro_index, MetaStepType.SWAP_OUT, step.stage_index)]
 
 
 def _swap_problems(view: OrderView, expected: set[int]) -> list[tuple[str, list[tuple[int, int]]]]:
     """Each ``SWAP_OUT`` comes back (one ``SWAP_IN``), and each ``SWAP_IN`` comes before its backward."""
     problems: list[tuple[str, list[tuple[int, int]]]] = []
-    for out in view.of_type.get(SWAP_OUT, []):
-        back = MetaStep(out.micro_index, SWAP_IN, out.stage_index)
+    for out in view.of_type.get(MetaStepType.SWAP_OUT, []):
+        back = MetaStep(out.micro_index, MetaStepType.SWAP_IN, out.stage_index)
         if back not in view.position:
             problems.append(
                 (
@@ -272,7 +271,7 @@ def _swap_problems(view: OrderView, expected: set[int]) -> list[tuple[str, list[
                     [view.position[out]],
                 )
             )
-    for back in view.of_type.get(SWAP_IN, []):
+    for back in view.of_type.get(MetaStepType.SWAP_IN, []):
         assert back.micro_index is not None
         backward = view.backward_input(back.stage_index, back.micro_index)
         at, used = view.position[back], view.position.get(backward)
@@ -296,13 +295,14 @@ def _run_swap(runner: Any, step: MetaStep) -> None:
         )
     assert step.micro_index is not None
     key = (step.stage_index, step.micro_index)
-    if step.type is SWAP_OUT:
+    if step.type is MetaStepType.SWAP_OUT:
         session.swap_out(key)
     else:
         session.swap_in(key)
 
 
-SWAP_OUT = register_step_kind(
+#: The swap's kinds, registered by ``hp_pipeline._builtin_kinds.register_builtins``.
+SWAP_KINDS = (
     StepKind(
         "SWAP_OUT",
         "SWAP_OUT",
@@ -315,9 +315,7 @@ SWAP_OUT = register_step_kind(
         colour="#d4a6c8",
         resident=-1,
         handler=_run_swap,
-    )
-)
-SWAP_IN = register_step_kind(
+    ),
     StepKind(
         "SWAP_IN",
         "SWAP_IN",
@@ -330,7 +328,7 @@ SWAP_IN = register_step_kind(
         colour="#9d7660",
         resident=+1,
         handler=_run_swap,
-    )
+    ),
 )
 
 
@@ -354,7 +352,7 @@ def insert_swaps(order: Mapping[int, Sequence[MetaStep]], policy: SwapPolicy) ->
         raise TypeError(f"insert_swaps needs a SwapPolicy, got {type(policy).__name__} ({policy!r})")
     result: Order = {}
     for rank, steps in order.items():
-        present = [str(s) for s in steps if s.type in (SWAP_OUT, SWAP_IN)]
+        present = [str(s) for s in steps if s.type in (MetaStepType.SWAP_OUT, MetaStepType.SWAP_IN)]
         if present:
             raise ValueError(
                 f"insert_swaps: rank {rank} already has swap steps {present[:4]}; pass the order "
@@ -396,8 +394,8 @@ def _swapped_list(steps: list[MetaStep], policy: SwapPolicy) -> list[MetaStep]:
         out_slot, in_slot = pushed_at + 1, b - 1
         if not any(slot in forward_slots or slot in ins for slot in range(out_slot, in_slot)):
             continue  # nothing allocates while it would be away: the copies would lower no peak
-        outs.setdefault(out_slot, []).append(MetaStep(micro, SWAP_OUT, stage))
-        ins.setdefault(in_slot, []).append(MetaStep(micro, SWAP_IN, stage))
+        outs.setdefault(out_slot, []).append(MetaStep(micro, MetaStepType.SWAP_OUT, stage))
+        ins.setdefault(in_slot, []).append(MetaStep(micro, MetaStepType.SWAP_IN, stage))
     at = {slots[slot]: outs.get(slot, []) + ins.get(slot, []) for slot in set(outs) | set(ins)}
     result: list[MetaStep] = []
     for pos, step in enumerate(steps):
@@ -763,7 +761,8 @@ def attach_swap(runner: Any, policy: SwapPolicy, platform: Platform | None = Non
     Call :meth:`SwapSession.begin_step` before each step (the schedules do).
     """
     session = SwapSession(policy, platform)
-    session._swapped = {(s.stage_index, s.micro_index) for s in runner.steps if s.type is SWAP_OUT}
+    swap_out = MetaStepType.SWAP_OUT
+    session._swapped = {(s.stage_index, s.micro_index) for s in runner.steps if s.type is swap_out}
     runner.state[_STATE_KEY] = session
     if runner.training:
         runner.add_step_context([MetaStepType.FWD], _recording_context)

@@ -6,10 +6,10 @@
 * :mod:`~hp_pipeline.mpipe.runner`: how the MPipe steps run;
 * :mod:`~hp_pipeline.mpipe.schedule`: :class:`ScheduleMPipe`;
 * :mod:`~hp_pipeline.mpipe.sampler`: :class:`PPRankOwnedSampler`.
-* :mod:`~hp_pipeline.mpipe.kinds`: MPipe's step kinds, registered on import (first, so the rest sees them).
+* :mod:`~hp_pipeline.mpipe.kinds`: MPipe's step kinds (registered by ``hp_pipeline._builtin_kinds``).
 """
 
-from hp_pipeline.mpipe.kinds import MPIPE_GROUP, is_mpipe_kind  # registers PREPROCESS_* first
+from hp_pipeline.mpipe.kinds import MPIPE_GROUP, is_mpipe_kind
 from hp_pipeline.mpipe.order import (
     MPIPE_BASES,
     MPipeBase,

@@ -3,7 +3,7 @@
 The steps themselves are described in [Note: MPipe steps] (:mod:`hp_pipeline.mpipe.order`);
 this module says, for each, what the passes need to know ([Note: step-kind
 registry] in :mod:`hp_pipeline.kinds`): its code, its dependencies, its cost,
-its colour. :mod:`hp_pipeline.mpipe.runner` attaches the executor handlers.
+its colour (:mod:`hp_pipeline.mpipe.runner` holds the executor handlers).
 
 [Note: MPipe dependencies]
 On top of the built-in model ([Note: dependency model] in :mod:`hp_pipeline._deps`):
@@ -25,14 +25,14 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from hp_pipeline._builtin_kinds import loaded_here
+from hp_pipeline._deps import Edge, OrderView
 from hp_pipeline.ir import MetaStep
-from hp_pipeline.kinds import Edge, MetaStepType, StepKind, register_step_kind
+from hp_pipeline.kinds import MetaStepType, StepKind
 
 if TYPE_CHECKING:
-    from hp_pipeline._deps import OrderView
     from hp_pipeline.kinds import Problems
 
-__all__ = ["MPIPE_GROUP", "is_mpipe_kind"]
+__all__ = ["MPIPE_GROUP", "MPIPE_KINDS", "is_mpipe_kind"]
 
 #: The ``group`` of MPipe's kinds (``strip_mpipe`` drops them).
 MPIPE_GROUP = "mpipe"
@@ -153,7 +153,7 @@ def _counts(view: OrderView, expected: set[int]) -> Problems:
 
 _MPIPE: dict[str, Any] = {"group": MPIPE_GROUP, "check": _counts}
 
-for _kind in (
+MPIPE_KINDS = (
     StepKind(
         "PREPROCESS_FWD",
         "PF",
@@ -229,5 +229,4 @@ for _kind in (
         colour="#af7aa1",
         **_MPIPE,
     ),
-):
-    register_step_kind(_kind)
+)

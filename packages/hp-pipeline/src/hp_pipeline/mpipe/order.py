@@ -145,10 +145,11 @@ __all__ = [
 ]
 
 T = MetaStepType
-_DATA = frozenset({T.DATA_LOAD, T.DATA_SEND, T.DATA_RECV})
-_MPIPE_RECVS = frozenset({T.PREPROCESS_RECV, T.DATA_RECV})
+# Codes, not kinds: this module is imported before MPipe's kinds are registered.
+_DATA = frozenset({"LOAD", "SEND_D", "RECV_D"})
+_MPIPE_RECVS = frozenset({"RECV_P", "RECV_D"})
 # The step of stage 0 after which dL/dfeatures exists ([Note: MPipe bases]).
-_INPUT_GRAD = frozenset({T.BWD, T.BWD_INPUT})
+_INPUT_GRAD = frozenset({"B", "I"})
 
 
 MPipeBase = Literal["1f1b", "interleaved", "looped-bfs", "zb-h1", "interleaved-zb", "zbv", "dualpipev"]
@@ -238,7 +239,7 @@ def _input_grad_of_stage0(node: MetaStep) -> MetaStep | None:
     micro-batch whose dL/dfeatures is ready ([Note: MPipe over overlapped pairs]).
     """
     for part in node.parts:
-        if part.type in _INPUT_GRAD and part.stage_index == 0:
+        if part.type.code in _INPUT_GRAD and part.stage_index == 0:
             return part
     return None
 
@@ -351,7 +352,7 @@ def mpipe_order(
 def strip_mpipe(order: Mapping[int, Sequence[MetaStep]]) -> Order:
     """``order`` without the MPipe steps and the data-loading steps (``LOAD``, ``SEND_D``, ``RECV_D``)."""
     return {
-        rank: [s for s in steps if not is_mpipe_kind(s.type) and s.type not in _DATA]
+        rank: [s for s in steps if not is_mpipe_kind(s.type) and s.type.code not in _DATA]
         for rank, steps in order.items()
     }
 
@@ -367,7 +368,7 @@ def mpipe_receives_lead(steps: Sequence[MetaStep], peer_of: Mapping[int, int]) -
         if not step.type.is_recv or step.peer_stage is None:
             continue
         peer = peer_of[step.peer_stage]
-        if step.type in _MPIPE_RECVS:
+        if step.type.code in _MPIPE_RECVS:
             if peer in other_seen:
                 return False
         else:

@@ -93,7 +93,7 @@ from hp_pipeline.simulate import StepCosts
 __all__ = ["PLACEMENT_COSTS", "place_tower_backward", "place_tower_forward"]
 
 T = MetaStepType
-_INPUT_GRAD = (T.BWD, T.BWD_INPUT)
+_INPUT_GRAD = ("B", "I")  # codes: the kinds need not be registered at import
 
 
 class _Timer:
@@ -236,7 +236,7 @@ def _bounds(row: list[MetaStep], step: MetaStep, feeds_rank0: set[MetaStep]) -> 
         own = next(
             k
             for k, s in enumerate(row)
-            if s.type in _INPUT_GRAD and s.micro_index == i and s.stage_index == step.stage_index
+            if s.type.code in _INPUT_GRAD and s.micro_index == i and s.stage_index == step.stage_index
         )
         return own + 1, len(row)
     load = [k for k, s in enumerate(row) if s.type is T.DATA_LOAD and s.micro_index == i]

@@ -1,7 +1,7 @@
 """The MPipe executor: the base executor plus the tower's steps and in-schedule data.
 
 MPipe's kinds run through the step-kind registry ([Note: running a kind] in
-:mod:`hp_pipeline.kinds`): this module attaches their handlers, and
+:mod:`hp_pipeline.kinds`): this module holds their handlers, and
 :class:`MPipeRunner` gives the built-in ``LOAD``/``SEND_D``/``RECV_D`` theirs
 for its own runs and uses the runner's public hooks (``begin_step``,
 ``forward_inputs``, ``target_of``, ``set_early_receives``); posting,
@@ -85,11 +85,11 @@ from torch import nn
 
 from hp_pipeline.executor import CommError, StepRunner
 from hp_pipeline.ir import MetaStep, MetaStepType
-from hp_pipeline.kinds import Transfer, register_step_handler
+from hp_pipeline.kinds import Transfer
 from hp_pipeline.mpipe.order import mpipe_receives_lead
 from hp_pipeline.stage import PipelineStage, TensorMeta
 
-__all__: list[str] = []
+__all__ = ["MPIPE_HANDLERS"]
 
 T = MetaStepType
 
@@ -139,7 +139,8 @@ class MPipeRunner(StepRunner):
             group,
             training=training,
             abort_timeout=abort_timeout,
-            handlers=_DATA_HANDLERS,  # [Note: data keys]: in-schedule loading is MPipe's
+            # [Note: data keys]: in-schedule loading is MPipe's
+            handlers={MetaStepType(code): handler for code, handler in _DATA_HANDLERS},
         )
         self.preprocess = preprocess
         self.owner_backward = owner_backward
@@ -483,22 +484,23 @@ class MPipeRunner(StepRunner):
 
 
 _TRANSFER = Transfer(payload=MPipeRunner._payload, header=MPipeRunner._header, metas=MPipeRunner._metas)
+# By code: the kinds may not be registered yet when this module is imported.
 # LOAD / SEND_D / RECV_D are built-in kinds; their MPipe meaning is given to MPipeRunner alone.
-_DATA_HANDLERS: dict[MetaStepType, Any] = {
-    T.DATA_LOAD: MPipeRunner._run_load,
-    T.DATA_SEND: _TRANSFER,
-    T.DATA_RECV: _TRANSFER,
-}
-for _kind, _handler in (
-    (T.PREPROCESS_FWD, MPipeRunner._run_tower_forward),
-    (T.PREPROCESS_BWD, MPipeRunner._run_tower_backward),
-    (T.PREPROCESS_REDUCE, lambda runner, _: runner._reduce_tower()),
-    (T.PREPROCESS_SEND, _TRANSFER),
-    (T.PREPROCESS_RECV, _TRANSFER),
-    (T.PREPROCESS_GRAD_SEND, _TRANSFER),
-    (T.PREPROCESS_GRAD_RECV, _TRANSFER),
-):
-    register_step_handler(_kind, _handler)
+_DATA_HANDLERS: tuple[tuple[str, Any], ...] = (
+    ("LOAD", MPipeRunner._run_load),
+    ("SEND_D", _TRANSFER),
+    ("RECV_D", _TRANSFER),
+)
+#: MPipe's kinds' handlers, attached by ``hp_pipeline._builtin_kinds.register_builtins``.
+MPIPE_HANDLERS: tuple[tuple[str, Any], ...] = (
+    ("PF", MPipeRunner._run_tower_forward),
+    ("PB", MPipeRunner._run_tower_backward),
+    ("REDUCE_P", lambda runner, _: runner._reduce_tower()),
+    ("SEND_P", _TRANSFER),
+    ("RECV_P", _TRANSFER),
+    ("SEND_PG", _TRANSFER),
+    ("RECV_PG", _TRANSFER),
+)
 
 
 def _recorder(store: dict[int, torch.Tensor], k: int) -> Any:
