@@ -10,6 +10,7 @@ values (and gradients). World 64 runs in local mode only, with
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 
 import hp_core
@@ -119,8 +120,11 @@ def test_collectives_and_mesh_same_in_both_modes(world: int, rank: int, world_si
         hp_core.all_reduce(t, group=mesh["dp"])
         torch.testing.assert_close(t, everyone[dp_members[0]] + everyone[dp_members[1]], rtol=0, atol=0)
     assert [r.group_ranks for r in log] == [tuple(tp_members), tuple(dp_members)]
-    # a rank's process state is its own: RNG from torch's fresh-process seed, env, default group
-    assert torch.initial_seed() == torch.Generator().initial_seed()
+    # a rank's process state is its own: every rank's RNG starts where the others' do (a shared
+    # generator would hand the ranks consecutive draws), and RANK is the rank's own
+    draws = torch.empty(world, 2)
+    hp_core.all_gather_into_tensor(draws, torch.rand(1, 2))
+    assert all(torch.equal(row, draws[0]) for row in draws)
     assert os.environ["RANK"] == str(rank) and os.environ["WORLD_SIZE"] == str(world)
     print(f"rank {rank} done")
 
@@ -233,6 +237,22 @@ def test_state_of_the_calling_process_is_untouched() -> None:
     assert torch.equal(torch.get_rng_state(), before[0])
     assert (torch.get_default_dtype(), os.environ.get("RANK")) == before[1:]
     assert not dist.is_initialized()
+
+
+def test_a_module_first_imported_by_a_rank_still_has_per_rank_globals(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "local_probe.py").write_text("SEEN = []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def body(rank: int) -> list[int]:
+        import local_probe  # first imported here, by the first rank to run
+
+        local_probe.SEEN.append(rank)
+        hp_core.barrier()  # every rank imports and appends before any reads
+        return list(local_probe.SEEN)
+
+    assert run_local(body, 4, state_packages=["local_probe"]) == [[0], [1], [2], [3]]
+    monkeypatch.delitem(sys.modules, "local_probe")
+    assert run_local(body, 4) == [[0, 1, 2, 3]] * 4  # not named: one module, shared as by threads
 
 
 @pytest.mark.parametrize(

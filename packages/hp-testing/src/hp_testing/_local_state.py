@@ -13,7 +13,8 @@ leaving rank's state is saved and the entering rank's is put back, as an
 operating system swaps processes:
 
 * module data globals (dicts, lists, sets, and plain values) of torch's
-  ``distributed_c10d`` and of every loaded ``hp_*`` module but hp_testing's
+  ``distributed_c10d``, of the packages a caller names (``state_packages``)
+  and of every loaded ``hp_*`` module but hp_testing's
   (whose only per-rank global is ``record_collectives``' list of open logs):
   each rank starts from a copy of what the process had (containers copied one
   level, as ``fork`` would give it), then keeps its own;
@@ -62,10 +63,10 @@ def _per_rank_globals(module: types.ModuleType) -> list[str]:
     return names
 
 
-def _modules() -> list[types.ModuleType]:
+def _modules(packages: tuple[str, ...]) -> list[types.ModuleType]:
     found = [c10d]
     for name, module in list(sys.modules.items()):
-        if module is not None and (name.split(".")[0] in _PER_RANK_PREFIXES or name in _PER_RANK_MODULES):
+        if module is not None and (name.split(".")[0] in packages or name in _PER_RANK_MODULES):
             found.append(module)
     return found
 
@@ -81,18 +82,42 @@ def _fork_value(value: Any) -> Any:
 
 
 class Slots:
-    """The (module, global name) pairs every rank owns a copy of, found once per world."""
+    """The (module, global name) pairs every rank owns a copy of.
 
-    def __init__(self, modules: Iterable[types.ModuleType] | None = None) -> None:
-        self.pairs: list[tuple[types.ModuleType, str]] = [
-            (module, name) for module in (modules or _modules()) for name in _per_rank_globals(module)
-        ]
+    The packages are imported before the ranks start (see
+    :func:`hp_testing.local.run_local_outcomes`), so each rank copies their
+    globals as the import left them. A submodule first imported while the
+    world runs joins at the next switch, and the other ranks then copy what
+    the importing rank had left in it by then.
+    """
+
+    def __init__(self, packages: Iterable[str] = ()) -> None:
+        self.packages = (*_PER_RANK_PREFIXES, *packages)
+        self.pairs: list[tuple[types.ModuleType, str]] = []
+        self._known: set[str] = set()
+        self._seen = -1
+        self.grow()
+
+    def grow(self) -> list[Any]:
+        """Take in modules imported since the last call; the current values of their globals."""
+        if len(sys.modules) == self._seen:
+            return []
+        self._seen = len(sys.modules)
+        added = []
+        for module in _modules(self.packages):
+            if module.__name__ in self._known:
+                continue
+            self._known.add(module.__name__)
+            added.extend((module, name) for name in _per_rank_globals(module))
+        self.pairs.extend(added)
+        return [getattr(module, name) for module, name in added]
 
     def read(self) -> list[Any]:
         return [getattr(module, name) for module, name in self.pairs]
 
     def write(self, values: list[Any]) -> None:
-        for (module, name), value in zip(self.pairs, values, strict=True):
+        """Put ``values`` back; a shorter list (saved before more modules joined) covers its prefix."""
+        for (module, name), value in zip(self.pairs, values, strict=False):
             setattr(module, name, value)
 
 
@@ -108,6 +133,10 @@ class RankState:
         self.stderr = io.StringIO()
         self.excepthook = sys.excepthook
         self.env = env
+
+    def adopt(self, values: list[Any]) -> None:
+        """Own a copy of the globals of modules imported since this rank last ran."""
+        self.globals.extend(_fork_value(value) for value in values)
 
     def enter(self) -> None:
         """Make this rank's state the process's."""
@@ -137,12 +166,13 @@ class HostState:
         self.env = {key: os.environ.get(key) for key in env_keys}
 
     def restore(self) -> None:
-        self.slots.write(self.globals)
-        torch.set_rng_state(self.rng)
-        torch.set_default_dtype(self.dtype)
+        """Put the launching thread's state back (modules the ranks imported keep the last rank's)."""
         sys.stdout, sys.stderr, sys.excepthook = self.stdout, self.stderr, self.excepthook
         for key, value in self.env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        torch.set_rng_state(self.rng)
+        torch.set_default_dtype(self.dtype)
+        self.slots.write(self.globals)

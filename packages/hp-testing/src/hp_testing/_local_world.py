@@ -89,6 +89,11 @@ class World:
     def switch_in(self, rank: int) -> None:
         if self.running == rank:
             return
+        imported = self.slots.grow()
+        if imported:
+            for other, state in self.states.items():
+                if other != self.running:
+                    state.adopt(imported)
         if self.running is not None:
             self.states[self.running].leave()
         self.states[rank].enter()

@@ -25,7 +25,8 @@ raises :class:`ConcurrencyNeededError`.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import importlib.util
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -44,7 +45,8 @@ __all__ = [
     "run_local_outcomes",
 ]
 
-_HP_PACKAGES = ("hp_core", "hp_dtensor", "hp_fsdp", "hp_pipeline", "hp_testing.collectives")
+# Imported before the ranks copy their state, so each rank starts from the state an import leaves.
+_HP_MODULES = ("hp_core", "hp_testing.collectives", "hp_dtensor", "hp_fsdp", "hp_pipeline")
 
 
 class ConcurrencyNeededError(RuntimeError):
@@ -81,20 +83,24 @@ def _torchrun_env(world_size: int) -> Callable[[int], dict[str, str]]:
     return env
 
 
-def _import_hp_packages() -> None:
-    """Load hp's packages before the ranks fork their state, so their globals are per rank."""
-    for name in _HP_PACKAGES:
-        try:
+def _import_state_modules(packages: Sequence[str]) -> None:
+    """Import hp's packages (those installed) and the caller's before the ranks copy their globals."""
+    importlib.import_module("hp_core")  # needed here: the backend semantics seam
+    for name in (*_HP_MODULES, *packages):
+        if importlib.util.find_spec(name) is not None:
             importlib.import_module(name)
-        except ImportError:
-            continue
 
 
-def run_local_outcomes(fn: Callable[[int], Any], world_size: int) -> list[RankOutcome]:
+def run_local_outcomes(
+    fn: Callable[[int], Any], world_size: int, *, state_packages: Sequence[str] = ()
+) -> list[RankOutcome]:
     """Run ``fn(rank)`` on ``world_size`` local ranks; every rank's outcome, failures included.
 
     Each rank's default group is initialised (backend ``hplocal``) before
     ``fn`` runs, so ``hp_core.init_distributed()`` is a no-op there.
+    ``state_packages`` names your own top-level packages whose module globals
+    hold per-process state (a cache of groups, a rank): each rank then gets
+    its own copy, as hp's packages do (see [Note: one process, many ranks' state]).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"run_local: world_size must be an int >= 1, got {world_size!r}")
@@ -105,11 +111,11 @@ def run_local_outcomes(fn: Callable[[int], Any], world_size: int) -> list[RankOu
             "from plain pytest or python."
         )
     register()
-    _import_hp_packages()
+    _import_state_modules(state_packages)
     from hp_core import set_backend_semantics
 
     previous = set_backend_semantics(BACKEND, "gloo")  # hp_core judges the ranks' groups as gloo's
-    world = World(world_size, Slots())
+    world = World(world_size, Slots(state_packages))
 
     def body(rank: int) -> Any:
         dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
@@ -123,9 +129,9 @@ def run_local_outcomes(fn: Callable[[int], Any], world_size: int) -> list[RankOu
         set_backend_semantics(BACKEND, previous)
 
 
-def run_local(fn: Callable[[int], Any], world_size: int) -> list[Any]:
+def run_local(fn: Callable[[int], Any], world_size: int, *, state_packages: Sequence[str] = ()) -> list[Any]:
     """``[fn(0), ..., fn(world_size - 1)]``, each run as its own rank; raises if any rank raised."""
-    outcomes = run_local_outcomes(fn, world_size)
+    outcomes = run_local_outcomes(fn, world_size, state_packages=state_packages)
     failed = [o for o in outcomes if not o.ok]
     if failed:
         parts = [f"{'-' * 20} rank {o.rank} failed {'-' * 20}\n{o.error.rstrip()}" for o in failed]
