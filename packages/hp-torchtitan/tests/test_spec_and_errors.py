@@ -46,10 +46,32 @@ def test_spec_is_torchtitans_llama3_with_hp_parallelize() -> None:
         hp_torchtitan.hp_llama3_spec("tiny")
 
 
-@pytest.mark.parametrize("dim", ["tp", "cp", "pp", "ep"])
+@pytest.mark.parametrize("dim", ["cp", "pp", "ep"])
 def test_other_parallelisms_are_refused_by_name(dim: str) -> None:
     with pytest.raises(NotImplementedError, match=rf"{dim}=2 is not supported yet; set parallelism's {dim}"):
         _call(_dims(**{dim: 2}))
+
+
+def test_tp_without_sequence_parallel_is_refused() -> None:
+    from torchtitan.config import ParallelismConfig
+
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", enable_sequence_parallel=False)
+    with pytest.raises(NotImplementedError, match=r"tp=2 with parallelism.enable_sequence_parallel=False"):
+        _call(_dims(tp=2), parallelism=parallelism)
+
+
+def test_tp_degree_must_divide_the_kv_heads() -> None:
+    import hp_torchtitan  # noqa: F401  (the triton stand-in)
+    from hp_torchtitan.tensor_parallel import apply_tp
+    from torchtitan.models.llama3 import model_registry
+
+    with torch.device("meta"):
+        model = model_registry("debugmodel").model.build()
+    before = {name: type(p) for name, p in model.named_parameters()}
+    three_ranks = types.SimpleNamespace(size=lambda: 3)
+    with pytest.raises(ValueError, match=r"16 KV heads do not split over tp=3"):
+        apply_tp(model, three_ranks)  # type: ignore[arg-type]
+    assert {name: type(p) for name, p in model.named_parameters()} == before  # nothing was sharded
 
 
 def test_spmd_backend_compile_and_cpu_offload_are_refused() -> None:

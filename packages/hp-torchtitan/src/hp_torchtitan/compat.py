@@ -82,6 +82,6 @@ def use_cpu_device() -> str:
 
     if torch.accelerator.current_accelerator() is None:
         for module in (tt_utils, parallel_dims):
-            module.device_type = "cpu"  # type: ignore[attr-defined]
-        tt_utils.device_module = torch.cpu  # type: ignore[attr-defined]
+            module.device_type = "cpu"
+        tt_utils.device_module = torch.cpu
     return str(parallel_dims.device_type)

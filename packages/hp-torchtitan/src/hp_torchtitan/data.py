@@ -84,3 +84,31 @@ def packed_batches(
         Batch(inputs=step[:, :-1].clone(), labels=step[:, 1:].clone(), positions=positions.clone())
         for step in mine
     ]
+
+
+def text_file_batches(
+    text_file: str | Path, *, steps: int, local_batch_size: int, seq_len: int, dp_rank: int, dp_degree: int
+) -> list[Batch]:
+    """``dp_rank``'s batches of ``text_file``, tokenized by a tokenizer trained on that same file.
+
+    The whole offline path in one call (:func:`build_tokenizer`, torchtitan's
+    ``HuggingFaceTokenizer`` with BOS/EOS, :func:`packed_batches`): every rank
+    of every parity run builds identical tokens without a download. Ranks that
+    differ only in a model-parallel coordinate (TP) pass the same ``dp_rank``.
+    """
+    import tempfile
+
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    text = Path(text_file).read_text()
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = HuggingFaceTokenizer(tokenizer_path=str(build_tokenizer(text_file, folder)))
+        tokens = tokenizer.encode(text, add_bos=True, add_eos=True)
+    return packed_batches(
+        tokens,
+        steps=steps,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+    )

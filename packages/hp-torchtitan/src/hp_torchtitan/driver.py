@@ -25,6 +25,7 @@ torchtitan's; only the plumbing around it is ours.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -49,6 +50,7 @@ class RunConfig:
     warmup_steps: int = 2
     optimizer_implementation: str = "fused"
     dp_replicate: int = 1
+    tp: int = 1
 
 
 def full_initial_weights(spec: Any, seed: int) -> dict[str, torch.Tensor]:
@@ -112,8 +114,30 @@ def _sum_only_reductions_on_gloo(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def build_parallel_dims(dp_replicate: int = 1) -> Any:
-    """torchtitan's ``ParallelDims`` for pure data parallelism over the world, meshes built."""
+def _with_sharding_configs(model_config: Any, parallelism: Any) -> Any:
+    """A copy of a Llama 3 model config with torchtitan's TP ``sharding_config``s filled in.
+
+    The Trainer does this in ``model_config.update_from_config`` (which imports
+    the Trainer, see the note above); torchtitan's own TP (``model.parallelize``)
+    reads them, hp's parallelize function ignores them. Filled in whatever the
+    TP degree, as the Trainer does.
+    """
+    from torchtitan.models.llama3 import Llama3Model
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    if not isinstance(model_config, Llama3Model.Config):
+        raise TypeError(
+            "train_losses: the CPU driver runs Llama 3 model configs only, got "
+            f"{type(model_config).__name__}; "
+            "use hp_llama3_spec(...) or torchtitan.models.llama3.model_registry(...)."
+        )
+    model_config = copy.deepcopy(model_config)
+    set_llama3_sharding_config(model_config, enable_sp=parallelism.enable_sequence_parallel)
+    return model_config
+
+
+def build_parallel_dims(dp_replicate: int = 1, tp: int = 1) -> Any:
+    """torchtitan's ``ParallelDims``: ``tp`` ranks of TP, data parallelism over the rest, meshes built."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
 
@@ -124,7 +148,7 @@ def build_parallel_dims(dp_replicate: int = 1) -> Any:
         dp_replicate=dp_replicate,
         dp_shard=-1,
         cp=1,
-        tp=1,
+        tp=tp,
         pp=1,
         ep=1,
         world_size=world,
@@ -154,7 +178,7 @@ def train_losses(
     config = config or RunConfig()
     if len(batches) < config.steps:
         raise ValueError(f"train_losses: {len(batches)} batches for steps={config.steps}; pass one per step.")
-    parallel_dims = build_parallel_dims(config.dp_replicate)
+    parallel_dims = build_parallel_dims(config.dp_replicate, config.tp)
     training = TrainingConfig(
         local_batch_size=batches[0].inputs.shape[0],
         seq_len=batches[0].inputs.shape[1],
@@ -164,14 +188,15 @@ def train_losses(
         mixed_precision_reduce="float32",
     )
     compile_config = CompileConfig()
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
     with torch.device("meta"):
-        model = spec.model.build()
+        model = _with_sharding_configs(spec.model, parallelism).build()
     with tempfile.TemporaryDirectory() as dump_folder:
         model = spec.parallelize_fn(
             model,
             parallel_dims=parallel_dims,
             training=training,
-            parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+            parallelism=parallelism,
             compile_config=compile_config,
             ac_config=None,
             dump_folder=dump_folder,

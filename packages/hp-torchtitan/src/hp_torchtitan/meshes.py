@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import hp_core
+import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
 # One hp_core mesh per torch mesh: ParallelDims hands out the same torch mesh
@@ -40,3 +41,39 @@ def hp_mesh_from_torch(mesh: Any) -> hp_core.DeviceMesh:
     converted = hp_core.DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
     _converted[id(mesh)] = (mesh, converted)
     return converted
+
+
+def hp_dense_meshes(parallel_dims: Any) -> tuple[hp_core.DeviceMesh, hp_core.DeviceMesh | None]:
+    """The data-parallel hp mesh for FSDP/HSDP and, when TP is on, the TP hp mesh beside it.
+
+    Without TP the data-parallel mesh is torchtitan's ``fsdp`` mesh (with
+    ``dp_replicate`` in front for HSDP) converted by :func:`hp_mesh_from_torch`.
+    With TP, hp_fsdp needs the TP mesh and the data-parallel mesh to be dims of
+    *one* hp mesh (it shards a TP DTensor again over dp and describes the result
+    on the combined mesh), so one hp mesh is built over torchtitan's dense
+    layout ``(dp_replicate, fsdp, tp)`` (row-major over the world, as
+    ``ParallelDims.build_mesh`` unflattens it) and sliced. The slices are
+    checked against torchtitan's own ``tp`` and data-parallel meshes.
+    """
+    dp_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    torch_dp = parallel_dims.get_mesh(dp_names)
+    if not parallel_dims.tp_enabled:
+        return hp_mesh_from_torch(torch_dp), None
+    torch_tp = parallel_dims.get_mesh("tp")
+    key = id(torch_tp)
+    hit = _converted.get(key)
+    if hit is None or hit[0] is not torch_tp:
+        fsdp = parallel_dims.dp_shard * parallel_dims.cp
+        grid = torch.arange(parallel_dims.world_size).view(parallel_dims.dp_replicate, fsdp, parallel_dims.tp)
+        root = hp_core.DeviceMesh(torch_tp.device_type, grid, mesh_dim_names=("dp_replicate", "fsdp", "tp"))
+        _converted[key] = (torch_tp, root)
+    root = _converted[key][1]
+    dp_mesh, tp_mesh = root[tuple(dp_names)], root["tp"]
+    for ours, theirs, name in ((tp_mesh, torch_tp, "tp"), (dp_mesh, torch_dp, "+".join(dp_names))):
+        if ours.mesh.flatten().tolist() != theirs.mesh.flatten().tolist():
+            raise RuntimeError(
+                f"hp_dense_meshes: torchtitan's {name} mesh holds ranks {theirs.mesh.tolist()}, the hp mesh "
+                f"built from its (dp_replicate, fsdp, tp) layout {ours.mesh.tolist()}; torchtitan's mesh "
+                "layout changed: update hp_torchtitan.meshes."
+            )
+    return dp_mesh, tp_mesh

@@ -13,9 +13,13 @@ unchanged:
 * gradient division off (``set_gradient_divide_factor(1.0)``): torchtitan's
   loss is already a sum divided by the global count of valid tokens.
 
-What is not here yet raises before anything is applied: tensor, context,
-pipeline and expert parallelism, activation checkpointing, compile, CPU
-offload, weight tying (see the README's "Not yet").
+With ``tp > 1`` the decoder is first tensor-parallel (sequence parallel on)
+by :func:`hp_torchtitan.tensor_parallel.apply_tp`, then FSDP shards the TP
+parameters again over the data-parallel dims of the same hp mesh.
+
+What is not here yet raises before anything is applied: context, pipeline
+and expert parallelism, TP without sequence parallelism, activation
+checkpointing, compile, CPU offload, weight tying (see the README's "Not yet").
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Any
 import torch.nn as nn
 from hp_fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from hp_torchtitan.meshes import hp_mesh_from_torch
+from hp_torchtitan.meshes import hp_dense_meshes
+from hp_torchtitan.tensor_parallel import apply_tp
 
 _RESHARD_POLICIES = ("default", "always", "never")
 
@@ -36,10 +41,15 @@ def _reject(observed: str, fix: str) -> None:
 
 def _check_supported(model: nn.Module, parallel_dims: Any, parallelism: Any, compile_config: Any) -> None:
     """Refuse, before any module is touched, every option this slice does not implement."""
-    for name in ("tp", "cp", "pp", "ep"):
+    for name in ("cp", "pp", "ep"):
         degree = getattr(parallel_dims, name)
         if degree != 1:
-            _reject(f"{name}={degree}", f"set parallelism's {name} degree to 1 (only FSDP/HSDP so far)")
+            _reject(f"{name}={degree}", f"set parallelism's {name} degree to 1 (only FSDP/HSDP x TP so far)")
+    if parallel_dims.tp != 1 and not parallelism.enable_sequence_parallel:
+        _reject(
+            f"tp={parallel_dims.tp} with parallelism.enable_sequence_parallel=False",
+            "set enable_sequence_parallel=True (torchtitan's default)",
+        )
     backend = parallelism.spmd_backend
     if backend != "partial_dtensor":
         _reject(
@@ -82,8 +92,9 @@ def parallelize_decoder(
 
     from torchtitan.config import TORCH_DTYPE_MAP
 
-    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-    mesh = hp_mesh_from_torch(parallel_dims.get_mesh(names))
+    mesh, tp_mesh = hp_dense_meshes(parallel_dims)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
     mp_policy = MixedPrecisionPolicy(
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
@@ -94,15 +105,15 @@ def parallelize_decoder(
     blocks_reshard = policy != "never"
     tail_reshard = policy == "always"
 
-    if model.tok_embeddings is not None:
+    decoder: Any = model  # torchtitan's Decoder: its submodules by name
+    if decoder.tok_embeddings is not None:
         fully_shard(
-            model.tok_embeddings, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=blocks_reshard
+            decoder.tok_embeddings, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=blocks_reshard
         )
-    if model.norm is not None and model.lm_head is not None:
-        fully_shard(
-            [model.norm, model.lm_head], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=tail_reshard
-        )
-    for block in model.layers.values():
+    if decoder.norm is not None and decoder.lm_head is not None:
+        tail = [decoder.norm, decoder.lm_head]
+        fully_shard(tail, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=tail_reshard)
+    for block in decoder.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=blocks_reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
