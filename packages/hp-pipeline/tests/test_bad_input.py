@@ -1,6 +1,6 @@
 # mypy: ignore-errors
 # (every case passes a wrongly typed argument on purpose)
-"""Bad input to every public entry point (issue 17): a clear error, on every rank, with nothing changed.
+"""Bad input to every public entry point: a clear error, on every rank, with nothing changed.
 
 Each case checks the message (it names the value the call saw and the fix),
 that the call raised, on every rank for the distributed cases (the body runs

@@ -1,4 +1,4 @@
-"""Up-front argument checks shared by the public entry points (issue 17).
+"""Up-front argument checks shared by the public entry points, before anything runs.
 
 Each helper raises a ``TypeError`` or ``ValueError`` that names the argument,
 the value it saw and what to pass instead, before the caller changes any
@@ -42,6 +42,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
+
+from hp_pipeline.costs import StepCosts
 
 __all__: list[str] = []
 
@@ -183,8 +185,6 @@ def check_order_mapping(where: str, order: object) -> None:
 
 def check_costs(where: str, costs: object) -> None:
     """``costs`` must be a :class:`StepCosts` (or None): a plain dict would silently mean nothing."""
-    from hp_pipeline.simulate import StepCosts
-
     if costs is not None and not isinstance(costs, StepCosts):
         raise TypeError(
             f"{where}: costs={costs!r} is a {type_name(costs)}, not a StepCosts; pass e.g. "

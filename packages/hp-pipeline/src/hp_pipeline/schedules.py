@@ -243,7 +243,7 @@ class PipelineSchedule:
                 f"{type(self).__name__} is a base class (get_schedule_class returns it, as torch's does, "
                 "for issubclass checks); build a schedule such as Schedule1F1B or ScheduleInterleaved1F1B"
             )
-        # Every argument is checked before any rank communicates or any attribute is set (issue 17).
+        # Every argument is checked before any rank communicates or any attribute is set .
         check_callable(self._name, "loss_fn", loss_fn, "loss_fn=torch.nn.functional.mse_loss")
         check_chunk_specs(self._name, args_chunk_spec, kwargs_chunk_spec)
         check_merge_spec(self._name, output_merge_spec)
@@ -722,7 +722,7 @@ class PipelineSchedule:
 
 
 SCHEDULE_OPTIONS: frozenset[str] = PipelineSchedule._options
-"""The keyword options every schedule takes; an unknown one is listed with these (issue 17)."""
+"""The keyword options every schedule takes; an unknown one is listed with these ."""
 
 _OPTION_PARAMETERS: dict[str, inspect.Parameter] = {
     name: param

@@ -80,7 +80,7 @@ def _check_mpipe_keywords(
     dp_group: object,
     options: Mapping[str, Any],
 ) -> None:
-    """ScheduleMPipe's own keywords, checked before the base class builds anything (issue 17)."""
+    """ScheduleMPipe's own keywords, checked before the base class builds anything ."""
     where = "ScheduleMPipe"
     check_options(where, options, SCHEDULE_OPTIONS)
     if not isinstance(preprocess, nn.Module):
