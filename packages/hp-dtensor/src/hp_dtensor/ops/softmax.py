@@ -13,7 +13,12 @@ gives the row maximum; each rank sums ``exp(x - m)`` over its piece and one
 shards. The backward needs one more row sum each (``sum_j g_j`` for
 log-softmax, ``sum_j g_j y_j`` for softmax), again one ``all_reduce(sum)``.
 Communication is a row vector per all-reduce, against a whole shard per
-rank for gathering the dim. A rank whose piece of the row is empty (uneven
+rank for gathering the dim: two collectives where torch's DTensor issues one
+all-gather, chosen because bytes, not the number of calls, bound the cost
+(for (rows, V) logits over n ranks: 2 rows of values against
+``rows * V * (n - 1) / n``). ``max(x, dim)`` / ``min`` with ``dim`` sharded
+make the same trade (two all-reduces of the output's size, see
+:mod:`hp_dtensor.ops.reductions`). A rank whose piece of the row is empty (uneven
 shards) contributes ``-inf`` to the maximum and 0 to the sums. Half-precision
 inputs are computed in float32, as PyTorch's kernels accumulate.
 """
