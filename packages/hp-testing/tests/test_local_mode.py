@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+from pathlib import Path
+from typing import Any
 
 import hp_core
 import pytest
@@ -27,14 +29,14 @@ from hp_dtensor import (
     distribute_tensor,
     parallelize_module,
 )
-from hp_testing import record_collectives
+from hp_testing import DeviceMeshFactory, record_collectives
 from hp_testing.local import LocalHangError, LocalModeFailed, run_local, run_local_outcomes
 from torch import nn
 
 FULL = os.environ.get("HP_COMPOSITION") == "full"
 
 
-def _worlds() -> list[object]:
+def _worlds() -> list[Any]:
     """(world, mode) cases: both modes at 8; local at 64 when HP_COMPOSITION=full."""
     cases = [
         pytest.param(8, marks=pytest.mark.distributed(world_size=8, mode="process"), id="process-8"),
@@ -107,7 +109,8 @@ def test_collectives_and_mesh_same_in_both_modes(world: int, rank: int, world_si
 
     mesh = hp_core.init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     half = world // 2
-    assert tuple(mesh.get_coordinate()) == (rank // half, rank % half)
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None and tuple(coordinate) == (rank // half, rank % half)
     assert mesh.get_local_rank("tp") == rank % half
     tp_members = [rank // half * half + i for i in range(half)]
     assert dist.get_process_group_ranks(mesh.get_group("tp")) == tp_members
@@ -141,8 +144,8 @@ class _MLP(nn.Module):
 
 @pytest.mark.parametrize("world", _worlds())
 def test_dtensor_redistribution_and_tp_mlp_same_in_both_modes(
-    world: int, rank: int, device_mesh_factory
-) -> None:  # type: ignore[no-untyped-def]
+    world: int, rank: int, device_mesh_factory: DeviceMeshFactory
+) -> None:
     torch.manual_seed(0)
     full = torch.randn(world + 5, 6, dtype=torch.float64)  # uneven rows over the world
     mesh = device_mesh_factory((world,), ("tp",))
@@ -177,6 +180,7 @@ def test_dtensor_redistribution_and_tp_mlp_same_in_both_modes(
     ref_out.pow(2).sum().backward()
     for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert isinstance(p, DTensor), name
+        assert isinstance(p.grad, DTensor), name
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=name)
 
 
@@ -239,7 +243,9 @@ def test_state_of_the_calling_process_is_untouched() -> None:
     assert not dist.is_initialized()
 
 
-def test_a_module_first_imported_by_a_rank_still_has_per_rank_globals(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_module_first_imported_by_a_rank_still_has_per_rank_globals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "local_probe.py").write_text("SEEN = []\n")
     monkeypatch.syspath_prepend(str(tmp_path))
 
@@ -321,7 +327,7 @@ if "fail" in sys.argv and dist.get_rank() == 5:
 """
 
 
-def test_hp_run_local_runs_a_script_on_every_rank(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_hp_run_local_runs_a_script_on_every_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from hp_testing.launcher import main
 
     script = tmp_path / "train.py"
@@ -338,8 +344,8 @@ def test_hp_run_local_runs_a_script_on_every_rank(tmp_path, capsys) -> None:  # 
     [(["--strict"], "--strict (async hazards)"), (["--emulate", "nccl"], "--emulate nccl (its rules")],
 )
 def test_hp_run_local_refuses_concurrency_features_naming_the_process_mode(
-    tmp_path, capsys, flags, named
-) -> None:  # type: ignore[no-untyped-def]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
     from hp_testing.launcher import main
 
     script = tmp_path / "train.py"

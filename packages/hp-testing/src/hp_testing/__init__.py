@@ -22,6 +22,7 @@ from hp_testing._sidechannel import (  # noqa: E402
 )
 from hp_testing.collectives import CollectiveLog, CollectiveRecord, record_collectives  # noqa: E402
 from hp_testing.fixtures import DeviceMeshFactory  # noqa: E402
+from hp_testing.local import ConcurrencyNeededError, LocalHangError, LocalModeFailed, run_local  # noqa: E402
 from hp_testing.pool import Outcome, PoolError, WorkerPool  # noqa: E402
 from hp_testing.profiles import BackendRuleError  # noqa: E402
 
@@ -31,9 +32,12 @@ __all__ = [
     "CollectiveLog",
     "CollectiveMismatchError",
     "CollectiveRecord",
+    "ConcurrencyNeededError",
     "DeadlockError",
     "DeviceMeshFactory",
     "DroppedMessageError",
+    "LocalHangError",
+    "LocalModeFailed",
     "Outcome",
     "P2PMismatchError",
     "PeerFailedError",
@@ -43,4 +47,5 @@ __all__ = [
     "__version__",
     "faults",
     "record_collectives",
+    "run_local",
 ]

@@ -119,10 +119,15 @@ class _Message:
 
 
 class LocalGroup(dist.ProcessGroup):
-    """One rank's handle on a group of a local world."""
+    """One rank's handle on a group of a local world.
+
+    The methods override c10d's Python-overridable ``ProcessGroup`` with the
+    argument lists ``torch.distributed`` calls them with; c10d's type stubs
+    name those arguments differently, hence the ``override`` ignores.
+    """
 
     def __init__(self, world: World, name: str, ranks: Sequence[int], group_rank: int) -> None:
-        super().__init__(group_rank, len(ranks))
+        super().__init__(group_rank, len(ranks))  # type: ignore[call-arg, arg-type]
         self._world = world
         self._name = name
         self._ranks = tuple(ranks)
@@ -165,7 +170,7 @@ class LocalGroup(dist.ProcessGroup):
             self._world.wake()
         return LocalWork(self._world, lambda: meeting.done, lambda: meeting.error, f"{shown} ({where})")
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> LocalWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> LocalWork:  # type: ignore[override]
         (tensor,) = tensors
         op = _reduce_name(opts.reduceOp)
 
@@ -178,7 +183,7 @@ class LocalGroup(dist.ProcessGroup):
             "all_reduce", (op, _sig(tensor)), f"all_reduce({_sig(tensor)}, {op})", (tensor,), compute
         )
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> LocalWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> LocalWork:  # type: ignore[override]
         (tensor,) = tensors
         root = opts.rootRank
 
@@ -190,7 +195,7 @@ class LocalGroup(dist.ProcessGroup):
         shown = f"broadcast({_sig(tensor)}, group_src={root})"
         return self._meet("broadcast", (root, _sig(tensor)), shown, (tensor,), compute)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> LocalWork:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> LocalWork:  # type: ignore[override]
         def compute(calls: list[_Call]) -> None:
             gathered = torch.cat([c.payload[1].reshape(-1) for c in calls])
             for c in calls:
@@ -199,7 +204,7 @@ class LocalGroup(dist.ProcessGroup):
         shown = f"all_gather_into_tensor({_sig(input)} -> {_sig(output)})"
         return self._meet("all_gather", (_sig(input), _sig(output)), shown, (output, input), compute)
 
-    def allgather(
+    def allgather(  # type: ignore[override]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
     ) -> LocalWork:
         (chunks,), (input,) = outputs, inputs
@@ -223,7 +228,7 @@ class LocalGroup(dist.ProcessGroup):
         shown = f"reduce_scatter_tensor({_sig(input)} -> {_sig(output)}, {op})"
         return self._meet("reduce_scatter", (op, _sig(input), _sig(output)), shown, (output, input), compute)
 
-    def reduce_scatter(
+    def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
     ) -> LocalWork:
         (output,), (chunks,) = outputs, inputs
@@ -236,7 +241,7 @@ class LocalGroup(dist.ProcessGroup):
         shown = f"reduce_scatter({_sig(output)}, {op})"
         return self._meet("reduce_scatter_list", (op, _sig(output)), shown, (output, chunks), compute)
 
-    def all_to_all_single(
+    def all_to_all_single(  # type: ignore[override]
         self,
         output: torch.Tensor,
         input: torch.Tensor,

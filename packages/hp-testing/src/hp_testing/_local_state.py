@@ -103,7 +103,7 @@ class Slots:
         if len(sys.modules) == self._seen:
             return []
         self._seen = len(sys.modules)
-        added = []
+        added: list[tuple[types.ModuleType, str]] = []
         for module in _modules(self.packages):
             if module.__name__ in self._known:
                 continue

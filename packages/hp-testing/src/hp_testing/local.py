@@ -146,5 +146,5 @@ def _thread_isolation(on: bool) -> bool:
     """Give each thread its own c10d group-name registry (every rank names its groups alike)."""
     from torch._C import _distributed_c10d as c10d_ext
 
-    c10d_ext._set_thread_isolation_mode(on)
+    c10d_ext._set_thread_isolation_mode(on)  # type: ignore[attr-defined]
     return False
