@@ -95,14 +95,18 @@ class Slots:
         self.packages = (*_PER_RANK_PREFIXES, *packages)
         self.pairs: list[tuple[types.ModuleType, str]] = []
         self._known: set[str] = set()
-        self._seen = -1
+        self._seen: tuple[int, str | None] = (-1, None)
         self.grow()
 
     def grow(self) -> list[Any]:
         """Take in modules imported since the last call; the current values of their globals."""
-        if len(sys.modules) == self._seen:
+        # sys.modules only grows at its end (a dict keeps insertion order), so its size and last
+        # name tell whether anything was imported since; the size alone misses an import that came
+        # with a removal (pytest and importlib remove modules too).
+        seen = (len(sys.modules), next(reversed(sys.modules), None))
+        if seen == self._seen:
             return []
-        self._seen = len(sys.modules)
+        self._seen = seen
         added: list[tuple[types.ModuleType, str]] = []
         for module in _modules(self.packages):
             if module.__name__ in self._known:
