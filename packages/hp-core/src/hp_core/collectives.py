@@ -183,6 +183,17 @@ def all_reduce(
 ) -> Work[torch.Tensor]: ...
 
 
+@overload
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOpLike = ...,
+    group: Any = ...,
+    async_op: bool = ...,
+    *,
+    scale: float | None = ...,
+) -> torch.Tensor | Work[torch.Tensor]: ...
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOpLike = "sum",
@@ -270,6 +281,17 @@ def all_gather_into_tensor(
     *,
     input_sizes: Sequence[int] | None = ...,
 ) -> Work[torch.Tensor]: ...
+
+
+@overload
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: Any = ...,
+    async_op: bool = ...,
+    *,
+    input_sizes: Sequence[int] | None = ...,
+) -> torch.Tensor | Work[torch.Tensor]: ...
 
 
 def all_gather_into_tensor(
@@ -388,6 +410,18 @@ def reduce_scatter_tensor(
 ) -> Work[torch.Tensor]: ...
 
 
+@overload
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOpLike = ...,
+    group: Any = ...,
+    async_op: bool = ...,
+    *,
+    scale: float | None = ...,
+) -> torch.Tensor | Work[torch.Tensor]: ...
+
+
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -493,6 +527,17 @@ def all_to_all_single(
     group: Any,
     async_op: Literal[True],
 ) -> Work[torch.Tensor]: ...
+
+
+@overload
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = ...,
+    input_split_sizes: Sequence[int] | None = ...,
+    group: Any = ...,
+    async_op: bool = ...,
+) -> torch.Tensor | Work[torch.Tensor]: ...
 
 
 def all_to_all_single(
@@ -613,6 +658,17 @@ def broadcast(
 ) -> Work[torch.Tensor]: ...
 
 
+@overload
+def broadcast(
+    tensor: torch.Tensor,
+    src: int | None = ...,
+    group: Any = ...,
+    async_op: bool = ...,
+    *,
+    group_src: int | None = ...,
+) -> torch.Tensor | Work[torch.Tensor]: ...
+
+
 def broadcast(
     tensor: torch.Tensor,
     src: int | None = None,
@@ -641,6 +697,10 @@ def barrier(group: Any = ..., *, async_op: Literal[True]) -> Work[None]: ...
 
 @overload
 def barrier(group: Any, async_op: Literal[True]) -> Work[None]: ...
+
+
+@overload
+def barrier(group: Any = ..., async_op: bool = ...) -> Work[None] | None: ...
 
 
 def barrier(group: Any = None, async_op: bool = False) -> Work[None] | None:

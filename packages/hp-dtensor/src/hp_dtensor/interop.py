@@ -10,7 +10,7 @@ Both directions are differentiable.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from hp_core import DeviceMesh
@@ -32,7 +32,7 @@ def _to_torch_placement(placement: Placement) -> Any:
         return TShard(placement.dim)
     if isinstance(placement, Partial):
         if placement.reduce_op == "norm":
-            return _torch_norm_partial(placement.norm_type)
+            return _torch_norm_partial(cast(float, placement.norm_type))
         return TPartial(placement.reduce_op)
     return TReplicate()
 

@@ -99,10 +99,10 @@ class PendingTensor(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"PendingTensor({self.wait()!r})"
 
-    def tolist(self) -> Any:  # type: ignore[override]
+    def tolist(self) -> Any:
         return self.wait().tolist()
 
-    def numpy(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
         return self.wait().numpy(*args, **kwargs)
 
     @classmethod

@@ -275,5 +275,5 @@ def _equal_to_torch(ours: Placement, other: object) -> bool:
         return False  # torch's _NormPartial compares unequal to ours: keep == symmetric
     converted = torch_equivalent(other)
     if converted is None:
-        return NotImplemented  # type: ignore[no-any-return]
+        return NotImplemented
     return converted == ours

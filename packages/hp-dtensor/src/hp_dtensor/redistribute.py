@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import hp_core.collectives as hc
 import torch
@@ -146,7 +146,7 @@ def _to_partial(local: torch.Tensor, dst: Partial, mesh: Any, mesh_dim: int) -> 
     if dst.reduce_op == "sum":
         return torch.zeros_like(local)
     if dst.reduce_op == "norm" and dst.norm_type not in (_INF, -_INF):
-        return torch.full_like(local, 0.0 if dst.norm_type > 0 else _INF)
+        return torch.full_like(local, 0.0 if cast(float, dst.norm_type) > 0 else _INF)
     return local
 
 
@@ -160,7 +160,7 @@ def _reduce_partial(local: torch.Tensor, src: Partial, run: Any) -> torch.Tensor
     """
     if src.reduce_op != "norm":
         return run(local, src.reduce_op)
-    p = src.norm_type
+    p = cast(float, src.norm_type)  # a norm partial's norm_type is always set (Partial.__post_init__)
     if p in (_INF, -_INF):
         return run(local, "max" if p > 0 else "min")
     return run(local.pow(p), "sum").pow(1.0 / p)

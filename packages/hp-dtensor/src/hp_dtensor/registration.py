@@ -245,6 +245,7 @@ class _ShardingRule:
         func: Any,
     ) -> bool:
         """torch's filters: no mixed partials, inputs shardable, in-place keeps its argument's layout."""
+        placements: tuple[Placement, ...] | None
         for placements in [*candidate.inputs, *(p for p in candidate.outputs if p is not None)]:
             ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
             if len(ops) > 1 and ops != {"sum", "avg"}:

@@ -543,7 +543,7 @@ class PipelineSchedule:
                 f"build the schedule with loss_fn=None for forward-only steps"
             )
         with self._eval_mode():
-            mbs = {"arg_mbs": arg_mbs, "kwarg_mbs": kwarg_mbs, "target_mbs": target_mbs}
+            mbs: dict[str, Any] = {"arg_mbs": arg_mbs, "kwarg_mbs": kwarg_mbs, "target_mbs": target_mbs}
             return self.step(*args, target=target, losses=losses, **mbs, **kwargs)
 
     @contextmanager

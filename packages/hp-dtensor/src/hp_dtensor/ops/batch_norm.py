@@ -32,7 +32,7 @@ replicated. Evaluation's backward is local with weight and bias gradients
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import hp_core.collectives as hc
 import torch
@@ -42,6 +42,9 @@ from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import SPECIAL, Decision, LocalCall, OpCall, register
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from hp_core import DeviceMesh
 
 __all__ = ["batch_norm_backward_rule", "batch_norm_rule"]
 
@@ -347,7 +350,8 @@ def _empty_replicated(like: DTensor) -> DTensor:
 
 
 def _three_output_forward(args: tuple[Any, ...], kwargs: dict[str, Any], func: Any) -> Any:
-    call = LocalCall(func, tuple(args), kwargs, (), {}, None)  # only the argument parsing is used
+    # Only the argument parsing is used: no mesh is needed (or set).
+    call = LocalCall(func, tuple(args), kwargs, (), {}, cast("DeviceMesh", None))
     spec = _forward_args(call)
     x = args[0]
     weight, bias = args[1], args[2]
@@ -374,4 +378,5 @@ for _func in (
     aten._native_batch_norm_legit.default,
     aten._native_batch_norm_legit_no_training.default,
 ):
-    SPECIAL[_func] = lambda args, kwargs, func=_func: _three_output_forward(args, kwargs, func)
+    # mypy cannot type a lambda with a bound default against SPECIAL's two-argument Callable.
+    SPECIAL[_func] = lambda args, kwargs, func=_func: _three_output_forward(args, kwargs, func)  # type: ignore[misc]

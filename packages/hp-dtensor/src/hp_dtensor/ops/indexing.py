@@ -252,7 +252,9 @@ def move_cost(source: Placement, target: Placement, numel: int) -> tuple[int, in
     return (1, numel)
 
 
-def cheapest(options: list[tuple[Placement, ...]], current: Sequence[Placement], sizes: Sequence[int]) -> Any:
+def cheapest(
+    options: Sequence[tuple[Placement, ...]], current: Sequence[Placement], sizes: Sequence[int]
+) -> Any:
     """The option (inputs' targets first, then outputs) with the fewest collectives, then elements moved.
 
     Ties go to the earlier option. ``current`` and ``sizes`` are the inputs'

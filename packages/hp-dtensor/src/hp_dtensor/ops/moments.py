@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hp_core.collectives as hc
 import torch
@@ -28,6 +28,9 @@ from hp_core.distributed import mesh_group
 
 from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
 from hp_dtensor.ops.reductions import kernel_reduce_decision
+
+if TYPE_CHECKING:
+    from hp_dtensor.placements import Placement
 
 __all__ = ["moments_rule"]
 
@@ -96,5 +99,5 @@ def moments_rule(call: OpCall) -> Decision:
     dims, correction, keepdim = _options(call, layout.ndim)
     inputs, out, cutting = kernel_reduce_decision(layout, dims, keepdim)
     kernel = _kernel(dims, correction, keepdim, cutting) if cutting else None
-    outputs = [out, out] if call.func in _WITH_MEAN else [out]
+    outputs: list[tuple[Placement, ...] | None] = [out, out] if call.func in _WITH_MEAN else [out]
     return Decision(inputs={position: inputs}, outputs=outputs, kernel=kernel)

@@ -98,7 +98,8 @@ def _register() -> None:
             continue
         for overload in packet.overloads():
             op = getattr(packet, overload)
-            SPECIAL[op] = lambda args, kwargs, op=op: fused_step(op, args, kwargs)
+            # mypy cannot type a lambda with a bound default against SPECIAL's two-argument Callable.
+            SPECIAL[op] = lambda args, kwargs, op=op: fused_step(op, args, kwargs)  # type: ignore[misc]
 
 
 _register()

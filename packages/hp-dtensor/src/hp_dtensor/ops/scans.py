@@ -131,5 +131,5 @@ def scan_rule(call: OpCall) -> Decision:
     )
     target = along_dims_placements(layout, [dim], linear=call.func is aten.cumsum.default, keep_shards=prefix)
     kernel = _prefix_kernel(cutters[0]) if prefix else None
-    outputs = [target] if associative else [target, target]
+    outputs: list[tuple[Placement, ...] | None] = [target] if associative else [target, target]
     return Decision(inputs={position: target}, outputs=outputs, kernel=kernel)
