@@ -330,6 +330,7 @@ if "fail" in sys.argv and dist.get_rank() == 5:
 def test_hp_run_local_runs_a_script_on_every_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from hp_testing.launcher import main
 
+    main_before = sys.modules["__main__"]
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     assert main(["--local", "-n", "8", str(script), "--lr", "3"]) == 0
@@ -337,6 +338,8 @@ def test_hp_run_local_runs_a_script_on_every_rank(tmp_path: Path, capsys: pytest
     assert lines == [f"[rank{r}]: rank {r} of 8: sum 28 args ['--lr', '3']" for r in range(8)]
     assert main(["--local", "-n", "8", str(script), "fail"]) == 7
     assert "[hp-run] rank 5 failed with exit code 7 (local mode)" in capsys.readouterr().err
+    # the caller's __main__ is back (multiprocessing re-runs it in every child it spawns)
+    assert sys.modules["__main__"] is main_before
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,10 @@ def _emit(text: str, rank: int, sink: IO[str]) -> None:
 def run_script(target: str, module: bool, script_args: Sequence[str], nproc: int) -> int:
     """Run ``target`` on ``nproc`` local ranks; 0, or the first failing rank's exit code."""
     saved_argv, saved_path = list(sys.argv), list(sys.path)
+    # runpy swaps sys.modules["__main__"] for the script's module and restores the one it saw; with
+    # ranks taking turns inside their runs, a rank can "restore" another rank's script module, which
+    # multiprocessing then re-runs in every child it spawns. Put the caller's back ourselves.
+    saved_main = sys.modules.get("__main__")
     sys.argv = [target, *script_args]
     if not module:
         sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
@@ -56,6 +60,8 @@ def run_script(target: str, module: bool, script_args: Sequence[str], nproc: int
         outcomes = run_local_outcomes(body, nproc)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
     first: tuple[int, int] | None = None
     for outcome in outcomes:
         _emit(outcome.stdout, outcome.rank, sys.stdout)
