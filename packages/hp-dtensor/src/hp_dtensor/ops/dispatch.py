@@ -88,7 +88,7 @@ from torch.utils import _pytree as pytree
 from hp_dtensor import dtensor as _dtensor_module
 from hp_dtensor.dtensor import DTensor, carry_lazy_bits, new_dtensor
 from hp_dtensor.layout import Layout, mesh_key
-from hp_dtensor.ops.everywhere import decision_problem
+from hp_dtensor.ops.everywhere import decision_problem, to_meta
 from hp_dtensor.ops.fallback import run_fallback
 from hp_dtensor.ops.meshes import common_mesh as _mesh_of
 from hp_dtensor.placements import Placement, Replicate, Shard
@@ -539,21 +539,10 @@ def _leaf_key(value: Any, blind: bool = False) -> Any:
     return (type(value), value)
 
 
-def _to_meta(value: Any) -> Any:
-    if isinstance(value, DTensor):
-        layout = value._layout
-        return torch.empty_strided(layout.shape, layout.stride, dtype=value.dtype, device="meta")
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(tuple(value.shape), value.stride(), dtype=value.dtype, device="meta")
-    if isinstance(value, torch.device):  # _to_copy(..., device=cpu), factories: stay on meta
-        return torch.device("meta")
-    return value
-
-
 def _output_meta(func: Any, key: Any, flat: list[Any], spec: Any) -> Any:
     if key is not None and key in _meta_cache:
         return _meta_cache[key]
-    meta_args, meta_kwargs = pytree.tree_unflatten([_to_meta(v) for v in flat], spec)
+    meta_args, meta_kwargs = pytree.tree_unflatten([to_meta(v) for v in flat], spec)
     result = func(*meta_args, **meta_kwargs)
     if key is not None:
         _meta_cache[key] = result

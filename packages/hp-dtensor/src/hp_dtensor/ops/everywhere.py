@@ -31,17 +31,21 @@ from torch.utils import _pytree as pytree
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout
 
-__all__ = ["decision_problem"]
+__all__ = ["decision_problem", "to_meta"]
 
 
 def _meta(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=like.dtype, device="meta")
 
 
-def _plain_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+def to_meta(value: Any) -> Any:
+    """A meta stand-in for one call argument: a DTensor at its global shape, a tensor at its own."""
+    if isinstance(value, DTensor):
+        layout = value._layout
+        return torch.empty_strided(layout.shape, layout.stride, dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor):
         return torch.empty_strided(tuple(value.shape), value.stride(), dtype=value.dtype, device="meta")
-    if isinstance(value, torch.device):
+    if isinstance(value, torch.device):  # _to_copy(..., device=cpu), factories: stay on meta
         return torch.device("meta")
     return value
 
@@ -77,7 +81,7 @@ def decision_problem(
             target = outputs[index]
             assert target is not None
             out_tables.append(Layout(mesh, tuple(target), tuple(m.shape), tuple(m.stride())).table())
-    base = [_plain_meta(v) for v in flat]
+    base = [to_meta(v) for v in flat]  # DTensor slots are replaced per coordinate
     seen: set[tuple[Any, ...]] = set()
     for coord in range(len(next(iter(tables.values())))):
         shapes = tuple(tables[p][coord] for p in positions)
