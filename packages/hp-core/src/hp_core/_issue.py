@@ -1,21 +1,9 @@
 """Where a collective is finally issued: c10d in eager mode, functional collectives while tracing.
 
-[Note: collectives under torch.compile]
-hp_core's collectives call c10d with ``async_op=True`` and wait on the
-handle later. Traced by ``torch.compile`` (AOTAutograd runs hp_dtensor's op
-rules under fake tensors and functionalization), such a call would enter the
-graph with no data dependency between the collective and its wait: the
-compiled graph then reads the output before it is written (wrong values, no
-error). While tracing, each collective is therefore issued as the matching
-*functional* collective (``torch.distributed._functional_collectives``): an
-out-of-place op whose result flows through ``wait_tensor``, which the
-compiler orders, and later passes may overlap with compute. The result is
-copied into the output the eager API promises (functionalization turns the
-copy into a plain dataflow edge), and the returned handle is ``None``: the
-caller's :class:`~hp_core.work.Work` then only runs its post-processing (an
-emulated average's divide, an uneven gather's copy-out), so every emulation
-behaves the same traced and eager. Point-to-point operations have no
-functional form: traced, they raise instead of miscompiling.
+Traced by ``torch.compile``, an async c10d call and its later wait would have
+no data dependency in the graph (wrong values, no error), so while tracing each
+collective is issued as the matching functional collective
+([Note: collectives under torch.compile]).
 """
 
 from __future__ import annotations
@@ -50,6 +38,22 @@ def _funcol() -> Any:
     return funcol
 
 
+# [Note: collectives under torch.compile]
+# hp_core's collectives call c10d with ``async_op=True`` and wait on the
+# handle later. Traced by ``torch.compile`` (AOTAutograd runs hp_dtensor's op
+# rules under fake tensors and functionalization), such a call would enter the
+# graph with no data dependency between the collective and its wait: the
+# compiled graph then reads the output before it is written (wrong values, no
+# error). While tracing, each collective is therefore issued as the matching
+# *functional* collective (``torch.distributed._functional_collectives``): an
+# out-of-place op whose result flows through ``wait_tensor``, which the
+# compiler orders, and later passes may overlap with compute. The result is
+# copied into the output the eager API promises (functionalization turns the
+# copy into a plain dataflow edge), and the returned handle is ``None``: the
+# caller's :class:`~hp_core.work.Work` then only runs its post-processing (an
+# emulated average's divide, an uneven gather's copy-out), so every emulation
+# behaves the same traced and eager. Point-to-point operations have no
+# functional form: traced, they raise instead of miscompiling.
 def tracing() -> bool:
     """Whether torch.compile (dynamo, or AOTAutograd's fake / proxy tracing) is running this code."""
     if torch.compiler.is_compiling():

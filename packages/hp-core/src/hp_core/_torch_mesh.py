@@ -1,38 +1,10 @@
 """``DeviceMesh.from_torch``: a torch ``DeviceMesh`` read as an hp_core mesh on torch's own groups.
 
-[Note: meshes from torch]
-torch (2.9 and later) describes every mesh as a layout into its root mesh's
-flat list of ranks: each dim is a set of (size, stride) modes over positions
-in that list, CuTe style. Slicing, ``_flatten`` and ``_unflatten`` keep the
-root's rank list and change only the layout. hp_core describes a mesh as a
-root rank tensor and, per dim, the root dims it spans ([Note: mesh
-representation] in ``hp_core.mesh``).
-
-So the conversion cuts the rank list at every stride boundary of the mesh's
-modes and of its root's modes and splits each piece into its prime factors
-(smallest innermost). The result is the root tensor; each mesh dim spans the
-root dims between its modes' boundaries. Splitting into primes makes every
-mesh of one torch root (a slice, a flattening, an unflattening of a root dim)
-cut the list the same way in the common cases, so their hp_core meshes share
-one root and can be sliced, flattened and concatenated together, as torch's
-can. A root of twelve ranks cut as (3, 4) becomes root dims (3, 2, 2).
-
-The groups come from torch, not from ``new_group``. Before the mesh is set up,
-every line of every dim is put in the group cache ([Note: group cache]):
-this rank's line with torch's group for that dim, the other lines as entries
-this rank is not a member of. The layout is the same on every rank, so every
-rank's cache holds the same rank sets afterwards, and set-up finds every group
-cached: nothing is created and nothing is communicated. Two exceptions keep
-the cache right: the world's ranks keep mapping to the default group, and a
-dim whose lines do not list their ranks in increasing order (a permuted custom
-mesh) is left to hp_core, which creates its own groups for it (collectively:
-then every rank must convert the mesh), because a group's rank order must be
-the line's order and torch's groups are not known to keep it.
-
-The rule this relies on is torch's own: a torch mesh is the same on every rank
-(as ``init_device_mesh`` builds it). A torch mesh whose root holds only this
-rank's copy (``DeviceMesh.from_group`` with per-rank groups) is converted
-right only when it came from ``DeviceMesh.to_torch()``, which is remembered.
+The conversion reads torch's CuTe-style layout of the mesh over its root's
+rank list and re-expresses it as an hp_core root tensor with prime-sized root
+dims, so every mesh of one torch root shares one hp_core root; the groups are
+torch's, put in the group cache, so nothing is created or communicated
+([Note: meshes from torch]).
 """
 
 from __future__ import annotations
@@ -65,6 +37,39 @@ class _Family:
     meshes: dict[tuple[Any, ...], DeviceMesh] = field(default_factory=dict)  # (dims, names) -> mesh
 
 
+# [Note: meshes from torch]
+# torch (2.9 and later) describes every mesh as a layout into its root mesh's
+# flat list of ranks: each dim is a set of (size, stride) modes over positions
+# in that list, CuTe style. Slicing, ``_flatten`` and ``_unflatten`` keep the
+# root's rank list and change only the layout. hp_core describes a mesh as a
+# root rank tensor and, per dim, the root dims it spans ([Note: mesh
+# representation] in ``hp_core.mesh``).
+#
+# So the conversion cuts the rank list at every stride boundary of the mesh's
+# modes and of its root's modes and splits each piece into its prime factors
+# (smallest innermost). The result is the root tensor; each mesh dim spans the
+# root dims between its modes' boundaries. Splitting into primes makes every
+# mesh of one torch root (a slice, a flattening, an unflattening of a root dim)
+# cut the list the same way in the common cases, so their hp_core meshes share
+# one root and can be sliced, flattened and concatenated together, as torch's
+# can. A root of twelve ranks cut as (3, 4) becomes root dims (3, 2, 2).
+#
+# The groups come from torch, not from ``new_group``. Before the mesh is set up,
+# every line of every dim is put in the group cache ([Note: group cache]):
+# this rank's line with torch's group for that dim, the other lines as entries
+# this rank is not a member of. The layout is the same on every rank, so every
+# rank's cache holds the same rank sets afterwards, and set-up finds every group
+# cached: nothing is created and nothing is communicated. Two exceptions keep
+# the cache right: the world's ranks keep mapping to the default group, and a
+# dim whose lines do not list their ranks in increasing order (a permuted custom
+# mesh) is left to hp_core, which creates its own groups for it (collectively:
+# then every rank must convert the mesh), because a group's rank order must be
+# the line's order and torch's groups are not known to keep it.
+#
+# The rule this relies on is torch's own: a torch mesh is the same on every rank
+# (as ``init_device_mesh`` builds it). A torch mesh whose root holds only this
+# rank's copy (``DeviceMesh.from_group`` with per-rank groups) is converted
+# right only when it came from ``DeviceMesh.to_torch()``, which is remembered.
 def convert(torch_mesh: Any) -> DeviceMesh:
     """See :meth:`hp_core.DeviceMesh.from_torch`."""
     if isinstance(torch_mesh, DeviceMesh):

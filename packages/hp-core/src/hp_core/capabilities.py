@@ -6,29 +6,7 @@ table, instead of trying the native call and catching its error, matters
 because a failed collective is not always a clean Python exception: gloo
 reports ``PREMUL_SUM`` asynchronously and a failed integer ``AVG`` leaves the
 peers' connections broken, so the next collective of every rank fails too.
-
-[Note: capability table]
-
-========  ===========================  ===========  ==================  =============
-backend   native reduce ops            AG tensor    RS tensor           all_to_all
-========  ===========================  ===========  ==================  =============
-gloo      sum avg max min product      yes          yes                 yes
-nccl      sum avg max min product      yes          yes                 yes
-          premul_sum
-hccl      sum max min product          yes          yes                 yes
-xccl      sum avg max min product      yes          yes                 yes
-other     sum max min product          no           no                  no
-========  ===========================  ===========  ==================  =============
-
-Emulations (see :mod:`hp_core.collectives`): ``avg`` = sum, then divide by the
-group size on ``wait()``; ``premul_sum`` = multiply by the factor, then sum;
-a missing ``all_gather_into_tensor`` = list all-gather into views of the
-output; a missing ``reduce_scatter_tensor`` = all-reduce a copy, keep this
-rank's chunk; a missing ``all_to_all_single`` = one batch of isend/irecv.
-Uneven all-gathers are padded to the largest size on every backend (gloo
-rejects uneven lists; one padded collective beats ``world_size`` broadcasts).
-``avg`` needs a floating-point dtype on every backend (gloo fails on integer
-``AVG`` and leaves the group unusable).
+The table and the emulations: [Note: capability table].
 """
 
 from __future__ import annotations
@@ -55,6 +33,27 @@ __all__ = [
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "product", "premul_sum")
 
 
+# [Note: capability table]
+# ========  ===========================  ===========  ==================  =============
+# backend   native reduce ops            AG tensor    RS tensor           all_to_all
+# ========  ===========================  ===========  ==================  =============
+# gloo      sum avg max min product      yes          yes                 yes
+# nccl      sum avg max min product      yes          yes                 yes
+#           premul_sum
+# hccl      sum max min product          yes          yes                 yes
+# xccl      sum avg max min product      yes          yes                 yes
+# other     sum max min product          no           no                  no
+# ========  ===========================  ===========  ==================  =============
+#
+# Emulations (see :mod:`hp_core.collectives`): ``avg`` = sum, then divide by the
+# group size on ``wait()``; ``premul_sum`` = multiply by the factor, then sum;
+# a missing ``all_gather_into_tensor`` = list all-gather into views of the
+# output; a missing ``reduce_scatter_tensor`` = all-reduce a copy, keep this
+# rank's chunk; a missing ``all_to_all_single`` = one batch of isend/irecv.
+# Uneven all-gathers are padded to the largest size on every backend (gloo
+# rejects uneven lists; one padded collective beats ``world_size`` broadcasts).
+# ``avg`` needs a floating-point dtype on every backend (gloo fails on integer
+# ``AVG`` and leaves the group unusable).
 @dataclass(frozen=True)
 class BackendCapabilities:
     """The native abilities of one backend; anything missing is emulated."""

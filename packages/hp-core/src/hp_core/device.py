@@ -5,23 +5,6 @@ handle that the platform seam (:mod:`hp_core.platform`) hands out, so the same
 code runs on CUDA, Ascend NPUs, Intel XPUs and plain CPUs, and so tests can swap
 in a CPU handle while the platform *reports* an accelerator (NCCL/HCCL
 emulation).
-
-[Note: two device types]
-A handle carries two device types. ``device_type`` is what library code
-branches on ("cuda" means "expect NCCL semantics"); ``tensor_device_type`` is
-the torch device that tensors actually live on. They are equal on real
-hardware. Under emulation they differ ("cuda" vs "cpu"), and every method here
-acts on ``tensor_device_type`` because that is where the memory and the
-streams really are.
-
-[Note: CPU streams and events]
-CPU kernels run synchronously on the calling thread, so a stream has nothing
-to order and an event has nothing to wait for. The CPU classes below keep the
-CUDA interface (``wait_stream``, ``record_event``, ``query``, ``synchronize``,
-``elapsed_time``, use as a context manager) so overlap code written for GPUs
-runs unchanged; every wait returns at once and every query answers ``True``.
-Events created with ``enable_timing=True`` record the host clock, so
-``elapsed_time`` reports the real wall time between two records.
 """
 
 from __future__ import annotations
@@ -97,6 +80,14 @@ class StreamLike(Protocol):
     def synchronize(self) -> None: ...
 
 
+# [Note: CPU streams and events]
+# CPU kernels run synchronously on the calling thread, so a stream has nothing
+# to order and an event has nothing to wait for. The CPU classes below keep the
+# CUDA interface (``wait_stream``, ``record_event``, ``query``, ``synchronize``,
+# ``elapsed_time``, use as a context manager) so overlap code written for GPUs
+# runs unchanged; every wait returns at once and every query answers ``True``.
+# Events created with ``enable_timing=True`` record the host clock, so
+# ``elapsed_time`` reports the real wall time between two records.
 class CpuEvent:
     """An event with the CUDA event interface for CPU work (see [Note: CPU streams and events]).
 
@@ -216,6 +207,13 @@ class CpuStream:
 _CPU_DEFAULT_STREAM = CpuStream()
 
 
+# [Note: two device types]
+# A handle carries two device types. ``device_type`` is what library code
+# branches on ("cuda" means "expect NCCL semantics"); ``tensor_device_type`` is
+# the torch device that tensors actually live on. They are equal on real
+# hardware. Under emulation they differ ("cuda" vs "cpu"), and every method here
+# acts on ``tensor_device_type`` because that is where the memory and the
+# streams really are.
 @dataclass(frozen=True)
 class DeviceHandle:
     """Current device, streams, events, synchronisation and memory statistics.

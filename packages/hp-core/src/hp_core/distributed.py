@@ -6,21 +6,6 @@ through torch's ``env://`` rendezvous. The test harness initialises the
 default group itself before running a test body, so :func:`init_distributed`
 is a no-op when a default group exists: a training script that calls it runs
 unchanged under torchrun, hp-run and pytest.
-
-[Note: group epoch]
-``DeviceMesh.get_group`` checks on every call that the mesh's groups are still
-alive (no ``clear_group_cache()``, default group not destroyed or re-created):
-right, but it costs about as much as a small op's whole dispatch, and
-hp-dtensor asks for a group before every collective. :func:`group_epoch`
-answers the same question for *all* groups at once with two reads: the
-mesh module's cache generation (bumped by ``clear_group_cache()``, which
-``destroy_distributed()`` and the test harness call) and the identity of the
-default group (a destroyed and re-created default group is a new object, even
-when it was replaced behind our back with ``dist.destroy_process_group()``).
-:func:`mesh_group` memoises ``get_group`` per (mesh, dim) next to the epoch it
-was obtained in; when the epoch moved it asks ``get_group`` again, which then
-raises :class:`~hp_core.mesh.StaleMeshError` or returns the live group. So the
-memo is never more permissive than ``get_group`` itself.
 """
 
 from __future__ import annotations
@@ -162,6 +147,20 @@ def get_local_rank() -> int:
 # -- cheap group freshness (see [Note: group epoch]) ------------------------------------------
 
 
+# [Note: group epoch]
+# ``DeviceMesh.get_group`` checks on every call that the mesh's groups are still
+# alive (no ``clear_group_cache()``, default group not destroyed or re-created):
+# right, but it costs about as much as a small op's whole dispatch, and
+# hp-dtensor asks for a group before every collective. :func:`group_epoch`
+# answers the same question for *all* groups at once with two reads: the
+# mesh module's cache generation (bumped by ``clear_group_cache()``, which
+# ``destroy_distributed()`` and the test harness call) and the identity of the
+# default group (a destroyed and re-created default group is a new object, even
+# when it was replaced behind our back with ``dist.destroy_process_group()``).
+# :func:`mesh_group` memoises ``get_group`` per (mesh, dim) next to the epoch it
+# was obtained in; when the epoch moved it asks ``get_group`` again, which then
+# raises :class:`~hp_core.mesh.StaleMeshError` or returns the live group. So the
+# memo is never more permissive than ``get_group`` itself.
 def group_epoch() -> tuple[int, Any]:
     """A value that changes whenever process groups handed out earlier may be dead.
 

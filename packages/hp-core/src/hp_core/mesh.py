@@ -7,29 +7,6 @@ it. ``to_torch()`` hands the same layout and the same groups to PyTorch's own
 ``DeviceMesh`` so torch DTensor and FSDP2 can use them; ``DeviceMesh.from_torch``
 reads a torch mesh the other way, on torch's groups ([Note: meshes from torch]
 in ``hp_core._torch_mesh``).
-
-[Note: group cache]
-Creating a process group is a collective over the *default* group: every rank
-must call ``new_group`` for every group, members or not, in the same order,
-or creation hangs. So a mesh creates the groups of all its lines (rows and
-columns of every rank, not only its own) in a fixed order, and groups are
-cached by their tuple of ranks. Any later mesh needing the same ranks, such as
-a slice of the mesh or a second mesh of the same shape, reuses the cached
-group without communicating. The consequence for users is the SPMD rule:
-build meshes and call ``flatten`` on every rank in the same order (slicing is
-free and may happen anywhere). :func:`clear_group_cache` forgets the groups
-(the test harness calls it before it re-creates the default group); meshes
-built before then refuse further use with a clear error. Meshes record the
-ranks of their lines, not the group objects: the cache is the only owner, so
-clearing it really releases the groups (a group object that outlives
-``destroy_process_group`` can abort gloo at interpreter exit).
-
-[Note: mesh representation]
-Every mesh keeps its *root* rank tensor (identical on all ranks) and, for each
-of its dims, the root dims it spans: a slice keeps some root dims and pins the
-others at this rank's coordinate; a flattened dim spans several root dims in
-row-major order. From that, any rank can enumerate the lines of a dim across
-the whole root, which is what the group cache needs.
 """
 
 from __future__ import annotations
@@ -94,6 +71,21 @@ def _forget_all() -> None:
     _torch_families.clear()
 
 
+# [Note: group cache]
+# Creating a process group is a collective over the *default* group: every rank
+# must call ``new_group`` for every group, members or not, in the same order,
+# or creation hangs. So a mesh creates the groups of all its lines (rows and
+# columns of every rank, not only its own) in a fixed order, and groups are
+# cached by their tuple of ranks. Any later mesh needing the same ranks, such as
+# a slice of the mesh or a second mesh of the same shape, reuses the cached
+# group without communicating. The consequence for users is the SPMD rule:
+# build meshes and call ``flatten`` on every rank in the same order (slicing is
+# free and may happen anywhere). :func:`clear_group_cache` forgets the groups
+# (the test harness calls it before it re-creates the default group); meshes
+# built before then refuse further use with a clear error. Meshes record the
+# ranks of their lines, not the group objects: the cache is the only owner, so
+# clearing it really releases the groups (a group object that outlives
+# ``destroy_process_group`` can abort gloo at interpreter exit).
 def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
     """The cached group over ``ranks`` (created on first use by every rank), or None for non-members."""
     _sync_with_default_group()
@@ -219,6 +211,12 @@ def _check_shape(mesh_shape: Any) -> tuple[int, ...]:
 # -- DeviceMesh -----------------------------------------------------------------
 
 
+# [Note: mesh representation]
+# Every mesh keeps its *root* rank tensor (identical on all ranks) and, for each
+# of its dims, the root dims it spans: a slice keeps some root dims and pins the
+# others at this rank's coordinate; a flattened dim spans several root dims in
+# row-major order. From that, any rank can enumerate the lines of a dim across
+# the whole root, which is what the group cache needs.
 class DeviceMesh:
     """An n-D grid of global ranks with optional dim names and one process group per dim.
 

@@ -4,26 +4,6 @@ Every package asks :func:`get_platform` instead of writing ``"cuda"`` or
 ``"nccl"``. Resolution happens on each call, never at import, so importing
 hp_core on a login node, inside a test or under emulation costs nothing and
 sees the environment of the moment.
-
-[Note: resolution order]
-``get_platform(device_type)`` decides in this order, first match wins:
-
-1. an explicit ``device_type`` argument (a platform injected with
-   :func:`set_platform` is returned when it has that device type);
-2. the platform injected with :func:`set_platform` / :func:`use_platform`;
-3. the ``HP_DEVICE_TYPE`` environment variable;
-4. auto-detection: cuda, then npu (only if ``torch_npu`` imports), then xpu,
-   then cpu.
-
-The backend is the device type's default (cuda->nccl, npu->hccl, xpu->xccl,
-cpu->gloo) unless ``HP_BACKEND`` (or the ``backend`` argument) names another.
-An injected platform keeps its own backend: it was built on purpose.
-
-[Note: why injection]
-The NCCL/HCCL emulation in hp-testing needs library code to take its NCCL
-branches while tensors stay on the CPU and traffic goes over gloo. Rather than
-patching module globals, it injects a :class:`Platform` whose ``device_type``
-is ``"cuda"`` and whose ``tensor_device_type`` is ``"cpu"``.
 """
 
 from __future__ import annotations
@@ -168,6 +148,11 @@ def detect_device_type() -> str:
 _injected: Platform | None = None
 
 
+# [Note: why injection]
+# The NCCL/HCCL emulation in hp-testing needs library code to take its NCCL
+# branches while tensors stay on the CPU and traffic goes over gloo. Rather than
+# patching module globals, it injects a :class:`Platform` whose ``device_type``
+# is ``"cuda"`` and whose ``tensor_device_type`` is ``"cpu"``.
 def set_platform(platform: Platform | None) -> Platform | None:
     """Make ``platform`` the answer of :func:`get_platform` (``None`` restores resolution).
 
@@ -197,6 +182,19 @@ def _env(name: str) -> str | None:
     return value or None
 
 
+# [Note: resolution order]
+# ``get_platform(device_type)`` decides in this order, first match wins:
+#
+# 1. an explicit ``device_type`` argument (a platform injected with
+#    :func:`set_platform` is returned when it has that device type);
+# 2. the platform injected with :func:`set_platform` / :func:`use_platform`;
+# 3. the ``HP_DEVICE_TYPE`` environment variable;
+# 4. auto-detection: cuda, then npu (only if ``torch_npu`` imports), then xpu,
+#    then cpu.
+#
+# The backend is the device type's default (cuda->nccl, npu->hccl, xpu->xccl,
+# cpu->gloo) unless ``HP_BACKEND`` (or the ``backend`` argument) names another.
+# An injected platform keeps its own backend: it was built on purpose.
 def get_platform(device_type: str | None = None, *, backend: str | None = None) -> Platform:
     """Resolve the platform (see [Note: resolution order]).
 

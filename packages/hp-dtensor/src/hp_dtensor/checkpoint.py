@@ -1,45 +1,10 @@
 """DTensor's side of torch.distributed.checkpoint (DCP): the piece of the global tensor a rank saves, loads.
 
-[Note: DCP protocol]
-DCP does not know hp's DTensor. Before it treats a state-dict value as a
-plain tensor it asks the value for three methods, and :class:`DTensor`
-defines them by calling this module:
-
-* ``__create_write_items__(fqn, obj)`` -> :func:`write_items`: the piece this
-  rank writes, as offsets and sizes in the global tensor;
-* ``__create_chunk_list__()`` -> :func:`chunk_list`: the piece this rank
-  holds, so a load reads exactly the overlapping parts of whatever was saved
-  (another layout, mesh or world size);
-* ``__get_tensor_shard__(index)`` -> :func:`tensor_shard`: the local tensor to
-  write from or to load into, in place.
-
-Without them DCP takes a DTensor for a whole plain tensor: every rank writes
-the wrapper itself with ``torch.save`` (its class pickled along), and
-``dcp.load`` then refuses the file (``weights_only`` does not allow
-``hp_dtensor.dtensor.DTensor``). They live here, on the tensor type, so that
-a tensor-parallel model checkpoints with hp_dtensor alone; hp_fsdp's
-parameters are DTensors too and need nothing of their own.
-
-Why one box per rank is exact for every hp layout: each rank's local tensor
-is one contiguous box of the global tensor. Even and ``torch.chunk`` cuts,
-nested cuts of one tensor dim by several mesh dims (each piece cut again in
-mesh-dim order) and ragged per-rank sizes all give a box that starts at
-:meth:`Layout.local_offset` and has the local tensor's shape ([Note: uneven
-and ragged shards] in :mod:`hp_dtensor.layout`). Replicas hold the same box,
-so their write items carry the same index, and DCP's planner keeps one
-writer among them.
-
-Empty pieces: an uneven cut can leave a rank with no elements (7 rows over
-4 ranks: 2, 2, 2, 1; 6 over 4: 2, 2, 2, 0). Such a rank writes nothing and
-asks for nothing, because its box would add no data and an empty box at
-another rank's offset would share that rank's index (DCP keeps one item
-per index and could drop the one with data). When the whole tensor has no
-elements every rank writes its (empty) box all the same, so the key is in
-the checkpoint and a load of it finds it.
-
-``Partial`` placements are refused: a rank's local tensor is a term of a sum
-(or max, min, average), not a piece of the tensor's values. The error names
-the placements to redistribute to first.
+:class:`DTensor` answers DCP's three protocol methods by calling this module,
+so a tensor-parallel model checkpoints with hp_dtensor alone and any save
+loads into any other layout, mesh or world size ([Note: DCP protocol]).
+``Partial`` placements are refused: a rank's local tensor is a term, not a
+piece of the values; the error names the placements to redistribute to first.
 """
 
 from __future__ import annotations
@@ -88,6 +53,42 @@ def _box(dt: DTensor, what: str) -> tuple[torch.Size, torch.Size] | None:
     return torch.Size(layout.local_offset()), torch.Size(local.shape)
 
 
+# [Note: DCP protocol]
+# DCP does not know hp's DTensor. Before it treats a state-dict value as a
+# plain tensor it asks the value for three methods, and :class:`DTensor`
+# defines them by calling this module:
+#
+# * ``__create_write_items__(fqn, obj)`` -> :func:`write_items`: the piece this
+#   rank writes, as offsets and sizes in the global tensor;
+# * ``__create_chunk_list__()`` -> :func:`chunk_list`: the piece this rank
+#   holds, so a load reads exactly the overlapping parts of whatever was saved
+#   (another layout, mesh or world size);
+# * ``__get_tensor_shard__(index)`` -> :func:`tensor_shard`: the local tensor to
+#   write from or to load into, in place.
+#
+# Without them DCP takes a DTensor for a whole plain tensor: every rank writes
+# the wrapper itself with ``torch.save`` (its class pickled along), and
+# ``dcp.load`` then refuses the file (``weights_only`` does not allow
+# ``hp_dtensor.dtensor.DTensor``). They live here, on the tensor type, so that
+# a tensor-parallel model checkpoints with hp_dtensor alone; hp_fsdp's
+# parameters are DTensors too and need nothing of their own.
+#
+# Why one box per rank is exact for every hp layout: each rank's local tensor
+# is one contiguous box of the global tensor. Even and ``torch.chunk`` cuts,
+# nested cuts of one tensor dim by several mesh dims (each piece cut again in
+# mesh-dim order) and ragged per-rank sizes all give a box that starts at
+# :meth:`Layout.local_offset` and has the local tensor's shape ([Note: uneven
+# and ragged shards] in :mod:`hp_dtensor.layout`). Replicas hold the same box,
+# so their write items carry the same index, and DCP's planner keeps one
+# writer among them.
+#
+# Empty pieces: an uneven cut can leave a rank with no elements (7 rows over
+# 4 ranks: 2, 2, 2, 1; 6 over 4: 2, 2, 2, 0). Such a rank writes nothing and
+# asks for nothing, because its box would add no data and an empty box at
+# another rank's offset would share that rank's index (DCP keeps one item
+# per index and could drop the one with data). When the whole tensor has no
+# elements every rank writes its (empty) box all the same, so the key is in
+# the checkpoint and a load of it finds it.
 def write_items(dt: DTensor, fqn: str) -> list[WriteItem]:
     """The write item for this rank's piece of ``dt`` under the state-dict key ``fqn`` (none or one)."""
     from torch.distributed.checkpoint.metadata import (

@@ -4,24 +4,11 @@ The layout answers "which slice of the global tensor does the rank at mesh
 coordinate ``c`` hold?" for every coordinate, without communication. That is
 what lets redistribution size its buffers for uneven shards and what lets
 ``full_tensor()`` be right when ranks hold different amounts.
-
-[Note: uneven and ragged shards]
-By default a sharded dim is cut like ``torch.chunk``: chunks of
-``ceil(n / k)`` rows, so trailing ranks may get fewer rows or none. When
-several mesh dims shard the same tensor dim, the lower mesh dim cuts first and
-the higher one cuts each of its pieces (nested chunking), as in PyTorch.
-``DTensor.from_local(..., shape=...)`` also accepts arbitrary per-rank sizes
-("ragged"); such a layout stores the local shape of every mesh coordinate in a
-table (``ragged``), and the pieces are ordered lexicographically by the
-coordinates of the mesh dims that shard the tensor dim, lower mesh dims outer.
-The default rule is the special case the table would compute, so code that
-asks :meth:`Layout.local_shape_at` never needs to know which one it has.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +20,17 @@ from hp_dtensor.placements import Partial, Placement, Replicate, Shard, as_place
 __all__ = ["Layout", "chunk_sizes", "contiguous_stride", "normalize_placements"]
 
 
+# [Note: uneven and ragged shards]
+# By default a sharded dim is cut like ``torch.chunk``: chunks of
+# ``ceil(n / k)`` rows, so trailing ranks may get fewer rows or none. When
+# several mesh dims shard the same tensor dim, the lower mesh dim cuts first and
+# the higher one cuts each of its pieces (nested chunking), as in PyTorch.
+# ``DTensor.from_local(..., shape=...)`` also accepts arbitrary per-rank sizes
+# ("ragged"); such a layout stores the local shape of every mesh coordinate in a
+# table (``ragged``), and the pieces are ordered lexicographically by the
+# coordinates of the mesh dims that shard the tensor dim, lower mesh dims outer.
+# The default rule is the special case the table would compute, so code that
+# asks :meth:`Layout.local_shape_at` never needs to know which one it has.
 def chunk_sizes(size: int, parts: int) -> list[int]:
     """The sizes ``torch.chunk(t, parts)`` gives along a dim of ``size``, padded with zeros to ``parts``."""
     if parts <= 0:
@@ -302,10 +300,6 @@ class Layout:
                 out.append(self.local_shape_at(coord)[tensor_dim])
             lines[(mesh_dim, tensor_dim)] = out
         return out
-
-    def local_numel(self) -> int:
-        """Elements this rank holds."""
-        return math.prod(self.local_shape())
 
 
 _MESH_KEYS: dict[int, tuple[DeviceMesh, tuple[Any, ...]]] = {}

@@ -1,29 +1,10 @@
 """local_map: run a function written for plain tensors on the local pieces of DTensors.
 
 torch's ``torch.distributed.tensor.experimental.local_map`` by name, argument
-order and meaning, for hp_dtensor's DTensor:
-
-* each DTensor argument (in the flattened positional arguments) is checked
-  against ``in_placements`` (moved there when ``redistribute_inputs=True``,
-  refused otherwise), then handed to ``func`` as its local tensor
-  (``to_local(grad_placements=...)`` with ``in_grad_placements``);
-* each tensor in ``func``'s flattened output becomes a DTensor with its entry
-  of ``out_placements`` (``from_local``, no communication: even shards assumed,
-  as in torch); non-tensor outputs need ``None`` there;
-* without any DTensor argument ``func`` runs as it is and its outputs are
-  returned unchanged;
-* ``local_map(out_placements=..., ...)`` without ``func`` is a decorator.
-
-Both conversions are differentiable, so gradients flow through ``func`` as if
-it had been written for DTensors. Keyword arguments are passed through
-untouched, as torch does.
-
-[Note: local_map under torch.compile]
-Dynamo cannot build a wrapper subclass from Python metadata, so the two
-conversions are ``torch._dynamo.nonstrict_trace`` calls (as the TP boundaries
-are, [Note: TP boundaries under torch.compile] in ``tracing.py``): each is one
-opaque call that AOTAutograd traces through, with the mesh and placements
-passed as pytree constants. ``func`` itself is traced by dynamo as usual.
+order and meaning, for hp_dtensor's DTensor (see :func:`local_map` for the
+rules). Both conversions are differentiable, so gradients flow through
+``func`` as if it had been written for DTensors; under torch.compile they are
+opaque calls ([Note: local_map under torch.compile]).
 """
 
 from __future__ import annotations
@@ -62,7 +43,21 @@ def local_map(
 ) -> Any:
     """``func`` applied to the local pieces of its DTensor arguments; outputs wrapped as DTensors.
 
-    See the module docstring for the rules (torch's). ``in_placements`` and
+    torch's rules:
+
+    * each DTensor argument (in the flattened positional arguments) is checked
+      against ``in_placements`` (moved there when ``redistribute_inputs=True``,
+      refused otherwise), then handed to ``func`` as its local tensor
+      (``to_local(grad_placements=...)`` with ``in_grad_placements``);
+    * each tensor in ``func``'s flattened output becomes a DTensor with its entry
+      of ``out_placements`` (``from_local``, no communication: even shards assumed,
+      as in torch); non-tensor outputs need ``None`` there;
+    * without any DTensor argument ``func`` runs as it is and its outputs are
+      returned unchanged;
+    * ``local_map(out_placements=..., ...)`` without ``func`` is a decorator;
+    * keyword arguments are passed through untouched, as torch does.
+
+    ``in_placements`` and
     ``in_grad_placements`` have one entry per flattened positional argument
     (``None`` for non-tensors); ``out_placements`` one per flattened output,
     or a single placement list when ``func`` returns one value.
@@ -236,6 +231,12 @@ def _short(value: Any, limit: int = 40) -> str:
 # One opaque call each under torch.compile ([Note: local_map under torch.compile]).
 
 
+# [Note: local_map under torch.compile]
+# Dynamo cannot build a wrapper subclass from Python metadata, so the two
+# conversions are ``torch._dynamo.nonstrict_trace`` calls (as the TP boundaries
+# are, [Note: TP boundaries under torch.compile] in ``tracing.py``): each is one
+# opaque call that AOTAutograd traces through, with the mesh and placements
+# passed as pytree constants. ``func`` itself is traced by dynamo as usual.
 @torch._dynamo.nonstrict_trace
 def _to_local(
     value: DTensor, move_to: tuple[Placement, ...], grad_placements: tuple[Placement, ...]

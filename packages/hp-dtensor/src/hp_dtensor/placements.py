@@ -11,35 +11,9 @@ that mesh dim hold of the global tensor:
 * ``Partial("norm", p)``: every rank holds the p-norm of its piece, and the
   global value is the p-norm of those terms (see [Note: norm partials]).
 
-[Note: norm partials]
-A p-norm over a sharded dim is the p-norm of the per-rank p-norms:
-``(sum_r n_r**p)**(1/p)`` for a finite ``p``, ``max_r n_r`` for ``inf``,
-``min_r n_r`` for ``-inf``. So a norm computes locally and stays partial, and
-reducing it is one all-reduce (of ``n_r**p`` by sum, then the root; or of
-``n_r`` by max / min): for a gradient norm that is one scalar per mesh dim
-instead of every gradient gathered. The terms are norms, never negative, so
-a norm of such a value with the same ``p`` stays partial too (the total norm
-of ``clip_grad_norm_`` is the norm of the stacked per-gradient norms). It is
-not linear: every other op reduces it first. The 0-"norm" (a count of
-non-zeros) is a plain ``Partial("sum")``.
-
 Placements are frozen dataclasses: equal by value and hashable, so layouts
 built from them can key caches of sharding decisions and redistribution plans.
-
-[Note: torch placements]
-torch's ``Shard(d)``, ``Replicate()`` and ``Partial(op)`` (op sum, avg, max or
-min) mean what ours do, so every entry that takes placements accepts them:
-:func:`as_placement` converts them where placements are checked
-(``layout.normalize_placements``, the TP styles' layouts), and nothing past
-that point sees a torch placement. Ours also compare equal to those: code
-written for torch tests ``placement == Shard(0)`` with torch's class against
-our DTensor's ``.placements``. torch's placements are C++-backed and their
-``__eq__`` answers NotImplemented for a type it does not know, so Python asks
-ours in both orders (``torch == ours`` and ``ours == torch``). Equal values
-must share a hash, so ours hash as torch's do (``hash(dim)``, ``-1`` and
-``1 + hash(op)``): a set or dict mixing both stays consistent. torch's
-subclasses that mean something else (``_StridedShard``, ``_NormPartial``,
-``_MaskPartial``) are neither equal to ours nor accepted.
+torch's placements are accepted and compare equal ([Note: torch placements]).
 """
 
 from __future__ import annotations
@@ -148,6 +122,17 @@ class Replicate(Placement):
         return "R"
 
 
+# [Note: norm partials]
+# A p-norm over a sharded dim is the p-norm of the per-rank p-norms:
+# ``(sum_r n_r**p)**(1/p)`` for a finite ``p``, ``max_r n_r`` for ``inf``,
+# ``min_r n_r`` for ``-inf``. So a norm computes locally and stays partial, and
+# reducing it is one all-reduce (of ``n_r**p`` by sum, then the root; or of
+# ``n_r`` by max / min): for a gradient norm that is one scalar per mesh dim
+# instead of every gradient gathered. The terms are norms, never negative, so
+# a norm of such a value with the same ``p`` stays partial too (the total norm
+# of ``clip_grad_norm_`` is the norm of the stacked per-gradient norms). It is
+# not linear: every other op reduces it first. The 0-"norm" (a count of
+# non-zeros) is a plain ``Partial("sum")``.
 @dataclass(frozen=True, slots=True)
 class Partial(Placement):
     """Every rank holds a term; the global value is their ``reduce_op`` (sum, avg, max, min, norm).
@@ -246,6 +231,20 @@ def is_torch_placement(value: Any) -> bool:
     return isinstance(value, _TorchPlacement)
 
 
+# [Note: torch placements]
+# torch's ``Shard(d)``, ``Replicate()`` and ``Partial(op)`` (op sum, avg, max or
+# min) mean what ours do, so every entry that takes placements accepts them:
+# :func:`as_placement` converts them where placements are checked
+# (``layout.normalize_placements``, the TP styles' layouts), and nothing past
+# that point sees a torch placement. Ours also compare equal to those: code
+# written for torch tests ``placement == Shard(0)`` with torch's class against
+# our DTensor's ``.placements``. torch's placements are C++-backed and their
+# ``__eq__`` answers NotImplemented for a type it does not know, so Python asks
+# ours in both orders (``torch == ours`` and ``ours == torch``). Equal values
+# must share a hash, so ours hash as torch's do (``hash(dim)``, ``-1`` and
+# ``1 + hash(op)``): a set or dict mixing both stays consistent. torch's
+# subclasses that mean something else (``_StridedShard``, ``_NormPartial``,
+# ``_MaskPartial``) are neither equal to ours nor accepted.
 def as_placement(value: Any, what: str) -> Placement:
     """``value`` as our placement: ours as they are, torch's equivalents converted; else a TypeError.
 

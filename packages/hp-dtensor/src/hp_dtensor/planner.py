@@ -1,32 +1,11 @@
 """Redistribution planning: the cheapest sequence of one-mesh-dim steps between two placement lists.
 
 Each step changes the placement of a single mesh dim and is one collective
-(or none):
-
-============  =====================  =====================================
-from -> to    collective             bytes received per rank (n ranks, L local bytes)
-============  =====================  =====================================
-S(d) -> R     all_gather             (n - 1) * L
-R -> S(d)     none (local chunk)     0
-P -> R        all_reduce             2 (n - 1) / n * L   (ring)
-P -> S(d)     reduce_scatter         (n - 1) / n * L
-S(i) -> S(j)  all_to_all             (n - 1) / n * L
-R -> P        none (local)           0   (only for backward and internal use)
-============  =====================  =====================================
-
-Anything else (S -> P, P(sum) -> P(max)) goes through ``Replicate``.
-
-[Note: nested shard order]
-When two mesh dims shard the same tensor dim, the lower mesh dim cuts first.
-A step on mesh dim ``m`` that gathers or cuts tensor dim ``d`` is only right
-when no higher mesh dim currently shards ``d``: otherwise the pieces along
-``m``'s line are not contiguous slices of one another. The planner treats
-such steps as unavailable, so plans for ``[S(0), S(0)] -> [R, R]`` gather the
-higher mesh dim first.
-
-The search is Dijkstra over the states reachable by changing each mesh dim to
-its source placement, its target placement or ``Replicate`` (at most 3**ndim
-states), with cost = bytes, ties broken by fewer collectives. Plans are cached.
+(or none): [Note: redistribution steps]. The search is Dijkstra over the states
+reachable by changing each mesh dim to its source placement, its target
+placement or ``Replicate`` (at most 3**ndim states), with cost = bytes, ties
+broken by fewer collectives. Plans are cached. Steps that would cut a tensor
+dim a higher mesh dim also cuts are unavailable ([Note: nested shard order]).
 """
 
 from __future__ import annotations
@@ -92,6 +71,13 @@ class RedistributePlan:
         return "\n".join(lines)
 
 
+# [Note: nested shard order]
+# When two mesh dims shard the same tensor dim, the lower mesh dim cuts first.
+# A step on mesh dim ``m`` that gathers or cuts tensor dim ``d`` is only right
+# when no higher mesh dim currently shards ``d``: otherwise the pieces along
+# ``m``'s line are not contiguous slices of one another. The planner treats
+# such steps as unavailable, so plans for ``[S(0), S(0)] -> [R, R]`` gather the
+# higher mesh dim first.
 def _collective(state: Sequence[Placement], mesh_dim: int, target: Placement) -> str | None:
     """The collective for changing ``state[mesh_dim]`` to ``target`` directly, or None if not allowed."""
     current = state[mesh_dim]
@@ -122,6 +108,19 @@ def _collective(state: Sequence[Placement], mesh_dim: int, target: Placement) ->
     return None
 
 
+# [Note: redistribution steps]
+# ============  =====================  =====================================
+# from -> to    collective             bytes received per rank (n ranks, L local bytes)
+# ============  =====================  =====================================
+# S(d) -> R     all_gather             (n - 1) * L
+# R -> S(d)     none (local chunk)     0
+# P -> R        all_reduce             2 (n - 1) / n * L   (ring)
+# P -> S(d)     reduce_scatter         (n - 1) / n * L
+# S(i) -> S(j)  all_to_all             (n - 1) / n * L
+# R -> P        none (local)           0   (only for backward and internal use)
+# ============  =====================  =====================================
+#
+# Anything else (S -> P, P(sum) -> P(max)) goes through ``Replicate``.
 def _bytes(collective: str, n: int, local_bytes: int) -> int:
     if collective == "all_gather":
         return (n - 1) * local_bytes

@@ -1,24 +1,9 @@
 """Public registration of op sharding rules: torch's ``register_sharding`` and hp's ``register_rule``.
 
 Two forms, both backed by the dispatcher's rule table (:mod:`hp_dtensor.ops.dispatch`), so
-integrations never import it:
-
-* :func:`register_sharding` is torch's ``torch.distributed.tensor.experimental.register_sharding``:
-  the decorated function takes the op's arguments with every DTensor replaced by a
-  :class:`DTensorSpec` and returns the acceptable shardings for *one* mesh dim, as a list of
-  ``(output_placements, input_placements)`` with one placement per output / tensor argument
-  (``None`` for non-tensors). They are combined over the mesh dims as torch does, and hp picks
-  the combination whose inputs cost the fewest bytes to redistribute (:mod:`hp_dtensor.planner`),
-  ties going to fewer collectives, then to fewer placements changed, then to the order given.
-* :func:`register_rule` is hp's native form: ``rule(call: OpCall) -> Decision | None`` sees the
-  call with its layouts and says where each DTensor argument must be and where each output
-  is (None declines: the op then runs replicated with a warning). A :class:`Decision` may
-  carry a ``kernel`` that runs instead of the op on the local tensors and may communicate.
-
+integrations never import it ([Note: two registration forms]).
 Either overrides an existing rule for the op, as torch's does; decisions cached for the old
-rule are forgotten. Custom ops (``torch.library.custom_op``) work like aten ops; they need a
-fake implementation (``@op.register_fake``), which hp runs on meta tensors for the output
-shapes, as torch's DTensor runs it on fake tensors.
+rule are forgotten.
 """
 
 from __future__ import annotations
@@ -93,6 +78,22 @@ class DTensorSpec:
         return self.mesh
 
 
+# [Note: two registration forms]
+# * :func:`register_sharding` is torch's ``torch.distributed.tensor.experimental.register_sharding``:
+#   the decorated function takes the op's arguments with every DTensor replaced by a
+#   :class:`DTensorSpec` and returns the acceptable shardings for *one* mesh dim, as a list of
+#   ``(output_placements, input_placements)`` with one placement per output / tensor argument
+#   (``None`` for non-tensors). They are combined over the mesh dims as torch does, and hp picks
+#   the combination whose inputs cost the fewest bytes to redistribute (:mod:`hp_dtensor.planner`),
+#   ties going to fewer collectives, then to fewer placements changed, then to the order given.
+# * :func:`register_rule` is hp's native form: ``rule(call: OpCall) -> Decision | None`` sees the
+#   call with its layouts and says where each DTensor argument must be and where each output
+#   is (None declines: the op then runs replicated with a warning). A :class:`Decision` may
+#   carry a ``kernel`` that runs instead of the op on the local tensors and may communicate.
+#
+# Custom ops (``torch.library.custom_op``) work like aten ops; they need a
+# fake implementation (``@op.register_fake``), which hp runs on meta tensors for the output
+# shapes, as torch's DTensor runs it on fake tensors.
 def register_rule(*ops: Any, keeps_layout: bool = False, cached: bool = True) -> Callable[[Rule], Rule]:
     """Register ``rule(call: OpCall) -> Decision | None`` for each op (hp's native form).
 

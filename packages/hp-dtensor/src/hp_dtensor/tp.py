@@ -2,21 +2,9 @@
 
 A style shards one module's parameters and converts its inputs and outputs
 at the boundary, so the code inside the module runs unchanged on DTensors:
-
-* :class:`ColwiseParallel`: ``nn.Linear`` weight ``Shard(0)`` (output
-  features; bias ``Shard(0)``), ``nn.Embedding`` weight ``Shard(1)``. Input
-  replicated, output sharded on the last dim.
-* :class:`RowwiseParallel`: ``nn.Linear`` weight ``Shard(1)`` (input
-  features; bias replicated), ``nn.Embedding`` weight ``Shard(0)``. Input
-  sharded on the last dim, output partial and then reduced (all-reduce to
-  ``Replicate()``, or reduce-scatter to ``Shard(1)`` for sequence parallel).
-* :class:`SequenceParallel`: parameters replicated, activations sharded on
-  the sequence dim (norms and dropout between the two linear styles).
-
-``input_layouts`` say how a plain input tensor is laid out (it becomes a
-DTensor with ``from_local``); ``desired_input_layouts`` what the module
-needs; ``output_layouts`` what it hands on; ``use_local_output`` whether the
-next module gets a plain tensor. Same names and defaults as
+:class:`ColwiseParallel`, :class:`RowwiseParallel` and
+:class:`SequenceParallel`, with ``input_layouts``, ``desired_input_layouts``,
+``output_layouts`` and ``use_local_output`` by the same names and defaults as
 ``torch.distributed.tensor.parallel``.
 """
 
@@ -298,7 +286,11 @@ class ParallelStyle:
 
 
 class ColwiseParallel(ParallelStyle):
-    """Shard output features: replicated input in, last-dim-sharded output out."""
+    """Shard output features: replicated input in, last-dim-sharded output out.
+
+    ``nn.Linear`` weight and bias ``Shard(0)`` (output features), ``nn.Embedding``
+    weight ``Shard(1)``.
+    """
 
     def __init__(
         self,
@@ -327,7 +319,13 @@ class ColwiseParallel(ParallelStyle):
 
 
 class RowwiseParallel(ParallelStyle):
-    """Shard input features: last-dim-sharded input in, reduced output out."""
+    """Shard input features: last-dim-sharded input in, reduced output out.
+
+    ``nn.Linear`` weight ``Shard(1)`` (input features; bias replicated),
+    ``nn.Embedding`` weight ``Shard(0)``. The output is partial and then reduced:
+    all-reduce to ``Replicate()``, or reduce-scatter to ``Shard(1)`` for
+    sequence parallelism.
+    """
 
     def __init__(
         self,

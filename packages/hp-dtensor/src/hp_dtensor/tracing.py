@@ -1,22 +1,8 @@
 """What ``torch.compile`` needs to know about hp_dtensor's metadata types.
 
-[Note: TP boundaries under torch.compile]
-A tensor-parallel block converts its input to a DTensor (``from_local``) and
-its output back (``redistribute``, ``to_local``) in forward hooks. Dynamo
-cannot trace the construction of a wrapper subclass from Python metadata, so
-those conversions are marked ``torch._dynamo.nonstrict_trace``: dynamo puts
-each one into its graph as one opaque call, and AOTAutograd traces through it
-(under fake tensors, where redistribution issues functional collectives, see
-[Note: collectives under torch.compile] in ``hp_core._issue``). The compiled
-graph is therefore whole (``fullgraph=True`` works) and holds only local ops
-and collectives; the metadata is closed over by those calls, so only tensors
-cross into them.
-
-Placements are registered as opaque *value* types (as torch registers its
-own), so model code may read ``dt.placements`` inside a compiled region:
-dynamo bakes them into the graph as constants (``__fx_repr__``) and guards
-on their equality. That registration uses a private torch API; should it
-move, compile still works, only reading placements inside a graph breaks.
+TP boundaries are ``nonstrict_trace`` calls, so compiled graphs hold only
+local ops and collectives ([Note: TP boundaries under torch.compile]);
+placements are opaque value types that dynamo bakes in as constants.
 """
 
 from __future__ import annotations
@@ -28,6 +14,23 @@ from hp_dtensor.placements import Partial, Replicate, Shard
 __all__ = ["register_placements"]
 
 
+# [Note: TP boundaries under torch.compile]
+# A tensor-parallel block converts its input to a DTensor (``from_local``) and
+# its output back (``redistribute``, ``to_local``) in forward hooks. Dynamo
+# cannot trace the construction of a wrapper subclass from Python metadata, so
+# those conversions are marked ``torch._dynamo.nonstrict_trace``: dynamo puts
+# each one into its graph as one opaque call, and AOTAutograd traces through it
+# (under fake tensors, where redistribution issues functional collectives, see
+# [Note: collectives under torch.compile] in ``hp_core._issue``). The compiled
+# graph is therefore whole (``fullgraph=True`` works) and holds only local ops
+# and collectives; the metadata is closed over by those calls, so only tensors
+# cross into them.
+#
+# Placements are registered as opaque *value* types (as torch registers its
+# own), so model code may read ``dt.placements`` inside a compiled region:
+# dynamo bakes them into the graph as constants (``__fx_repr__``) and guards
+# on their equality. That registration uses a private torch API; should it
+# move, compile still works, only reading placements inside a graph breaks.
 def register_placements() -> None:
     """Make the placement classes opaque value types for torch.compile (once; best effort)."""
     try:

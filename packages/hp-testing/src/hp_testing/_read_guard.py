@@ -1,109 +1,11 @@
 """Strict mode: touching a pending async collective's buffers raises at the touch, naming both sites.
 
-[Note: catching a read before wait()]
-On a GPU an async collective (or ``irecv``) writes its output until
-``wait()`` returns and reads its input until then. A program that reads the
-output early (``.item()``, ``print``, ``.tolist()``, any op) sees partial
-data, and one that writes the input early corrupts what the peers receive.
-gloo on a CPU usually finishes first, so the race stays invisible there.
-
-While strict mode has async work pending on this rank, a
-``TorchDispatchMode`` sees every aten op the rank's thread runs and compares
-the byte range of each tensor argument (``data_ptr`` to the end of its
-strided extent) with the ranges of the pending buffers:
-
-- any op that touches a pending *output* (an all-reduce's tensor, an
-  all-gather's output, an ``irecv`` buffer) raises, reading or writing;
-- an op that *writes* (its schema marks the argument mutable) to a pending
-  *input* (a reduce-scatter's input, an ``isend`` buffer) raises.
-
-View and metadata ops (``view``, slicing, ``split``, ``detach``,
-``empty_like``, ...) read no data and pass. ``print`` and ``.tolist()`` read
-without dispatching an op (torch's printing switches dispatch modes off), so
-``Tensor.__repr__``, ``tolist`` and ``numpy`` are wrapped for as long as the
-mode is on. The layer's own work (input snapshots, the check at ``wait()``,
-gloo's threads) runs nested or on other threads and is not seen
-([Note: one call through the layer]).
-
-The cost is paid only in strict mode, from a test's first async call on: the
-mode is pushed when the first async call is issued and stays on, inert while
-nothing is pending (one attribute test per op), until the test or script ends
-([Note: the mode stays on until the test ends]). A dispatch mode the program
-pushes later sits above ours, which sees the ops that mode passes down.
-Writes that escape the mode (another thread, a buffer protocol) to an input
-are still found at ``wait()`` by the snapshots of :mod:`hp_testing._hazards`;
-reads that escape it are not caught ([Note: why outputs are not shadowed]).
-
-``__torch_dispatch__`` is not wrapped in ``torch._disable_dynamo`` (as torch
-does by default for a mode): that wrapper costs more per op than the check
-itself, and the mode is never compiled (it is pushed and popped in eager code).
-
-[Note: the read guard's fast path]
-In an FSDP-like step some collective is pending during nearly every op, so
-the per-op check is the whole cost of strict mode. What it does per op:
-
-- the op's facts (reads no data / which arguments it writes) are looked up by
-  ``id(func)`` in a plain dict: aten overloads live as long as the process,
-  and hashing an ``OpOverload`` runs a Python ``__hash__``;
-- the ranges are laid out when work is posted or waited, not per op: the
-  outputs' ranges (any touch counts) and all ranges (for arguments the op
-  writes), each with the highest end address among them;
-- an argument costs one ``data_ptr()`` call in the common case: torch strides
-  are never negative, so a tensor covers bytes from ``data_ptr()`` upwards, and
-  one that starts at or above a buffer's end cannot touch it. Only a tensor
-  that starts below a buffer needs its extent (size, strides), and only one
-  that overlaps needs the call site (a stack walk, made when raising);
-- the nesting depth is one attribute load (:data:`hp_testing._nesting.STATE`),
-  and the op itself is called through ``func._op``, skipping a Python frame.
-
-[Note: the guard and torch.compile]
-Without torch's ``_disable_dynamo`` wrapper, an eager op run while a compiled
-function is on the stack (between two graphs of a graph break) reached
-``__torch_dispatch__`` with dynamo's frame hook still set, and dynamo compiled
-the guard's own frames (``inspect``, ``_extent``), once per tensor rank, until
-its recompile limit ("torch._dynamo hit config.recompile_limit ... function:
-'_extent'" in hp-pipeline's compiled tests under strict mode): seconds per
-test, spent tracing the harness. Instead of the wrapper (a Python call and two
-eval-frame switches per op), the code objects of ``__torch_dispatch__`` and of
-the print/tolist wrapper are marked once with dynamo's frame strategy "skip
-this frame and every frame it calls", a flag on the code object that the C
-frame hook reads at no cost per op. The flag covers the frames re-entered from
-C++ below it too (a tensor subclass's ``__torch_dispatch__`` reached through
-``func._op``).
-
-The mode also says ``ignore_compile_internals() -> True``. With the default,
-dynamo declines any frame it meets while a user dispatch mode is pushed
-("non-infra torch dispatch mode present") and runs it eagerly with its frame
-hook still set, and it remembers that for the code object. Strict mode then
-pushed the mode only while a collective was pending, so a compiled block entered
-then (an FSDP prefetch still in flight) was not compiled; once a hook inside it
-waited the last collective and popped the mode, the next DTensor op entered
-hp-dtensor's ``__torch_dispatch__`` from C++ with the hook set and no mode
-above it, and dynamo compiled that frame on its own. Its resume frame after
-``_make_wrapper_subclass`` received the half-built wrapper and failed in
-``__tensor_flatten__`` ("'DTensor' object has no attribute '_layout'"), a
-failure strict mode alone created (fsdp-nested-tp-zbv-fp32-noac-compiled in
-the composition matrix, both emulated backends). Ignoring compile internals is
-what torch's selective-checkpoint modes declare: dynamo traces as if the mode
-were absent (it takes the modes off while compiling), so strict mode compiles
-the same graphs as a plain run, and the compiled code runs under the mode,
-whose checks still see the aten ops a graph runs (the eager and aot_eager
-backends; inductor's generated kernels are not aten ops and go unseen). The
-method is read when the mode is pushed and when dynamo meets a frame, never
-per op.
-
-[Note: the mode stays on until the test ends]
-torch's compiled-call wrapper restores on exit the dispatch-key include set it
-saw on entry. When the mode popped as the last pending call was waited, a call
-entered with work pending and left with none kept the Python keys on with no
-mode, and the next op failed inside torch ("Hit Python dispatch key but no
-arguments had PyInterpreter"). So the mode is not popped when nothing is
-pending: it stays, inert, until :meth:`ReadGuard.clear` at the end of the test
-or script, which runs outside any compiled call. The other direction (the mode
-pushed inside a compiled call that was entered without it) leaves the keys off
-at the call's exit; each later async call turns them back on (``_arm``), so
-only reads between that exit and the program's next async call go unseen.
-Both are tested in ``test_read_guard_ranges.py``.
+While strict mode has async work pending on this rank, a ``TorchDispatchMode``
+compares the byte range of every aten op's tensor arguments with the pending
+buffers: any touch of a pending output, or a write to a pending input, raises
+([Note: catching a read before wait()] on :class:`ReadGuard`). The per-op
+check is the whole cost of strict mode ([Note: the read guard's fast path]);
+how it keeps out of torch.compile's way is [Note: the guard and torch.compile].
 """
 
 from __future__ import annotations
@@ -219,6 +121,41 @@ def _op_info(func: Any) -> tuple[Any, bool, frozenset[int], frozenset[str]]:
 _Range = tuple[int, int, PendingBuffer]
 
 
+# [Note: the guard and torch.compile]
+# Without torch's ``_disable_dynamo`` wrapper, an eager op run while a compiled
+# function is on the stack (between two graphs of a graph break) reached
+# ``__torch_dispatch__`` with dynamo's frame hook still set, and dynamo compiled
+# the guard's own frames (``inspect``, ``_extent``), once per tensor rank, until
+# its recompile limit ("torch._dynamo hit config.recompile_limit ... function:
+# '_extent'" in hp-pipeline's compiled tests under strict mode): seconds per
+# test, spent tracing the harness. Instead of the wrapper (a Python call and two
+# eval-frame switches per op), the code objects of ``__torch_dispatch__`` and of
+# the print/tolist wrapper are marked once with dynamo's frame strategy "skip
+# this frame and every frame it calls", a flag on the code object that the C
+# frame hook reads at no cost per op. The flag covers the frames re-entered from
+# C++ below it too (a tensor subclass's ``__torch_dispatch__`` reached through
+# ``func._op``).
+#
+# The mode also says ``ignore_compile_internals() -> True``. With the default,
+# dynamo declines any frame it meets while a user dispatch mode is pushed
+# ("non-infra torch dispatch mode present") and runs it eagerly with its frame
+# hook still set, and it remembers that for the code object. Strict mode then
+# pushed the mode only while a collective was pending, so a compiled block entered
+# then (an FSDP prefetch still in flight) was not compiled; once a hook inside it
+# waited the last collective and popped the mode, the next DTensor op entered
+# hp-dtensor's ``__torch_dispatch__`` from C++ with the hook set and no mode
+# above it, and dynamo compiled that frame on its own. Its resume frame after
+# ``_make_wrapper_subclass`` received the half-built wrapper and failed in
+# ``__tensor_flatten__`` ("'DTensor' object has no attribute '_layout'"), a
+# failure strict mode alone created (fsdp-nested-tp-zbv-fp32-noac-compiled in
+# the composition matrix, both emulated backends). Ignoring compile internals is
+# what torch's selective-checkpoint modes declare: dynamo traces as if the mode
+# were absent (it takes the modes off while compiling), so strict mode compiles
+# the same graphs as a plain run, and the compiled code runs under the mode,
+# whose checks still see the aten ops a graph runs (the eager and aot_eager
+# backends; inductor's generated kernels are not aten ops and go unseen). The
+# method is read when the mode is pushed and when dynamo meets a frame, never
+# per op.
 class _Mode(TorchDispatchMode):
     """The dispatch mode that routes every aten op of this thread through :meth:`ReadGuard.inspect`."""
 
@@ -253,6 +190,43 @@ class _Mode(TorchDispatchMode):
         return func._op(*args)
 
 
+# [Note: catching a read before wait()]
+# On a GPU an async collective (or ``irecv``) writes its output until
+# ``wait()`` returns and reads its input until then. A program that reads the
+# output early (``.item()``, ``print``, ``.tolist()``, any op) sees partial
+# data, and one that writes the input early corrupts what the peers receive.
+# gloo on a CPU usually finishes first, so the race stays invisible there.
+#
+# While strict mode has async work pending on this rank, a
+# ``TorchDispatchMode`` sees every aten op the rank's thread runs and compares
+# the byte range of each tensor argument (``data_ptr`` to the end of its
+# strided extent) with the ranges of the pending buffers:
+#
+# - any op that touches a pending *output* (an all-reduce's tensor, an
+#   all-gather's output, an ``irecv`` buffer) raises, reading or writing;
+# - an op that *writes* (its schema marks the argument mutable) to a pending
+#   *input* (a reduce-scatter's input, an ``isend`` buffer) raises.
+#
+# View and metadata ops (``view``, slicing, ``split``, ``detach``,
+# ``empty_like``, ...) read no data and pass. ``print`` and ``.tolist()`` read
+# without dispatching an op (torch's printing switches dispatch modes off), so
+# ``Tensor.__repr__``, ``tolist`` and ``numpy`` are wrapped for as long as the
+# mode is on. The layer's own work (input snapshots, the check at ``wait()``,
+# gloo's threads) runs nested or on other threads and is not seen
+# ([Note: one call through the layer]).
+#
+# The cost is paid only in strict mode, from a test's first async call on: the
+# mode is pushed when the first async call is issued and stays on, inert while
+# nothing is pending (one attribute test per op), until the test or script ends
+# ([Note: the mode stays on until the test ends]). A dispatch mode the program
+# pushes later sits above ours, which sees the ops that mode passes down.
+# Writes that escape the mode (another thread, a buffer protocol) to an input
+# are still found at ``wait()`` by the snapshots of :mod:`hp_testing._hazards`;
+# reads that escape it are not caught ([Note: why outputs are not shadowed]).
+#
+# ``__torch_dispatch__`` is not wrapped in ``torch._disable_dynamo`` (as torch
+# does by default for a mode): that wrapper costs more per op than the check
+# itself, and the mode is never compiled (it is pushed and popped in eager code).
 class ReadGuard:
     """This rank's pending buffers and the mode that watches them ([Note: catching a read before wait()])."""
 
@@ -333,6 +307,18 @@ class ReadGuard:
             set_code_exec_strategy(code, skip)
         self._dynamo_told = True
 
+    # [Note: the mode stays on until the test ends]
+    # torch's compiled-call wrapper restores on exit the dispatch-key include set it
+    # saw on entry. When the mode popped as the last pending call was waited, a call
+    # entered with work pending and left with none kept the Python keys on with no
+    # mode, and the next op failed inside torch ("Hit Python dispatch key but no
+    # arguments had PyInterpreter"). So the mode is not popped when nothing is
+    # pending: it stays, inert, until :meth:`ReadGuard.clear` at the end of the test
+    # or script, which runs outside any compiled call. The other direction (the mode
+    # pushed inside a compiled call that was entered without it) leaves the keys off
+    # at the call's exit; each later async call turns them back on (``_arm``), so
+    # only reads between that exit and the program's next async call go unseen.
+    # Both are tested in ``test_read_guard_ranges.py``.
     def clear(self) -> None:
         """End of a test (or script): forget everything and take the mode off."""
         self._by_token.clear()
@@ -348,6 +334,23 @@ class ReadGuard:
         for label, tensor, output in tensors:
             self._touch(tensor, output, f"{what} (its {label})")
 
+    # [Note: the read guard's fast path]
+    # In an FSDP-like step some collective is pending during nearly every op, so
+    # the per-op check is the whole cost of strict mode. What it does per op:
+    #
+    # - the op's facts (reads no data / which arguments it writes) are looked up by
+    #   ``id(func)`` in a plain dict: aten overloads live as long as the process,
+    #   and hashing an ``OpOverload`` runs a Python ``__hash__``;
+    # - the ranges are laid out when work is posted or waited, not per op: the
+    #   outputs' ranges (any touch counts) and all ranges (for arguments the op
+    #   writes), each with the highest end address among them;
+    # - an argument costs one ``data_ptr()`` call in the common case: torch strides
+    #   are never negative, so a tensor covers bytes from ``data_ptr()`` upwards, and
+    #   one that starts at or above a buffer's end cannot touch it. Only a tensor
+    #   that starts below a buffer needs its extent (size, strides), and only one
+    #   that overlaps needs the call site (a stack walk, made when raising);
+    # - the nesting depth is one attribute load (:data:`hp_testing._nesting.STATE`),
+    #   and the op itself is called through ``func._op``, skipping a Python frame.
     def inspect(self, func: Any, args: Any, kwargs: dict[str, Any] | None) -> None:
         """Raise if aten op ``func`` touches a pending output or writes a pending input.
 
