@@ -1,28 +1,9 @@
 """PendingTensor: the local tensor of an asynchronous redistribution, which waits on first use.
 
-[Note: asynchronous redistribution]
-``DTensor.redistribute(..., async_op=True)`` issues its last collective with
-an hp_core async handle (:class:`hp_core.work.Work`) and returns at once. The
-result's local tensor is a :class:`PendingTensor`: a wrapper subclass with the
-final local shape, stride and dtype but no data of its own. The first op that
-reads it (any aten op reaching :meth:`PendingTensor.__torch_dispatch__`: the
-DTensor op rules' local ops, ``to_local()`` followed by arithmetic, a
-collective, ``.item()``) waits for the handle, runs the step's
-post-processing (the cut-back of a padded gather, a ``movedim``) exactly once,
-and from then on every op runs on the finished tensor. Ops return plain
-tensors: only the pending value itself is wrapped.
-
-View ops (``view``, ``alias``, ``t``, ...) do not wait: they return another
-PendingTensor whose value is that view of the finished tensor, so
-``dt.to_local()`` keeps the work in flight as torch's ``AsyncCollectiveTensor``
-does; the view and its base share storage once finished. Earlier steps of a
-multi-step plan are waited for before the last one is issued (each step needs
-the previous one's data); only the last step is left in flight.
-
-Nothing here synchronises the host with a device: ``wait()`` on an NCCL or
-HCCL handle orders the current stream after the collective, as c10d does.
-Under ``torch.compile`` collectives are functional and ordered by the
-compiler, so redistribution never creates a PendingTensor while tracing.
+``DTensor.redistribute(..., async_op=True)`` leaves its last collective in
+flight and returns a DTensor whose local tensor waits on first read; views
+stay pending, as torch's ``AsyncCollectiveTensor`` does ([Note: asynchronous
+redistribution]). Nothing here synchronises the host with a device.
 """
 
 from __future__ import annotations
@@ -39,6 +20,29 @@ __all__ = ["PendingTensor", "pending", "then", "wait_local"]
 Finish = Callable[[], torch.Tensor]
 
 
+# [Note: asynchronous redistribution]
+# ``DTensor.redistribute(..., async_op=True)`` issues its last collective with
+# an hp_core async handle (:class:`hp_core.work.Work`) and returns at once. The
+# result's local tensor is a :class:`PendingTensor`: a wrapper subclass with the
+# final local shape, stride and dtype but no data of its own. The first op that
+# reads it (any aten op reaching :meth:`PendingTensor.__torch_dispatch__`: the
+# DTensor op rules' local ops, ``to_local()`` followed by arithmetic, a
+# collective, ``.item()``) waits for the handle, runs the step's
+# post-processing (the cut-back of a padded gather, a ``movedim``) exactly once,
+# and from then on every op runs on the finished tensor. Ops return plain
+# tensors: only the pending value itself is wrapped.
+#
+# View ops (``view``, ``alias``, ``t``, ...) do not wait: they return another
+# PendingTensor whose value is that view of the finished tensor, so
+# ``dt.to_local()`` keeps the work in flight as torch's ``AsyncCollectiveTensor``
+# does; the view and its base share storage once finished. Earlier steps of a
+# multi-step plan are waited for before the last one is issued (each step needs
+# the previous one's data); only the last step is left in flight.
+#
+# Nothing here synchronises the host with a device: ``wait()`` on an NCCL or
+# HCCL handle orders the current stream after the collective, as c10d does.
+# Under ``torch.compile`` collectives are functional and ordered by the
+# compiler, so redistribution never creates a PendingTensor while tracing.
 class PendingTensor(torch.Tensor):
     """A local tensor whose value arrives when ``work`` completes; waits on first use.
 

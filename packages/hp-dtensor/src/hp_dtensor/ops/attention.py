@@ -3,42 +3,10 @@
 On CPU, ``F.scaled_dot_product_attention`` runs
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``)
 whenever dropout is off; with dropout it decomposes into matmuls, softmax and
-dropout, which have rules of their own.
-
-[Note: why dropout and a trainable mask take the math path]
-Checked on torch 2.13 (CPU); there is no fused path with correct gradients
-for these two cases, so the decomposition (the "math" path) is used, and is
-right, with each piece sharded by its own rule:
-
-* dropout: the only fused CPU kernel, ``_flash_attention_for_cpu``, raises
-  "Currently do not support dropout > 0" when called with ``dropout_p > 0``
-  and SDPA's backend selection refuses it ("Both fused kernels do not support
-  non-zero dropout"); the efficient and cuDNN kernels are not built for CPU
-  (``NotImplementedError`` for the CPU backend).
-* an ``attn_mask`` that requires grad: ``_flash_attention_for_cpu_backward``
-  returns gradients for query, key and value only (its schema has no mask
-  gradient), so SDPA does not pick it, and forcing it
-  (``sdpa_kernel([SDPBackend.FLASH_ATTENTION])``) fails with "No available
-  kernel". A mask that needs no grad does take the fused path.
-
-Revisit when a CPU build gains a fused kernel with dropout or a mask gradient.
-
-Attention mixes positions within one (batch, head) pair and never across
-pairs, so every leading dim of ``(..., heads, seq, head_dim)`` may be cut as
-long as query, key and value are cut the same way: each rank attends over
-its own heads with no communication, and the outputs (``out`` and
-``logsumexp``) keep the cut. The sequence and head dims must be whole (a cut
-sequence would need ring attention, a cut head dim a sum inside softmax),
-so those mesh dims are gathered. An additive or boolean ``attn_mask``
-follows the cut where it has the full size of the cut dim and stays
-replicated where it broadcasts.
-
-[Note: grouped-query heads]
-With ``enable_gqa``, key and value have fewer heads than query; query head
-``h`` reads key head ``h // (Hq / Hkv)``. Cutting both head dims into ``n``
-equal pieces keeps every query head's key head on the same rank, and the
-local kernel's grouping is the global one, when ``n`` divides both head
-counts. Otherwise the heads are gathered.
+dropout, which have rules of their own ([Note: why dropout and a trainable
+mask take the math path]). Every leading dim of ``(..., heads, seq, head_dim)``
+may be cut when query, key and value are cut alike: no communication
+([Note: attention cuts], [Note: grouped-query heads]).
 """
 
 from __future__ import annotations
@@ -57,6 +25,16 @@ aten = torch.ops.aten
 R = Replicate()
 
 
+# [Note: attention cuts]
+# Attention mixes positions within one (batch, head) pair and never across
+# pairs, so every leading dim of ``(..., heads, seq, head_dim)`` may be cut as
+# long as query, key and value are cut the same way: each rank attends over
+# its own heads with no communication, and the outputs (``out`` and
+# ``logsumexp``) keep the cut. The sequence and head dims must be whole (a cut
+# sequence would need ring attention, a cut head dim a sum inside softmax),
+# so those mesh dims are gathered. An additive or boolean ``attn_mask``
+# follows the cut where it has the full size of the cut dim and stays
+# replicated where it broadcasts.
 def attention_cut(q: Layout, k: Layout, v: Layout) -> list[int | None]:
     """Per mesh dim, the leading dim that query, key and value are cut along, or None (replicated)."""
     ndim = q.ndim
@@ -89,6 +67,12 @@ def _mask_target(mask: Layout, q: Layout, cut: list[int | None]) -> tuple[Placem
     return tuple(out)
 
 
+# [Note: grouped-query heads]
+# With ``enable_gqa``, key and value have fewer heads than query; query head
+# ``h`` reads key head ``h // (Hq / Hkv)``. Cutting both head dims into ``n``
+# equal pieces keeps every query head's key head on the same rank, and the
+# local kernel's grouping is the global one, when ``n`` divides both head
+# counts. Otherwise the heads are gathered.
 def _decide(call: OpCall, q: Any, k: Any, v: Any, same_as_q: list[Any], n_outputs: int) -> Decision | None:
     from hp_dtensor.dtensor import DTensor
 
@@ -109,6 +93,23 @@ def _decide(call: OpCall, q: Any, k: Any, v: Any, same_as_q: list[Any], n_output
     return Decision(inputs=inputs, outputs=[target] * n_outputs)
 
 
+# [Note: why dropout and a trainable mask take the math path]
+# Checked on torch 2.13 (CPU); there is no fused path with correct gradients
+# for these two cases, so the decomposition (the "math" path) is used, and is
+# right, with each piece sharded by its own rule:
+#
+# * dropout: the only fused CPU kernel, ``_flash_attention_for_cpu``, raises
+#   "Currently do not support dropout > 0" when called with ``dropout_p > 0``
+#   and SDPA's backend selection refuses it ("Both fused kernels do not support
+#   non-zero dropout"); the efficient and cuDNN kernels are not built for CPU
+#   (``NotImplementedError`` for the CPU backend).
+# * an ``attn_mask`` that requires grad: ``_flash_attention_for_cpu_backward``
+#   returns gradients for query, key and value only (its schema has no mask
+#   gradient), so SDPA does not pick it, and forcing it
+#   (``sdpa_kernel([SDPBackend.FLASH_ATTENTION])``) fails with "No available
+#   kernel". A mask that needs no grad does take the fused path.
+#
+# Revisit when a CPU build gains a fused kernel with dropout or a mask gradient.
 @register(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def sdpa_rule(call: OpCall) -> Decision | None:
     """``(out, logsumexp)`` keep query's cut of the leading dims (batch, heads)."""

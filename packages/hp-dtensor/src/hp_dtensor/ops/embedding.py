@@ -1,46 +1,12 @@
 """Embedding lookups and their backward: column-wise, row-wise (vocab-parallel) and batch-sharded.
 
-Per mesh dim, by the table's placement:
-
-=========  =========  ==============  ==========================================
-table      ids        output          how
-=========  =========  ==============  ==========================================
-S(1)       R          S(last)         each rank looks up its columns
-S(0)       R          P(sum)          [Note: row-wise lookup]
-R          S(d)       S(d)            each rank looks up its ids
-R          R          R
-=========  =========  ==============  ==========================================
-
-A table and ids both sharded on one mesh dim keep the table's shard and
-gather the ids (ids are small, tables are not).
-
-[Note: row-wise lookup]
-A rank holding rows ``[lo, hi)`` of the table looks up the ids in that
-range (shifted by ``lo``) and writes zeros for the others, so the ranks'
-outputs sum to the lookup: ``Partial("sum")`` without communication; the
-consumer's all-reduce (or reduce-scatter, for sequence parallelism) finishes
-it.
-
-[Note: row-wise backward]
-The backward op (``embedding_dense_backward(grad, ids, num_weights, ...)``)
-does not see the table, so by itself it cannot know the table was cut by
-rows; computed as-is it builds the whole table's gradient on every rank
-(``num_weights`` x dim, replicated), only for ``RowwiseParallel``'s gradient
-hook to slice it back. Instead, the row-wise lookup records, per ids tensor
-(weakly, by identity: autograd hands the backward the very ids tensor the
-forward saw), the table layout it was cut by. The backward rule finds it
-there and computes only this rank's rows: ids outside ``[lo, hi)`` are
-masked out of the gradient, the rest shifted by ``lo``, and the op runs with
-``num_weights`` = this rank's row count. The result has the table's
-row-shard placements; the values are the full gradient's rows, so it is
-right whichever table the record names: the last lookup of these ids in a
-row-sharded table of this size wins, and ids reused with another such table
-on the same mesh only change where the gradient lands, never its values (a
-table on another mesh object is ignored). The rule is registered
-``cached=False`` because its decision depends on that record. It falls back
-to the full, replicated gradient when there is no usable record (e.g. ids
-that had to be redistributed for the lookup) and for ``scale_grad_by_freq``
-(which counts ids over the whole vocabulary).
+Per mesh dim, by the table's placement: ``S(1)`` table, ``R`` ids: each rank
+looks up its columns (output ``S(last)``); ``S(0)`` table, ``R`` ids: a partial
+sum without communication ([Note: row-wise lookup]); ``R`` table, ``S(d)`` ids:
+each rank looks up its ids (output ``S(d)``). A table and ids both sharded on
+one mesh dim keep the table's shard and gather the ids (ids are small, tables
+are not). The row-wise backward computes only this rank's rows
+([Note: row-wise backward]).
 """
 
 from __future__ import annotations
@@ -115,6 +81,12 @@ def _rowwise_table(ids: Any, num_weights: int, mesh: Any) -> Layout | None:
     return layout
 
 
+# [Note: row-wise lookup]
+# A rank holding rows ``[lo, hi)`` of the table looks up the ids in that
+# range (shifted by ``lo``) and writes zeros for the others, so the ranks'
+# outputs sum to the lookup: ``Partial("sum")`` without communication; the
+# consumer's all-reduce (or reduce-scatter, for sequence parallelism) finishes
+# it.
 def _rowwise_kernel(call: LocalCall) -> torch.Tensor:
     """Look up this rank's rows, zeros elsewhere ([Note: row-wise lookup])."""
     table, ids = call.args[0], call.args[1]
@@ -147,6 +119,26 @@ def embedding_rule(call: OpCall) -> Decision | None:
     return Decision(inputs=inputs, outputs=[out], kernel=_rowwise_kernel if rowwise else None)
 
 
+# [Note: row-wise backward]
+# The backward op (``embedding_dense_backward(grad, ids, num_weights, ...)``)
+# does not see the table, so by itself it cannot know the table was cut by
+# rows; computed as-is it builds the whole table's gradient on every rank
+# (``num_weights`` x dim, replicated), only for ``RowwiseParallel``'s gradient
+# hook to slice it back. Instead, the row-wise lookup records, per ids tensor
+# (weakly, by identity: autograd hands the backward the very ids tensor the
+# forward saw), the table layout it was cut by. The backward rule finds it
+# there and computes only this rank's rows: ids outside ``[lo, hi)`` are
+# masked out of the gradient, the rest shifted by ``lo``, and the op runs with
+# ``num_weights`` = this rank's row count. The result has the table's
+# row-shard placements; the values are the full gradient's rows, so it is
+# right whichever table the record names: the last lookup of these ids in a
+# row-sharded table of this size wins, and ids reused with another such table
+# on the same mesh only change where the gradient lands, never its values (a
+# table on another mesh object is ignored). The rule is registered
+# ``cached=False`` because its decision depends on that record. It falls back
+# to the full, replicated gradient when there is no usable record (e.g. ids
+# that had to be redistributed for the lookup) and for ``scale_grad_by_freq``
+# (which counts ids over the whole vocabulary).
 def _rowwise_backward_kernel(table: Layout, call: LocalCall) -> torch.Tensor:
     """This rank's rows of the table gradient ([Note: row-wise backward])."""
     grad, ids = call.args[0], call.args[1]

@@ -3,20 +3,6 @@
 Every DTensor argument of one op must live on one mesh (equal by
 :func:`hp_dtensor.layout.mesh_key`), or on a permutation of it; the
 dispatcher asks here.
-
-[Note: permuted meshes]
-FSDP x TP puts a parameter that both shard on tensor dim 0 on the mesh
-``("tp", "dp")`` and the others on ``("dp", "tp")``: the same ranks and the
-same process groups, the dims in another order. A DTensor on
-``mesh.permute(order)`` is the same data as one on ``mesh`` whose placements
-are permuted back, as long as the order of the mesh dims does not matter to
-its pieces: it does not when no tensor dim is sharded by two mesh dims (with
-two, the lower mesh dim cuts first, see [Note: nested shard order] in
-:mod:`hp_dtensor.planner`). Such an argument is re-expressed on the first
-DTensor's mesh without communication (a new DTensor over the same local
-tensor), so ``torch.stack`` of norms from both orderings, or a gradient
-clipped by a coefficient computed on the other ordering, just work. Nested
-shards of one tensor dim cannot be re-expressed: that keeps the error.
 """
 
 from __future__ import annotations
@@ -54,6 +40,19 @@ def common_mesh(call_flat: list[Any], positions: Sequence[int], func: Any) -> tu
     return mesh, out
 
 
+# [Note: permuted meshes]
+# FSDP x TP puts a parameter that both shard on tensor dim 0 on the mesh
+# ``("tp", "dp")`` and the others on ``("dp", "tp")``: the same ranks and the
+# same process groups, the dims in another order. A DTensor on
+# ``mesh.permute(order)`` is the same data as one on ``mesh`` whose placements
+# are permuted back, as long as the order of the mesh dims does not matter to
+# its pieces: it does not when no tensor dim is sharded by two mesh dims (with
+# two, the lower mesh dim cuts first, see [Note: nested shard order] in
+# :mod:`hp_dtensor.planner`). Such an argument is re-expressed on the first
+# DTensor's mesh without communication (a new DTensor over the same local
+# tensor), so ``torch.stack`` of norms from both orderings, or a gradient
+# clipped by a coefficient computed on the other ordering, just work. Nested
+# shards of one tensor dim cannot be re-expressed: that keeps the error.
 def on_mesh(dt: Any, mesh: Any, func: Any) -> Any:
     """``dt`` re-expressed on ``mesh``, a permutation of its own mesh, without communication.
 

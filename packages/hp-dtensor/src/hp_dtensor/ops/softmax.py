@@ -3,24 +3,6 @@
 Dims other than the softmax dim are independent rows, so their shards pass
 through. When the softmax dim itself is sharded (vocab-parallel logits), the
 pieces are not gathered: see [Note: sharded softmax].
-
-[Note: sharded softmax]
-``softmax(x)_i = exp(x_i - m) / sum_j exp(x_j - m)`` for any ``m``; taking
-``m`` as the row maximum keeps ``exp`` in range. With the row spread over
-ranks, each rank takes the maximum of its piece and one ``all_reduce(max)``
-gives the row maximum; each rank sums ``exp(x - m)`` over its piece and one
-``all_reduce(sum)`` gives the denominator. The output keeps the input's
-shards. The backward needs one more row sum each (``sum_j g_j`` for
-log-softmax, ``sum_j g_j y_j`` for softmax), again one ``all_reduce(sum)``.
-Communication is a row vector per all-reduce, against a whole shard per
-rank for gathering the dim: two collectives where torch's DTensor issues one
-all-gather, chosen because bytes, not the number of calls, bound the cost
-(for (rows, V) logits over n ranks: 2 rows of values against
-``rows * V * (n - 1) / n``). ``max(x, dim)`` / ``min`` with ``dim`` sharded
-make the same trade (two all-reduces of the output's size, see
-:mod:`hp_dtensor.ops.reductions`). A rank whose piece of the row is empty (uneven
-shards) contributes ``-inf`` to the maximum and 0 to the sums. Half-precision
-inputs are computed in float32, as PyTorch's kernels accumulate.
 """
 
 from __future__ import annotations
@@ -75,6 +57,23 @@ def _row_sum(x: torch.Tensor, dim: int, groups: list[Any]) -> torch.Tensor:
     return total
 
 
+# [Note: sharded softmax]
+# ``softmax(x)_i = exp(x_i - m) / sum_j exp(x_j - m)`` for any ``m``; taking
+# ``m`` as the row maximum keeps ``exp`` in range. With the row spread over
+# ranks, each rank takes the maximum of its piece and one ``all_reduce(max)``
+# gives the row maximum; each rank sums ``exp(x - m)`` over its piece and one
+# ``all_reduce(sum)`` gives the denominator. The output keeps the input's
+# shards. The backward needs one more row sum each (``sum_j g_j`` for
+# log-softmax, ``sum_j g_j y_j`` for softmax), again one ``all_reduce(sum)``.
+# Communication is a row vector per all-reduce, against a whole shard per
+# rank for gathering the dim: two collectives where torch's DTensor issues one
+# all-gather, chosen because bytes, not the number of calls, bound the cost
+# (for (rows, V) logits over n ranks: 2 rows of values against
+# ``rows * V * (n - 1) / n``). ``max(x, dim)`` / ``min`` with ``dim`` sharded
+# make the same trade (two all-reduces of the output's size, see
+# :mod:`hp_dtensor.ops.reductions`). A rank whose piece of the row is empty (uneven
+# shards) contributes ``-inf`` to the maximum and 0 to the sums. Half-precision
+# inputs are computed in float32, as PyTorch's kernels accumulate.
 def _forward_kernel(kind: str) -> Callable[[LocalCall], torch.Tensor]:
     def run(call: LocalCall) -> torch.Tensor:
         x = call.args[0]

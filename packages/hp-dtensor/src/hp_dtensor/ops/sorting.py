@@ -3,29 +3,8 @@
 Each works along one dim, and rows of the other dims are independent, so a
 shard of any other dim stays where it is and the op runs locally (values and
 indices both keep it; ``keepdim=False`` renumbers the dims after ``dim``).
-
-A shard of ``dim`` itself:
-
-- ``sort`` / ``topk`` / ``kthvalue`` gather that mesh dim only (as torch's
-  DTensor does): the order of a row needs the whole row.
-- ``argmax`` / ``argmin`` keep it: each rank reduces its piece and two
-  all-reduces pick the winner, the smallest global index among ranks holding
-  the extreme value, which is PyTorch's first occurrence (see [Note: max with
-  indices] in ``ops/reductions.py``, whose kernel this reuses). Without
-  ``dim`` (the flat index of the extreme of the whole tensor) every sharded
-  mesh dim takes part: each rank turns its local winner's position into a
-  global flat index, and the same two all-reduces run over each of those
-  mesh dims (see [Note: flat arg-reduction]).
-
+A shard of ``dim`` itself: [Note: sorting along a sharded dim].
 Partial inputs are reduced first (the order of a sum is not the sum of orders).
-
-[Note: flat arg-reduction]
-``argmax(x)`` is the first flat position of the maximum. A rank's local
-winner at local coordinates ``c`` sits at global coordinates ``c + offset``,
-whose row-major flat index in the global shape orders positions as PyTorch
-does; the winner over ranks is the largest value and, among ties, the
-smallest flat index. An empty piece offers the lowest value and an index
-larger than any, so it never wins.
 """
 
 from __future__ import annotations
@@ -84,6 +63,17 @@ _ORDER_OPS = {
 }
 
 
+# [Note: sorting along a sharded dim]
+# - ``sort`` / ``topk`` / ``kthvalue`` gather that mesh dim only (as torch's
+#   DTensor does): the order of a row needs the whole row.
+# - ``argmax`` / ``argmin`` keep it: each rank reduces its piece and two
+#   all-reduces pick the winner, the smallest global index among ranks holding
+#   the extreme value, which is PyTorch's first occurrence (see [Note: max with
+#   indices] in ``ops/reductions.py``, whose kernel this reuses). Without
+#   ``dim`` (the flat index of the extreme of the whole tensor) every sharded
+#   mesh dim takes part: each rank turns its local winner's position into a
+#   global flat index, and the same two all-reduces run over each of those
+#   mesh dims (see [Note: flat arg-reduction]).
 @register(*_ORDER_OPS)
 def along_dim_order_rule(call: OpCall) -> Decision:
     """sort / topk / kthvalue: local along an unsharded dim; that mesh dim gathered otherwise."""
@@ -117,6 +107,13 @@ def _local_argument(call: LocalCall, index: int, name: str, default: Any = None)
     return call.kwargs.get(name, default)
 
 
+# [Note: flat arg-reduction]
+# ``argmax(x)`` is the first flat position of the maximum. A rank's local
+# winner at local coordinates ``c`` sits at global coordinates ``c + offset``,
+# whose row-major flat index in the global shape orders positions as PyTorch
+# does; the winner over ranks is the largest value and, among ties, the
+# smallest flat index. An empty piece offers the lowest value and an index
+# larger than any, so it never wins.
 def _flat_arg_kernel(kind: str) -> Any:
     """``argmax(x)`` / ``argmin(x)`` of a sharded ``x`` (see [Note: flat arg-reduction])."""
 
