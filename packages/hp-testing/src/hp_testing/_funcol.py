@@ -5,21 +5,8 @@ torch's own DTensor, ``torch.compile``d code and some user code never call
 collectives, which go straight to the process group's C++ backend and so
 would slip past the wrappers in :mod:`hp_testing.emulation`. A rank that skips
 a functional all-gather hangs a GPU job just the same, so this module wraps
-the public functional entry points too.
-
-Each wrapper translates its arguments into the ``torch.distributed`` call with
-the same wire behaviour (``all_gather_tensor`` is an ``all_gather_into_tensor``,
-``reduce_scatter_tensor`` a ``reduce_scatter_tensor`` and so on) and hands that
-to :meth:`hp_testing.emulation.Layer.check_collective`. Because NCCL and HCCL
-run a group's functional and classic collectives on one communicator in issue
-order, both kinds share one sequence per group, and a rank that issues a
-functional all-gather where its peers issue a classic one of the same size is
-not flagged (it works on the real backend too).
-
-What is not done for functional collectives: strict mode's read guard (their
-results are ``AsyncCollectiveTensor``s that wait on first use, so reading one
-early is not a hazard), and the ``*_coalesced`` and ``*_inplace`` variants,
-which no torch component in 2.13 calls on the training path.
+the public functional entry points too, sharing one sequence per group with
+the classic collectives ([Note: functional collectives in the layer]).
 """
 
 from __future__ import annotations
@@ -73,6 +60,20 @@ def _meta(shape: tuple[int, ...] | list[int], like: torch.Tensor) -> torch.Tenso
     return torch.empty(tuple(shape), dtype=like.dtype, device="meta")
 
 
+# [Note: functional collectives in the layer]
+# Each wrapper translates its arguments into the ``torch.distributed`` call with
+# the same wire behaviour (``all_gather_tensor`` is an ``all_gather_into_tensor``,
+# ``reduce_scatter_tensor`` a ``reduce_scatter_tensor`` and so on) and hands that
+# to :meth:`hp_testing.emulation.Layer.check_collective`. Because NCCL and HCCL
+# run a group's functional and classic collectives on one communicator in issue
+# order, both kinds share one sequence per group, and a rank that issues a
+# functional all-gather where its peers issue a classic one of the same size is
+# not flagged (it works on the real backend too).
+#
+# What is not done for functional collectives: strict mode's read guard (their
+# results are ``AsyncCollectiveTensor``s that wait on first use, so reading one
+# early is not a hazard), and the ``*_coalesced`` and ``*_inplace`` variants,
+# which no torch component in 2.13 calls on the training path.
 def describe_functional(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """Describe functional collective ``name`` as the torch.distributed call it performs."""
     funcol = _module()

@@ -7,19 +7,8 @@ the caller looks, so races stay invisible. The read guard
 what it watches and its backstop: :class:`AsyncBuffers` records a call's
 outputs and inputs, snapshots each input at issue and compares it at
 ``wait()``, so a write the guard cannot see (another thread, the buffer
-protocol) is still reported, with the call's site.
-
-[Note: why outputs are not shadowed]
-Strict mode once ran each async collective on private copies of its outputs
-and filled the caller's with NaN until ``wait()``. An early read then showed
-up, if at all, as a wrong number somewhere later, and the copies, the fill,
-the check and the copy back cost more than the rest of strict mode together
-(2.4x a plain gloo step in ``benchmarks/emulation_overhead.py``, against 1.5x
-without them). With the guard every read on the rank's thread raises where
-it happens, so the outputs are now the caller's own tensors, written by gloo.
-
-:class:`CheckedWork` is what a wrapped call returns whenever something must
-happen at ``wait()``; every other attribute is the torch ``Work``'s.
+protocol) is still reported, with the call's site. Outputs are the caller's
+own tensors ([Note: why outputs are not shadowed]).
 """
 
 from __future__ import annotations
@@ -57,6 +46,14 @@ class DoneWork:
         return []
 
 
+# [Note: why outputs are not shadowed]
+# Strict mode once ran each async collective on private copies of its outputs
+# and filled the caller's with NaN until ``wait()``. An early read then showed
+# up, if at all, as a wrong number somewhere later, and the copies, the fill,
+# the check and the copy back cost more than the rest of strict mode together
+# (2.4x a plain gloo step in ``benchmarks/emulation_overhead.py``, against 1.5x
+# without them). With the guard every read on the rank's thread raises where
+# it happens, so the outputs are now the caller's own tensors, written by gloo.
 class AsyncBuffers:
     """The buffers of one async call in strict mode: outputs (written by it), inputs (read by it)."""
 

@@ -1,22 +1,8 @@
 """Child processes that die with their parent, for the pool's ranks and for ``hp-run``'s.
 
-[Note: dying with the parent]
-A rank blocked inside a gloo collective never returns to Python, so no
-``finally`` or ``atexit`` of ours can clean it up; if its parent (the pytest
-process's forkserver, or ``hp-run``) is killed hard, it would live on, holding
-its ports, until someone finds it. On Linux ``prctl(PR_SET_PDEATHSIG,
-SIGKILL)`` asks the kernel to kill the child when the parent thread that
-created it exits, however that happens. Elsewhere this is a no-op and the
-launcher's own signal forwarding is all there is.
-
-The signal is armed in the child, so there is a window between its creation
-and the ``prctl`` call; a parent that died in that window is caught by
-comparing ``getppid()`` with the parent we expected. For ``subprocess.Popen``
-the call runs between ``fork`` and ``exec`` (``preexec_fn``), where only
-async-signal-safe work is sound, so :func:`preexec_die_with_parent` resolves
-``prctl`` in the parent and the child only calls a function pointer.
-
-This module imports nothing heavy: ``hp-run`` uses it without importing torch.
+On Linux the kernel kills a rank when its parent exits, however it exits
+([Note: dying with the parent]); elsewhere this is a no-op. This module
+imports nothing heavy: ``hp-run`` uses it without importing torch.
 """
 
 from __future__ import annotations
@@ -45,6 +31,21 @@ def _prctl() -> Callable[..., int] | None:
     return prctl
 
 
+# [Note: dying with the parent]
+# A rank blocked inside a gloo collective never returns to Python, so no
+# ``finally`` or ``atexit`` of ours can clean it up; if its parent (the pytest
+# process's forkserver, or ``hp-run``) is killed hard, it would live on, holding
+# its ports, until someone finds it. On Linux ``prctl(PR_SET_PDEATHSIG,
+# SIGKILL)`` asks the kernel to kill the child when the parent thread that
+# created it exits, however that happens. Elsewhere this is a no-op and the
+# launcher's own signal forwarding is all there is.
+#
+# The signal is armed in the child, so there is a window between its creation
+# and the ``prctl`` call; a parent that died in that window is caught by
+# comparing ``getppid()`` with the parent we expected. For ``subprocess.Popen``
+# the call runs between ``fork`` and ``exec`` (``preexec_fn``), where only
+# async-signal-safe work is sound, so :func:`preexec_die_with_parent` resolves
+# ``prctl`` in the parent and the child only calls a function pointer.
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (see [Note: dying with the parent])."""
     prctl = _prctl()

@@ -1,42 +1,11 @@
 """The way each kind of call goes through the emulation layer, from the wrapper to gloo and back.
 
-Each wrapped call, in order:
-
-1. describe it (:mod:`hp_testing._calls`) and find the user's call site;
-2. apply the profile's rules (:mod:`hp_testing.profiles`);
-3. fire a planned fault, if one is due (:mod:`hp_testing._fault_plan`);
-4. compare its fingerprint with the other ranks' through the store
-   (:mod:`hp_testing._sidechannel`), or post/await its p2p other end;
-5. in strict mode, refuse pending buffers, snapshot the inputs and watch
-   the buffers until ``wait()`` (:mod:`hp_testing._strict`);
-6. run it on gloo, emulating what gloo lacks (:mod:`hp_testing._backend_emulation`).
-
+Each wrapped call goes through the steps of [Note: the route of a call].
 Every function here runs nested ([Note: one call through the layer] in
-:mod:`hp_testing._nesting`): calls it
-makes into ``torch.distributed`` pass straight through, and its own tensor
-work is invisible to the strict read guard.
-
-[Note: checking both ends at issue]
-gloo aborts the whole process when a message of the wrong size arrives, so a
-mismatched send/receive pair must never reach gloo on both sides. Each side
-posts its fingerprint first and then looks for the other's: whichever side
-posts second sees both, compares them, and raises before handing its op to
-gloo. Nothing waits here (waiting would add orderings gloo does not have);
-the rest of the checking happens at ``wait()``.
-
-[Note: deferred async checks]
-A collective is compared with the other ranks' calls at the same position
-of its group, and a blocking one waits there for all of them. An async one
-(``async_op=True``) does that only where the backend runs a rank's
-operations in one queue (``nccl-emu``, ``hccl-emu``: the op holds the queue
-until every rank has issued it, so waiting at issue finds the same
-deadlocks NCCL would). On gloo every operation progresses on its own, and
-a program may issue an async collective, go on with point-to-point work its
-peers need, and wait later; waiting at issue would report a deadlock that
-gloo never has. There the call is posted at issue (its position is fixed
-then), compared at once with the ranks that already posted (so of two ranks
-that disagree, the second sees it before gloo does, as with p2p above), and
-compared with all of them at ``wait()``, before the real wait.
+:mod:`hp_testing._nesting`): calls it makes into ``torch.distributed`` pass
+straight through, and its own tensor work is invisible to the strict read guard.
+Point-to-point pairs are checked at issue ([Note: checking both ends at issue]);
+async collectives where the backend allows ([Note: deferred async checks]).
 """
 
 from __future__ import annotations
@@ -69,6 +38,15 @@ def _global_peer(args: dict[str, Any], send: bool) -> int | None:
     return peer
 
 
+# [Note: the route of a call]
+# 1. describe it (:mod:`hp_testing._calls`) and find the user's call site;
+# 2. apply the profile's rules (:mod:`hp_testing.profiles`);
+# 3. fire a planned fault, if one is due (:mod:`hp_testing._fault_plan`);
+# 4. compare its fingerprint with the other ranks' through the store
+#    (:mod:`hp_testing._sidechannel`), or post/await its p2p other end;
+# 5. in strict mode, refuse pending buffers, snapshot the inputs and watch
+#    the buffers until ``wait()`` (:mod:`hp_testing._strict`);
+# 6. run it on gloo, emulating what gloo lacks (:mod:`hp_testing._backend_emulation`).
 def check_collective(layer: Layer, call: Call, *, defer: bool = False) -> Callable[[], None] | None:
     """Rules, faults and cross-rank checks of one collective, classic or functional (:mod:`._funcol`).
 
@@ -87,6 +65,19 @@ def check_collective(layer: Layer, call: Call, *, defer: bool = False) -> Callab
     return None
 
 
+# [Note: deferred async checks]
+# A collective is compared with the other ranks' calls at the same position
+# of its group, and a blocking one waits there for all of them. An async one
+# (``async_op=True``) does that only where the backend runs a rank's
+# operations in one queue (``nccl-emu``, ``hccl-emu``: the op holds the queue
+# until every rank has issued it, so waiting at issue finds the same
+# deadlocks NCCL would). On gloo every operation progresses on its own, and
+# a program may issue an async collective, go on with point-to-point work its
+# peers need, and wait later; waiting at issue would report a deadlock that
+# gloo never has. There the call is posted at issue (its position is fixed
+# then), compared at once with the ranks that already posted (so of two ranks
+# that disagree, the second sees it before gloo does, as with p2p above), and
+# compared with all of them at ``wait()``, before the real wait.
 def run_collective(layer: Layer, name: str, orig: Callable[..., Any], args: dict[str, Any]) -> Any:
     """One classic collective (``all_reduce``, ``all_gather_single``, the object collectives, ...)."""
     call = describe(name, args)
@@ -111,6 +102,13 @@ def _gather_single() -> Callable[..., Any]:
     return original("all_gather_single")
 
 
+# [Note: checking both ends at issue]
+# gloo aborts the whole process when a message of the wrong size arrives, so a
+# mismatched send/receive pair must never reach gloo on both sides. Each side
+# posts its fingerprint first and then looks for the other's: whichever side
+# posts second sees both, compares them, and raises before handing its op to
+# gloo. Nothing waits here (waiting would add orderings gloo does not have);
+# the rest of the checking happens at ``wait()``.
 def run_p2p(layer: Layer, name: str, orig: Callable[..., Any], args: dict[str, Any]) -> Any:
     """One ``send``, ``recv``, ``isend`` or ``irecv``."""
     send = "send" in name

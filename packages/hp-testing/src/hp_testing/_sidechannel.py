@@ -5,21 +5,9 @@ Before a collective runs, each rank posts its fingerprint under
 on every rank the same side-by-side report. Point-to-point messages are keyed
 per direction and per message number (``s/...`` for the send, ``r/...`` for
 the receive); waiting for a message's other end is where unmatched sends,
-size mismatches and NCCL ordering deadlocks surface.
-
-[Note: waiting without hanging]
-A rank waits for its peers' keys with short store timeouts. Between two
-tries it reads the peers' status keys: a peer that failed (posted by the
-worker) or died (posted by the pool) or already finished the test turns the
-wait into an error naming that rank. After the first timeout it also
-publishes what it waits for (``blocked/<rank>``) and follows the other
-blocked ranks' waits: a cycle that comes back to itself, with every awaited
-key still missing, is a deadlock and is reported on every rank in it.
-
-Every value is a record of :mod:`hp_testing._wire`, stored as JSON and
-checked field by field when read, never a pickle: the store listens on every
-interface, and a value someone else wrote must not run anything in a rank
-([Note: nothing read from the store is executed]).
+size mismatches and NCCL ordering deadlocks surface. Waits never hang
+([Note: waiting without hanging]); values are checked JSON records, never
+pickles ([Note: nothing read from the store is executed] in ``_wire``).
 """
 
 from __future__ import annotations
@@ -158,6 +146,14 @@ def _split(posted: Fingerprint, side: int, index: int) -> int | None:
     return posted.splits[side][index]
 
 
+# [Note: waiting without hanging]
+# A rank waits for its peers' keys with short store timeouts. Between two
+# tries it reads the peers' status keys: a peer that failed (posted by the
+# worker) or died (posted by the pool) or already finished the test turns the
+# wait into an error naming that rank. After the first timeout it also
+# publishes what it waits for (``blocked/<rank>``) and follows the other
+# blocked ranks' waits: a cycle that comes back to itself, with every awaited
+# key still missing, is a deadlock and is reported on every rank in it.
 class SideChannel:
     """The per-test state of the checks on one rank (see the module docstring)."""
 

@@ -1,21 +1,7 @@
 """What the cross-rank checks write to the TCPStore, as JSON checked field by field on the way back.
 
-[Note: nothing read from the store is executed]
-The checks talk through a ``torch.distributed.TCPStore``, whose server listens
-on every interface of the machine that hosts it (torch binds it that way; the
-harness does not change it), without authentication. Anyone who can reach the
-port while a run lasts can write any key. Had the values been pickles, as they
-once were, writing one would have run that person's code in every rank that
-read it. So every value is one of the records below, encoded as a JSON object
-of plain types, and decoding checks each field's type: a value that is not
-such a record raises :class:`ForeignValueError` naming the key and the first
-bytes it found, which fails the test on that rank like any other error (its
-peers are told through its status key and stop waiting), and nothing of the
-value is run.
-
-Only the ranks of one run write these keys; the structures of the checks
-(tuples, dicts keyed by tuples) are converted here to lists and objects and
-back, explicitly, so nothing depends on what a generic encoder guesses.
+The store accepts writes from anyone who reaches its port, so nothing read
+from it is ever executed ([Note: nothing read from the store is executed]).
 """
 
 from __future__ import annotations
@@ -325,6 +311,22 @@ _TAGS: dict[type[Any], str] = {
 }
 
 
+# [Note: nothing read from the store is executed]
+# The checks talk through a ``torch.distributed.TCPStore``, whose server listens
+# on every interface of the machine that hosts it (torch binds it that way; the
+# harness does not change it), without authentication. Anyone who can reach the
+# port while a run lasts can write any key. Had the values been pickles, as they
+# once were, writing one would have run that person's code in every rank that
+# read it. So every value is one of the records below, encoded as a JSON object
+# of plain types, and decoding checks each field's type: a value that is not
+# such a record raises :class:`ForeignValueError` naming the key and the first
+# bytes it found, which fails the test on that rank like any other error (its
+# peers are told through its status key and stop waiting), and nothing of the
+# value is run.
+#
+# Only the ranks of one run write these keys; the structures of the checks
+# (tuples, dicts keyed by tuples) are converted here to lists and objects and
+# back, explicitly, so nothing depends on what a generic encoder guesses.
 def encode(record: Record) -> bytes:
     """The bytes stored for ``record``: a JSON object tagged with the record's kind."""
     return json.dumps({"hp": _TAGS[type(record)], **record.to_json()}, separators=(",", ":")).encode()

@@ -1,28 +1,8 @@
 """Record the collectives a block of code issues through hp_core: which, on which group, how many bytes.
 
-[Note: collective records]
-Tests of parallel features check communication by counting: FSDP's N+1
-all-gathers for N wrapped blocks, one reduce-scatter per bucket, the
-all-reduce of a pipeline's tower gradients once per step. They count at
-hp_core's collectives, not at ``torch.distributed``: that is the protocol the
-library chose, the same on every backend, while what reaches torch differs by
-backend (gloo has no fused reduce-scatter, so hp_core all-reduces there).
-
-:func:`record_collectives` swaps each tensor collective of ``hp_core`` (the
-names in :data:`RECORDED`) for a wrapper while the block runs, on the module
-``hp_core.collectives`` and on the ``hp_core`` package itself, since callers
-reach them both ways (``hc.all_reduce(...)`` and ``from hp_core import
-all_reduce`` inside a function). Every call that returns normally appends a
-:class:`CollectiveRecord` to the log of this process; a call that raises
-(bad input) is not recorded, since nothing was issued. Recorders nest: an
-inner block's calls appear in the outer log too. Nothing here needs the
-hp-testing harness, so the recorder works under plain ``torchrun``.
-
-``nbytes`` is the payload ``P`` of the collective as the algorithms count it:
-the tensor of an all-reduce or a broadcast, the *output* of an all-gather
-(all ranks' pieces), the *input* of a reduce-scatter and of an all-to-all.
-A ring moves ``(W-1)/W * P`` per rank for the all-gather and the
-reduce-scatter and twice that for the all-reduce, which tests compare with.
+Tests count communication at hp_core's collectives, the same protocol on every
+backend, with a recorder that needs no harness ([Note: collective records]);
+``nbytes`` is the payload as the algorithms count it ([Note: payload bytes]).
 """
 
 from __future__ import annotations
@@ -49,6 +29,12 @@ RECORDED: dict[str, str] = {
 }
 
 
+# [Note: payload bytes]
+# ``nbytes`` is the payload ``P`` of the collective as the algorithms count it:
+# the tensor of an all-reduce or a broadcast, the *output* of an all-gather
+# (all ranks' pieces), the *input* of a reduce-scatter and of an all-to-all.
+# A ring moves ``(W-1)/W * P`` per rank for the all-gather and the
+# reduce-scatter and twice that for the all-reduce, which tests compare with.
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective this rank issued through hp_core ([Note: collective records])."""
@@ -189,6 +175,23 @@ class _Installed:
 _INSTALLED = _Installed()
 
 
+# [Note: collective records]
+# Tests of parallel features check communication by counting: FSDP's N+1
+# all-gathers for N wrapped blocks, one reduce-scatter per bucket, the
+# all-reduce of a pipeline's tower gradients once per step. They count at
+# hp_core's collectives, not at ``torch.distributed``: that is the protocol the
+# library chose, the same on every backend, while what reaches torch differs by
+# backend (gloo has no fused reduce-scatter, so hp_core all-reduces there).
+#
+# :func:`record_collectives` swaps each tensor collective of ``hp_core`` (the
+# names in :data:`RECORDED`) for a wrapper while the block runs, on the module
+# ``hp_core.collectives`` and on the ``hp_core`` package itself, since callers
+# reach them both ways (``hc.all_reduce(...)`` and ``from hp_core import
+# all_reduce`` inside a function). Every call that returns normally appends a
+# :class:`CollectiveRecord` to the log of this process; a call that raises
+# (bad input) is not recorded, since nothing was issued. Recorders nest: an
+# inner block's calls appear in the outer log too. Nothing here needs the
+# hp-testing harness, so the recorder works under plain ``torchrun``.
 @contextlib.contextmanager
 def record_collectives() -> Iterator[CollectiveLog]:
     """Record, on this rank, every hp_core collective issued inside the block.

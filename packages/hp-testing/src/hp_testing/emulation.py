@@ -5,21 +5,12 @@
 ``batch_isend_irecv``, the object collectives, ...) with wrappers, injects the
 profile's platform into hp_core (``cuda``/``nccl`` semantics with CPU tensors
 under ``nccl-emu``, ``npu``/``hccl`` under ``hccl-emu``) and tells hp_core's
-capability table which backend's semantics to assume. Library code, hp_core
-and raw ``torch.distributed`` calls in user tests all pass through the
-wrappers unchanged; only the harness ranks (and ``hp-run --emulate``) ever
-call :func:`install`, so production code never pays for it.
+capability table which backend's semantics to assume. Only the harness ranks
+(and ``hp-run --emulate``) call :func:`install`: production never pays for it.
 
-This module is the patching only. Where each concern lives:
-
-- the per-process state and a test's lifecycle: :mod:`hp_testing._layer`;
-- the way each kind of call goes through the layer: :mod:`hp_testing._routes`;
-- the backend rules: :mod:`hp_testing.profiles`; what gloo lacks, emulated:
-  :mod:`hp_testing._backend_emulation`;
-- the cross-rank checks: :mod:`hp_testing._sidechannel`;
-- planned faults: :mod:`hp_testing._fault_plan`;
-- strict mode: :mod:`hp_testing._strict` (with ``_hazards`` and ``_read_guard``);
-- which calls count: :mod:`hp_testing._nesting` ([Note: one call through the layer]).
+This module is the patching only: the package README's "Layout" says which
+module holds each concern (per-process state, routes, rules, checks, faults,
+strict mode).
 """
 
 from __future__ import annotations

@@ -10,12 +10,9 @@ Faults are plain frozen dataclasses, so they travel in the marker to the ranks::
 
 Counting is per rank and per test, from 0: ``at=2`` is the third collective
 that rank issues (object collectives and barriers count; point-to-point
-transfers count only for :func:`drop`, as sends). Every fault that fired is
-listed in the test report under "injected faults", and one that never fired
-(the rank issued fewer calls) is reported too, so a test cannot silently stop
-exercising its error path. After any fired fault the pool gives the ranks a
-fresh process group (or new processes after a kill), so the next test starts
-clean.
+transfers count only for :func:`drop`, as sends). A fault that never fired is
+reported, so a test cannot silently stop exercising its error path; after
+any fired fault the next test gets a fresh process group.
 """
 
 from __future__ import annotations

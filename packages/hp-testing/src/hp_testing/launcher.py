@@ -2,33 +2,16 @@
 
 Every rank gets the environment ``torchrun --standalone`` gives it (RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), so a
-training script written for a cluster runs unchanged on a laptop, and the same
-script runs unchanged under ``torchrun`` later: nothing here is needed at run
-time. A rank runs the script as ``python script.py`` would and ends the same way,
-except that it skips interpreter finalization, where gloo's worker threads can
-abort a finished rank ([Note: a rank ends without interpreter finalization] in
-:mod:`hp_testing._rank_main`).
-
-When one rank fails, the others are given a few seconds to finish and are then
+training script written for a cluster runs unchanged on a laptop, and under
+``torchrun`` later: nothing here is needed at run time. A rank skips interpreter
+finalization ([Note: a rank ends without interpreter finalization] in
+:mod:`hp_testing._rank_main`). When one rank fails, the others are given a few seconds to finish and are then
 stopped, and the launcher names the rank that failed first, so a crash never
 turns into a silent hang. SIGINT, SIGTERM and SIGHUP are forwarded to every
 rank, and the ranks die with the launcher even if it is killed hard
-([Note: signals reach every rank] in :mod:`hp_testing._supervisor`).
-
-[Note: a rank that exits early]
-A rank that ends (with any code, 0 included: its data ran out and it
-returned) while a peer waits for it in a collective leaves that peer waiting
-until gloo notices the closed socket, or forever in the checks' store polls,
-and nothing names the rank that left. Only the launcher sees every process
-end, so it posts an ``exited`` status for the rank, with its exit code, where
-the cross-rank checks of the others already look for failed peers
-(:func:`hp_testing._sidechannel.announce_exit`, the pool's mechanism): their
-wait ends within a poll with ``rank R exited (code C) while rank S waits for it
-in all_reduce(...) (collective #k ...) at file:line``. For that the store must
-outlive every rank, so with the checks on ``hp-run`` hosts the rendezvous
-TCPStore itself, as torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE``),
-instead of rank 0; and the checks are on by default, under gloo's own rules
-when there is no ``--emulate`` (``--no-checks`` gives the bare launcher).
+([Note: signals reach every rank] in :mod:`hp_testing._supervisor`). A rank
+that exits early is named to the peers waiting for it ([Note: a rank that
+exits early]).
 """
 
 from __future__ import annotations
@@ -228,6 +211,20 @@ def _run_local(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return run_script(args.script, args.module, args.script_args, args.nproc)
 
 
+# [Note: a rank that exits early]
+# A rank that ends (with any code, 0 included: its data ran out and it
+# returned) while a peer waits for it in a collective leaves that peer waiting
+# until gloo notices the closed socket, or forever in the checks' store polls,
+# and nothing names the rank that left. Only the launcher sees every process
+# end, so it posts an ``exited`` status for the rank, with its exit code, where
+# the cross-rank checks of the others already look for failed peers
+# (:func:`hp_testing._sidechannel.announce_exit`, the pool's mechanism): their
+# wait ends within a poll with ``rank R exited (code C) while rank S waits for it
+# in all_reduce(...) (collective #k ...) at file:line``. For that the store must
+# outlive every rank, so with the checks on ``hp-run`` hosts the rendezvous
+# TCPStore itself, as torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE``),
+# instead of rank 0; and the checks are on by default, under gloo's own rules
+# when there is no ``--emulate`` (``--no-checks`` gives the bare launcher).
 class _AgentStore:
     """The rendezvous TCPStore, hosted by hp-run to outlive every rank ([Note: a rank that exits early])."""
 

@@ -4,35 +4,9 @@ A profile is data: the reduce ops, the dtypes per kind of operation, and the
 layout and point-to-point rules of one backend, each with the document it comes
 from. :func:`check_call` applies a profile to one described call (see
 :mod:`hp_testing._calls`) and raises :class:`BackendRuleError` naming the rule,
-the observed value, the fix and the source.
-
-[Note: why the gloo profile has rules too]
-gloo itself checks little: it reduces a non-contiguous view over the wrong
-elements and writes into its base, and a failed ``PREMUL_SUM`` or integer
-``AVG`` breaks the group for every later collective. The ``gloo`` profile
-turns those into clear errors at the call site.
-
-[Note: the first batch on a group]
-torch 2.13's own ``batch_isend_irecv`` docstring (distributed_c10d.py, the
-wheel this project pins) still says: "if this API is the first collective
-call in the ``group`` passed to ``dist.P2POp``, all ranks of the ``group``
-must participate in this API call; otherwise, the behavior is undefined".
-The reason is in ``ProcessGroupNCCL::pointToPoint``: inside a batch
-(``ncclActiveGroupCounter_ > 0``) it selects the communicator "like a
-collective" (the device key, the whole group's communicator) rather than the
-two-rank one a single send uses, and creates it on first use, lazily, with
-``ncclCommInitRank`` over every rank of the group, which blocks until all of
-them have called it. A collective on the group creates the same
-communicator. So under NCCL, unless the default group was bound to a device
-at ``init_process_group(device_id=...)`` (eager init; hp_core does not pass
-one), each rank of the group must reach a batch or a collective on the group
-before the first batch can complete; a rank that only does single sends, or
-nothing, on the group leaves the others hanging in the communicator's
-creation. The ``nccl-emu`` profile emulates exactly that: the first
-``batch_isend_irecv`` of a test (or ``hp-run`` script) on a group waits until
-every member has joined the group by a batch or a collective, so the hang
-becomes a ``PeerFailedError`` or a ``DeadlockError`` naming the rule. Not
-applied to ``hccl-emu``: no source for HCCL's behaviour was found.
+the observed value, the fix and the source. Why gloo has a profile too:
+[Note: why the gloo profile has rules too]; NCCL's rule for a group's first
+batch: [Note: the first batch on a group].
 """
 
 from __future__ import annotations
@@ -98,6 +72,27 @@ class BackendRuleError(ValueError):
 REDUCE_KINDS = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single"})
 
 
+# [Note: the first batch on a group]
+# torch 2.13's own ``batch_isend_irecv`` docstring (distributed_c10d.py, the
+# wheel this project pins) still says: "if this API is the first collective
+# call in the ``group`` passed to ``dist.P2POp``, all ranks of the ``group``
+# must participate in this API call; otherwise, the behavior is undefined".
+# The reason is in ``ProcessGroupNCCL::pointToPoint``: inside a batch
+# (``ncclActiveGroupCounter_ > 0``) it selects the communicator "like a
+# collective" (the device key, the whole group's communicator) rather than the
+# two-rank one a single send uses, and creates it on first use, lazily, with
+# ``ncclCommInitRank`` over every rank of the group, which blocks until all of
+# them have called it. A collective on the group creates the same
+# communicator. So under NCCL, unless the default group was bound to a device
+# at ``init_process_group(device_id=...)`` (eager init; hp_core does not pass
+# one), each rank of the group must reach a batch or a collective on the group
+# before the first batch can complete; a rank that only does single sends, or
+# nothing, on the group leaves the others hanging in the communicator's
+# creation. The ``nccl-emu`` profile emulates exactly that: the first
+# ``batch_isend_irecv`` of a test (or ``hp-run`` script) on a group waits until
+# every member has joined the group by a batch or a collective, so the hang
+# becomes a ``PeerFailedError`` or a ``DeadlockError`` naming the rule. Not
+# applied to ``hccl-emu``: no source for HCCL's behaviour was found.
 @dataclass(frozen=True)
 class Profile:
     """One backend's rules. ``name`` is the marker value (``"nccl-emu"``)."""
@@ -207,6 +202,11 @@ PROFILES: dict[str, Profile] = {
 }
 
 
+# [Note: why the gloo profile has rules too]
+# gloo itself checks little: it reduces a non-contiguous view over the wrong
+# elements and writes into its base, and a failed ``PREMUL_SUM`` or integer
+# ``AVG`` breaks the group for every later collective. The ``gloo`` profile
+# turns those into clear errors at the call site.
 def get_profile(name: str) -> Profile:
     """The profile called ``name``; ``hccl-emu`` honours ``HP_TEST_HCCL_SOC=a2``."""
     try:
