@@ -1,4 +1,4 @@
-"""Issue 17: every bad call to hp_core's public API is a clear error, on every rank, that changes nothing.
+"""Every bad call to hp_core's public API is a clear error, on every rank, that changes nothing.
 
 Each case is one bad call. The test checks that the message names the
 observed value and the fix, that every rank raised the same kind of error
