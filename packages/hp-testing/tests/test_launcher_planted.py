@@ -1,4 +1,4 @@
-"""Planted async and point-to-point bugs under ``hp-run --emulate``: a read before wait(), unmatched point-to-point.
+"""Planted bugs under ``hp-run --emulate``: a read before wait(), unmatched point-to-point.
 
 The same script runs at 2 and 4 ranks under ``--emulate nccl`` and
 ``--emulate hccl`` (strict by default there): each test takes two of the four

@@ -1,4 +1,4 @@
-"""Planted async and point-to-point bugs under the marker: reads before wait(), unmatched p2p, NCCL's first-batch rule.
+"""Planted bugs under the marker: reads before wait(), unmatched p2p, NCCL's first-batch rule.
 
 Each bug runs at 2 and 4 ranks under ``nccl-emu`` and ``hccl-emu`` in one
 inner pytest session (pools are reused inside it), beside correct neighbours
