@@ -5,8 +5,11 @@ groups are created when a mesh needs them. See the package README for the
 capability table of each communication backend.
 """
 
+import os as _os
+
 from hp_core.__about__ import __version__
 from hp_core._checks import NotInitializedError
+from hp_core.agreement import verify_across_ranks
 from hp_core.capabilities import (
     BackendCapabilities,
     capabilities_for,
@@ -25,6 +28,7 @@ from hp_core.collectives import (
     broadcast_object,
     reduce_scatter_tensor,
 )
+from hp_core.debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
 from hp_core.device import CpuEvent, CpuStream, DeviceHandle, EventLike, StreamLike
 from hp_core.distributed import (
     destroy_distributed,
@@ -48,10 +52,16 @@ from hp_core.platform import (
 )
 from hp_core.work import Work
 
+if _os.environ.get(
+    "HP_DISTRIBUTED_DEBUG"
+):  # only when asked: configures the hp loggers ([Note: debug levels])
+    set_debug_level_from_env()
+
 __all__ = [
     "BackendCapabilities",
     "CpuEvent",
     "CpuStream",
+    "DebugLevel",
     "DeviceHandle",
     "DeviceMesh",
     "EventLike",
@@ -77,6 +87,7 @@ __all__ = [
     "destroy_distributed",
     "detect_device_type",
     "get_capabilities",
+    "get_debug_level",
     "get_local_rank",
     "get_logger",
     "get_platform",
@@ -94,7 +105,10 @@ __all__ = [
     "send",
     "send_object",
     "set_backend_semantics",
+    "set_debug_level",
+    "set_debug_level_from_env",
     "set_platform",
     "use_capabilities",
     "use_platform",
+    "verify_across_ranks",
 ]

@@ -194,7 +194,7 @@ def check_tag(fn: str, tag: Any) -> None:
 def plain(value: Any) -> Any:
     """A comparable, picklable stand-in for an argument (sequences as tuples, tensors as lists, else repr).
 
-    Used to compare arguments across ranks (see [Note: cross-rank agreement]):
+    Used to compare arguments across ranks ([Note: cross-rank agreement] in hp_core.agreement):
     whatever a rank was handed, its description can be gathered and printed.
     """
     if isinstance(value, torch.Tensor):
@@ -205,19 +205,6 @@ def plain(value: Any) -> Any:
         return value
     # An address in a repr (a generator, a function) differs between processes for the same code.
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
-
-
-# [Note: cross-rank agreement]
-# Some calls must get the same arguments on every rank: building a mesh creates
-# process groups collectively, and a rank that sees other arguments either
-# builds different state without noticing or waits forever in a group creation
-# its peers never enter. Where the call communicates anyway (it creates
-# groups), it first gathers a description of its arguments from every rank
-# (one small all_gather_object) and compares them *before* checking them
-# locally, so a disagreement, and any error that follows from one rank's bad
-# value, raises on every rank with the same message instead of hanging the
-# others. Hot-path collectives do not do this (it would double their cost);
-# hp-testing's cross-rank checks cover them in tests.
 
 
 def object_device_ready(group: Any = None) -> None:
@@ -242,19 +229,11 @@ def object_device_ready(group: Any = None) -> None:
 
 
 def agree_across_world(what: str, fix: str, **arguments: Any) -> None:
-    """Raise on every rank if the ranks of the default group passed different ``arguments``."""
-    world_size = dist.get_world_size()
-    if world_size == 1:
-        return
-    described = {key: plain(value) for key, value in arguments.items()}
-    object_device_ready()
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, described)
-    if all(entry == gathered[0] for entry in gathered):
-        return
-    differing = [key for key in described if any(entry[key] != gathered[0][key] for entry in gathered)]
-    per_rank = "; ".join(
-        f"rank {rank}: " + ", ".join(f"{key}={entry[key]!r}" for key in differing)
-        for rank, entry in enumerate(gathered)
-    )
-    raise ValueError(f"{what}: the ranks passed different arguments ({per_rank}); {fix}")
+    """Raise on every rank if the ranks of the default group passed different ``arguments``.
+
+    :func:`hp_core.verify_across_ranks` over the world, each argument by
+    :func:`plain` ([Note: cross-rank agreement] in :mod:`hp_core.agreement`).
+    """
+    from hp_core.agreement import verify_across_ranks  # the agreement imports this module
+
+    verify_across_ranks({key: plain(value) for key, value in arguments.items()}, what=what, fix=fix)
