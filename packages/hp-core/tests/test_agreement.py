@@ -10,8 +10,8 @@ from typing import Any
 
 import hp_core
 import pytest
-from hp_core import DebugLevel, verify_across_ranks
 import torch.distributed as dist
+from hp_core import DebugLevel, verify_across_ranks
 
 _COUNTED = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "all_reduce")
 
