@@ -19,14 +19,18 @@ torch's placements are accepted and compare equal ([Note: torch placements]).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.distributed.tensor._ops._math_ops import _NormPartial as _TorchNormPartial
 from torch.distributed.tensor.placement_types import Partial as _TorchPartial
 from torch.distributed.tensor.placement_types import Placement as _TorchPlacement
 from torch.distributed.tensor.placement_types import Replicate as _TorchReplicate
 from torch.distributed.tensor.placement_types import Shard as _TorchShard
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "PARTIAL_OPS",
@@ -40,6 +44,21 @@ __all__ = [
 ]
 
 PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "norm")
+
+
+class StepRunner(Protocol):
+    """The work one redistribution step may do along one mesh dim; :mod:`hp_dtensor.redistribute` runs it.
+
+    A placement's :meth:`Placement.run_step` says *which* of these a change
+    to another placement is; the runner knows the mesh dim, the layout and
+    whether the collective is left in flight.
+    """
+
+    def all_gather(self, local: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def all_to_all(self, local: torch.Tensor, src_dim: int, dst_dim: int) -> torch.Tensor: ...
+    def chunk(self, local: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def to_partial(self, local: torch.Tensor, target: Partial) -> torch.Tensor: ...
+    def reduce(self, local: torch.Tensor, source: Partial, shard_dim: int | None) -> torch.Tensor: ...
 
 
 class Placement:
@@ -58,6 +77,23 @@ class Placement:
     def is_partial(self, reduce_op: str | None = None) -> bool:
         """Whether this is a ``Partial`` (with ``reduce_op`` when given)."""
         return False
+
+    # [Note: placement transforms]
+    # Each placement says what changing it to another placement along one mesh
+    # dim costs and does, as torch's placements carry their own transforms:
+    # :meth:`step_to` names the collective (the planner's edge, or None when
+    # there is no direct step and the plan goes through ``Replicate``), and
+    # :meth:`run_step` does it through a :class:`StepRunner`. ``free(d)`` says
+    # whether no higher mesh dim also cuts tensor dim ``d`` ([Note: nested shard
+    # order] in :mod:`hp_dtensor.planner`): only then is a cut of ``d`` along
+    # this mesh dim one contiguous piece per rank.
+    def step_to(self, target: Placement, free: Callable[[int], bool]) -> str | None:
+        """The collective that changes this placement into ``target`` directly, or None if none does."""
+        return None
+
+    def run_step(self, target: Placement, local: torch.Tensor, runner: StepRunner) -> torch.Tensor:
+        """This rank's piece after the step :meth:`step_to` named (the planner only plans those)."""
+        raise AssertionError(f"no direct step {self} -> {target}")
 
     def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
         """Code that rebuilds this placement, for graphs that hold it as a constant (torch.compile)."""
@@ -85,6 +121,22 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    def step_to(self, target: Placement, free: Callable[[int], bool]) -> str | None:
+        if not free(self.dim):
+            return None
+        if isinstance(target, Replicate):
+            return "all_gather"
+        if isinstance(target, Shard) and free(target.dim):
+            return "all_to_all"
+        return None  # S -> P goes through R
+
+    def run_step(self, target: Placement, local: torch.Tensor, runner: StepRunner) -> torch.Tensor:
+        if isinstance(target, Replicate):
+            return runner.all_gather(local, self.dim)
+        if isinstance(target, Shard):
+            return runner.all_to_all(local, self.dim, target.dim)
+        return Placement.run_step(self, target, local, runner)
+
     def __eq__(self, other: object) -> bool:
         if other.__class__ is self.__class__:
             return self.dim == other.dim  # type: ignore[attr-defined]
@@ -106,6 +158,18 @@ class Replicate(Placement):
 
     def is_replicate(self) -> bool:
         return True
+
+    def step_to(self, target: Placement, free: Callable[[int], bool]) -> str | None:
+        if isinstance(target, Shard):
+            return "local_chunk" if free(target.dim) else None
+        return "local" if isinstance(target, Partial) else None
+
+    def run_step(self, target: Placement, local: torch.Tensor, runner: StepRunner) -> torch.Tensor:
+        if isinstance(target, Shard):
+            return runner.chunk(local, target.dim)
+        if isinstance(target, Partial):
+            return runner.to_partial(local, target)
+        return Placement.run_step(self, target, local, runner)
 
     def __eq__(self, other: object) -> bool:
         if other.__class__ is self.__class__:
@@ -175,6 +239,20 @@ class Partial(Placement):
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
+
+    def step_to(self, target: Placement, free: Callable[[int], bool]) -> str | None:
+        if isinstance(target, Replicate):
+            return "all_reduce"
+        if isinstance(target, Shard) and free(target.dim):
+            return "reduce_scatter"
+        return None  # P -> P of another op goes through R
+
+    def run_step(self, target: Placement, local: torch.Tensor, runner: StepRunner) -> torch.Tensor:
+        if isinstance(target, Replicate):
+            return runner.reduce(local, self, None)
+        if isinstance(target, Shard):
+            return runner.reduce(local, self, target.dim)
+        return Placement.run_step(self, target, local, runner)
 
     def __eq__(self, other: object) -> bool:
         if other.__class__ is self.__class__:

@@ -88,24 +88,7 @@ def _collective(state: Sequence[Placement], mesh_dim: int, target: Placement) ->
     def free(dim: int) -> bool:  # see [Note: nested shard order]
         return not any(isinstance(p, Shard) and p.dim == dim for p in higher)
 
-    if isinstance(current, Shard):
-        if not free(current.dim):
-            return None
-        if isinstance(target, Replicate):
-            return "all_gather"
-        if isinstance(target, Shard):
-            return "all_to_all" if free(target.dim) else None
-        return None
-    if isinstance(current, Replicate):
-        if isinstance(target, Shard):
-            return "local_chunk" if free(target.dim) else None
-        return "local"  # R -> P
-    # current is Partial
-    if isinstance(target, Replicate):
-        return "all_reduce"
-    if isinstance(target, Shard):
-        return "reduce_scatter" if free(target.dim) else None
-    return None
+    return current.step_to(target, free)  # [Note: placement transforms]
 
 
 # [Note: redistribution steps]

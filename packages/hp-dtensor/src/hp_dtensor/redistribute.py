@@ -166,23 +166,40 @@ def _reduce_partial(local: torch.Tensor, src: Partial, run: Any) -> torch.Tensor
     return run(local.pow(p), "sum").pow(1.0 / p)
 
 
+class _Runner:
+    """hp_core's collectives for one step on one mesh dim: the :class:`StepRunner` placements call."""
+
+    __slots__ = ("async_op", "layout", "mesh_dim")
+
+    def __init__(self, layout: Layout, mesh_dim: int, async_op: bool) -> None:
+        self.layout, self.mesh_dim, self.async_op = layout, mesh_dim, async_op
+
+    def all_gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        return _all_gather(local, self.layout, self.mesh_dim, dim, self.async_op)
+
+    def all_to_all(self, local: torch.Tensor, src_dim: int, dst_dim: int) -> torch.Tensor:
+        return _all_to_all(local, self.layout, self.mesh_dim, src_dim, dst_dim, self.async_op)
+
+    def chunk(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        return _chunk(local, self.layout.mesh, self.mesh_dim, dim)
+
+    def to_partial(self, local: torch.Tensor, target: Partial) -> torch.Tensor:
+        return _to_partial(local, target, self.layout.mesh, self.mesh_dim)
+
+    def reduce(self, local: torch.Tensor, source: Partial, shard_dim: int | None) -> torch.Tensor:
+        mesh, m, async_op = self.layout.mesh, self.mesh_dim, self.async_op
+        if shard_dim is None:
+            return _reduce_partial(local, source, lambda x, op: _all_reduce(x, op, mesh, m, async_op))
+        return _reduce_partial(
+            local, source, lambda x, op: _reduce_scatter(x, op, mesh, m, shard_dim, async_op)
+        )
+
+
 def _run_step(
     local: torch.Tensor, layout: Layout, step: RedistributeStep, async_op: bool = False
 ) -> torch.Tensor:
-    mesh, m, src, dst = layout.mesh, step.mesh_dim, step.src, step.dst
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return _all_gather(local, layout, m, src.dim, async_op)
-    if isinstance(src, Shard) and isinstance(dst, Shard):
-        return _all_to_all(local, layout, m, src.dim, dst.dim, async_op)
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return _chunk(local, mesh, m, dst.dim)
-    if isinstance(src, Replicate) and isinstance(dst, Partial):
-        return _to_partial(local, dst, mesh, m)
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return _reduce_partial(local, src, lambda x, op: _all_reduce(x, op, mesh, m, async_op))
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        return _reduce_partial(local, src, lambda x, op: _reduce_scatter(x, op, mesh, m, dst.dim, async_op))
-    raise AssertionError(f"no direct step {src} -> {dst}")
+    """One planned step, done by the source placement ([Note: placement transforms])."""
+    return step.src.run_step(step.dst, local, _Runner(layout, step.mesh_dim, async_op))
 
 
 def _next_layout(layout: Layout, mesh_dim: int, target: Placement) -> Layout:
