@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -61,6 +62,15 @@ class Config:
     layers: int = 4
     seq: int = 16
     rope_theta: float = 10000.0
+
+    @classmethod
+    def for_layout(cls, layout: tuple[int, int, int]) -> Config:
+        """The default model, grown where a layout needs more: a layer per stage (two stages per
+        pipeline rank), at least one k / v head per TP rank. Layouts up to 2,2,2 keep the default."""
+        pp, _, tp = layout
+        kv_heads = max(cls.kv_heads, tp)
+        heads = max(cls.heads, kv_heads * (cls.heads // cls.kv_heads))
+        return cls(layers=max(cls.layers, 2 * pp), heads=heads, kv_heads=kv_heads)
 
 
 def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -263,9 +273,12 @@ class Args:
     schedule: str = "Interleaved1F1B"
 
 
-def train(args: Args, c: Config = Config()) -> dict[str, Any]:  # noqa: B008 - frozen config
-    """Run the job on the current process group; returns the per-step losses (and the reference's)."""
+def train(args: Args, c: Config | None = None) -> dict[str, Any]:
+    """Run the job on the current process group; returns the per-step losses (and the reference's).
+
+    ``c`` defaults to :meth:`Config.for_layout` of ``args.layout``."""
     pp, dp, tp = args.layout
+    c = Config.for_layout(args.layout) if c is None else c
     world, rank = dist.get_world_size(), dist.get_rank()
     if pp * dp * tp != world:
         raise ValueError(f"--layout {args.layout} needs {pp * dp * tp} ranks, but {world} were started")
@@ -386,7 +399,12 @@ def main() -> None:
     )
     parser.add_argument("--layout", default="2,2,2", help="pp,dp,tp (their product is the number of ranks)")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--global-batch", type=int, default=16, help="sequences per step, all replicas")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per step, all replicas (default: 16, or the least multiple of 16 the layout splits)",
+    )
     parser.add_argument("--per-micro", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--max-norm", type=float, default=1.0)
@@ -404,7 +422,7 @@ def main() -> None:
     args = Args(
         layout=layout,  # type: ignore[arg-type]
         steps=ns.steps,
-        global_batch=ns.global_batch,
+        global_batch=ns.global_batch or math.lcm(16, layout[0] * layout[1] * ns.per_micro),
         per_micro=ns.per_micro,
         lr=ns.lr,
         max_norm=ns.max_norm,

@@ -261,6 +261,53 @@ def test_a_module_first_imported_by_a_rank_still_has_per_rank_globals(
     assert run_local(body, 4) == [[0, 1, 2, 3]] * 4  # not named: one module, shared as by threads
 
 
+def test_a_global_bound_under_two_names_stays_one_object_per_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # hp_dtensor.ops.pointwise registers rules into dispatch's RULES through its own name for it;
+    # split per (module, name), a rule registered on first use was missing where dispatch looks
+    (tmp_path / "alias_probe").mkdir()
+    (tmp_path / "alias_probe" / "__init__.py").write_text("TABLE = {}\n")
+    (tmp_path / "alias_probe" / "late.py").write_text("from alias_probe import TABLE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import alias_probe
+
+    monkeypatch.setitem(sys.modules, "alias_probe", alias_probe)
+
+    def body(rank: int) -> list[int]:
+        import hp_dtensor.ops.dispatch as dispatch
+        import hp_dtensor.ops.pointwise as pointwise
+
+        assert pointwise.RULES is dispatch.RULES
+        import alias_probe.late  # first imported by a rank, binding the package's TABLE
+
+        assert alias_probe.late.TABLE is alias_probe.TABLE
+        alias_probe.late.TABLE[rank] = rank
+        hp_core.barrier()
+        return sorted(alias_probe.TABLE)
+
+    assert run_local(body, 3, state_packages=["alias_probe"]) == [[0], [1], [2]]
+    monkeypatch.delitem(sys.modules, "alias_probe.late")
+
+
+@pytest.mark.parametrize("world", _worlds())
+def test_p2p_receives_match_by_tag_as_on_gloo(world: int, rank: int) -> None:
+    # hp_pipeline's failure vote posts its receives early on a tag of its own (gloo semantics)
+    peer = rank ^ 1
+    if rank % 2 == 0:
+        first = dist.isend(torch.full((2,), 1.0), peer, tag=7)
+        second = dist.isend(torch.full((3,), 2.0), peer, tag=0)
+        first.wait()
+        second.wait()
+    else:
+        late, early = torch.empty(2), torch.empty(3)
+        works = [dist.irecv(early, peer, tag=0), dist.irecv(late, peer, tag=7)]
+        for work in works:
+            work.wait()
+        torch.testing.assert_close(early, torch.full((3,), 2.0), rtol=0, atol=0)
+        torch.testing.assert_close(late, torch.full((2,), 1.0), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("arguments", "named"),
     [

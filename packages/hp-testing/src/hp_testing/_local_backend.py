@@ -8,7 +8,8 @@ peer. The last rank to arrive checks that all agree (the same collective,
 reduce op, root, dtype and shapes) and then computes every rank's output at
 once from the inputs; a disagreement fails the collective on every rank of
 the group with each rank's arguments. Point-to-point messages match in issue
-order per (group, source, destination), ignoring tags, as NCCL does; a send
+order per (group, source, destination) and tag, as gloo does (tags ignored
+under ``emulate="nccl"`` / ``"hccl"``, as those backends do); a send
 completes when its receive took it.
 
 ``wait()`` on the returned work hands the baton to another rank until the
@@ -277,8 +278,10 @@ class LocalGroup(dist.ProcessGroup):
 
     # -- point to point ---------------------------------------------------------------------------------
 
-    def _channel(self, src: int, dst: int) -> tuple[deque[_Message], deque[_Message]]:
-        return self._world.channels.setdefault((self._name, src, dst), (deque(), deque()))
+    def _channel(self, src: int, dst: int, tag: int) -> tuple[deque[_Message], deque[_Message]]:
+        # gloo matches a receive by (peer, tag); NCCL and HCCL ignore tags and match in issue order
+        key = (self._name, src, dst, tag if self._world.p2p_tags else None)
+        return self._world.channels.setdefault(key, (deque(), deque()))
 
     def _pair(self, sends: deque[_Message], recvs: deque[_Message]) -> None:
         while sends and recvs:
@@ -287,8 +290,9 @@ class LocalGroup(dist.ProcessGroup):
             if send.tensor.dtype != recv.buffer.dtype or send.tensor.numel() != recv.buffer.numel():
                 problem = (
                     f"hp_testing local mode: a send and the receive it meets disagree: {send.shown} vs "
-                    f"{recv.shown}; messages between two ranks match in issue order (tags are ignored, as "
-                    "under NCCL), so issue the receives in the order of the sends, with matching sizes."
+                    f"{recv.shown}; messages between two ranks (on one tag under gloo; on any tag under NCCL "
+                    "and HCCL) match in issue order, so issue the receives in the order of the sends, "
+                    "with matching sizes."
                 )
                 send.error = recv.error = problem
             else:
@@ -301,7 +305,7 @@ class LocalGroup(dist.ProcessGroup):
         (tensor,) = tensors
         me, peer = self._ranks[self._group_rank], self._ranks[dst]
         message = _Message(tensor=tensor.clone(), shown=f"rank {me} send({_sig(tensor)}) to rank {peer}")
-        sends, recvs = self._channel(self._group_rank, dst)
+        sends, recvs = self._channel(self._group_rank, dst, tag)
         sends.append(message)
         self._pair(sends, recvs)
         return LocalWork(self._world, lambda: message.done, lambda: message.error, message.shown)
@@ -310,7 +314,7 @@ class LocalGroup(dist.ProcessGroup):
         (tensor,) = tensors
         me, peer = self._ranks[self._group_rank], self._ranks[src]
         message = _Message(buffer=tensor, shown=f"rank {me} recv({_sig(tensor)}) from rank {peer}")
-        sends, recvs = self._channel(src, self._group_rank)
+        sends, recvs = self._channel(src, self._group_rank, tag)
         recvs.append(message)
         self._pair(sends, recvs)
         return LocalWork(self._world, lambda: message.done, lambda: message.error, message.shown)

@@ -81,6 +81,27 @@ def _fork_value(value: Any) -> Any:
     return value
 
 
+def _fork_all(values: Iterable[Any], memo: dict[int, Any]) -> list[Any]:
+    """Fork ``values`` keeping aliases: one object under several names stays one object per rank.
+
+    ``from hp_dtensor.ops.dispatch import RULES`` binds the same dict in two
+    modules; a copy per (module, name) would split it, and a rule one module
+    registers would be missing from the other's table. ``memo`` maps the id
+    of an object the process holds to this rank's copy of it.
+    """
+    out = []
+    for value in values:
+        kind = type(value)
+        if kind in _CONTAINERS or issubclass(kind, c10d._World):
+            mine = memo.get(id(value))
+            if mine is None:
+                mine = memo[id(value)] = _fork_value(value)
+            out.append(mine)
+        else:
+            out.append(value)
+    return out
+
+
 class Slots:
     """The (module, global name) pairs every rank owns a copy of.
 
@@ -130,7 +151,7 @@ class RankState:
 
     def __init__(self, slots: Slots, parent: list[Any], env: dict[str, str]) -> None:
         self.slots = slots
-        self.globals = [_fork_value(value) for value in parent]
+        self.globals = _fork_all(parent, {})
         self.rng = torch.Generator().get_state()  # a fresh process's default seed, as each pool test gets
         self.dtype = torch.get_default_dtype()
         self.stdout = io.StringIO()
@@ -138,9 +159,15 @@ class RankState:
         self.excepthook = sys.excepthook
         self.env = env
 
-    def adopt(self, values: list[Any]) -> None:
-        """Own a copy of the globals of modules imported since this rank last ran."""
-        self.globals.extend(_fork_value(value) for value in values)
+    def adopt(self, values: list[Any], running: list[Any]) -> None:
+        """Own a copy of the globals of modules imported since this rank last ran.
+
+        ``running`` holds the importing rank's values of the slots known before
+        the import: a new global bound to one of them (``from m import TABLE``)
+        becomes this rank's own copy of it, not a second one.
+        """
+        memo = {id(theirs): mine for theirs, mine in zip(running, self.globals, strict=False)}
+        self.globals.extend(_fork_all(values, memo))
 
     def enter(self) -> None:
         """Make this rank's state the process's."""

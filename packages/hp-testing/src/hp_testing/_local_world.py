@@ -80,6 +80,7 @@ class World:
     ended: dict[int, str] = field(default_factory=dict)  # rank -> "returned" / "raised X"
     waiting: dict[int, _Wait] = field(default_factory=dict)
     stalled: str | None = None
+    p2p_tags: bool = True  # receives match sends by tag (gloo); False: in issue order (NCCL, HCCL)
     # Shared by the backend's groups: rendezvous of collectives and p2p channels.
     pending: dict[Any, Any] = field(default_factory=dict)
     channels: dict[Any, Any] = field(default_factory=dict)
@@ -89,11 +90,13 @@ class World:
     def switch_in(self, rank: int) -> None:
         if self.running == rank:
             return
+        known = len(self.slots.pairs)
         imported = self.slots.grow()
         if imported:
+            running = self.slots.read()[:known]  # the importing rank's (or the host's) values
             for other, state in self.states.items():
                 if other != self.running:
-                    state.adopt(imported)
+                    state.adopt(imported, running)
         if self.running is not None:
             self.states[self.running].leave()
         self.states[rank].enter()
