@@ -26,8 +26,11 @@ product`` is formed term by term with no communication.
 [Note: contraction placements]
 Each mesh dim is decided on its own. The candidates are: keep ``a``'s
 placement (and derive ``b``'s and the output's from the table), keep
-``b``'s, or replicate both. The one whose input moves cost fewest elements
-received wins (a replicated input is cut for free; a shard gathered costs
+``b``'s, keep the ``self`` term's of an ``add*`` op (the output is cut like
+it, or partial like it, and the operands follow the output's letter: so
+``addmm(bias S(0), mat1 R, mat2 R)`` cuts ``mat1`` by rows locally), or
+replicate everything. The one whose input moves (the ``self`` term's included) cost fewest
+elements received wins (a replicated input is cut for free; a shard gathered costs
 its size; an all-to-all its size over the mesh dim; a partial reduced twice
 its size, as an all-reduce does), so ``S(1) @ S(0)`` is a partial sum with
 no communication and, when both operands must move, the smaller one does.
@@ -37,11 +40,11 @@ to ``a``'s shard.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
@@ -83,55 +86,100 @@ def _follow(
     return (placement, partner, result) if side == 0 else (partner, placement, result)
 
 
+def _from_out(letters: tuple[str, str, str], placement: Placement) -> tuple[Placement, Placement, Placement]:
+    """(a, b, out) when the output takes ``placement``: each operand cut on the output's letter."""
+    if isinstance(placement, Shard):
+        letter = letters[2][placement.dim]
+        a: Placement = Shard(letters[0].index(letter)) if letter in letters[0] else R
+        b: Placement = Shard(letters[1].index(letter)) if letter in letters[1] else R
+        return a, b, placement
+    return placement, R, placement  # a linear partial: one operand carries the terms
+
+
+def _bias_target(out: Placement, bias_shape: tuple[int, ...], out_ndim: int) -> Placement:
+    """The ``self`` term of an ``add*`` op, broadcast to the product: cut or partial like it."""
+    if isinstance(out, Shard):
+        dim = out.dim - (out_ndim - len(bias_shape))
+        return Shard(dim) if dim >= 0 and bias_shape[dim] != 1 else R
+    return out
+
+
+def _bias_proposal(bias: Placement, bias_shape: tuple[int, ...], out_ndim: int) -> Placement | None:
+    """The output placement that lets the ``self`` term stay where it is, or None."""
+    if isinstance(bias, Shard):
+        if bias_shape[bias.dim] == 1:
+            return None  # a broadcast dim: the output is not cut like it
+        return Shard(bias.dim + out_ndim - len(bias_shape))
+    if isinstance(bias, Partial) and bias.reduce_op in _LINEAR:
+        return bias
+    return None
+
+
 def contraction_placements(
-    letters: tuple[str, str, str], a: Placement, b: Placement, sizes: tuple[int, int], ranks: int
-) -> tuple[Placement, Placement, Placement]:
-    """Target (a, b, out) placements on one mesh dim for the contraction ``letters`` (``a,b->out``).
+    letters: tuple[str, str, str],
+    a: Placement,
+    b: Placement,
+    sizes: tuple[int, int],
+    ranks: int,
+    bias: tuple[Placement, tuple[int, ...]] | None = None,
+) -> tuple[Placement, Placement, Placement, Placement | None]:
+    """Target (a, b, out, self) placements on one mesh dim for the contraction ``letters`` (``a,b->out``).
 
     ``sizes`` are the operands' element counts and ``ranks`` the mesh dim's
     size, for the cost of moving them (see [Note: contraction placements]).
+    ``bias`` is the ``self`` term of an ``add*`` op (its placement and global
+    shape), whose move counts too and which may propose the output's cut; the
+    last entry is its target (None without one).
     """
     candidates = [c for c in (_follow(letters, 0, a), _follow(letters, 1, b)) if c is not None]
+    if bias is not None:
+        proposal = _bias_proposal(bias[0], bias[1], len(letters[2]))
+        if proposal is not None:
+            candidates.append(_from_out(letters, proposal))
     candidates.append((R, R, R))
+
+    def bias_of(out: Placement) -> Placement | None:
+        return None if bias is None else _bias_target(out, bias[1], len(letters[2]))
 
     def key(item: tuple[int, tuple[Placement, Placement, Placement]]) -> tuple[float, int, int]:
         index, (ta, tb, out) = item
         cost = _move_cost(a, ta, sizes[0], ranks) + _move_cost(b, tb, sizes[1], ranks)
+        target = bias_of(out)
+        if bias is not None and target is not None:
+            cost += _move_cost(bias[0], target, math.prod(bias[1]), ranks)
         rank = 0 if isinstance(out, Shard) else 1 if isinstance(out, Partial) else 2
         return cost, rank, index
 
-    return min(enumerate(candidates), key=key)[1]
+    ta, tb, out = min(enumerate(candidates), key=key)[1]
+    return ta, tb, out, bias_of(out)
 
 
 def _contract(
-    call: OpCall, a_arg: Any, b_arg: Any, letters: tuple[str, str, str]
+    call: OpCall, a_arg: Any, b_arg: Any, letters: tuple[str, str, str], bias_arg: Any = None
 ) -> tuple[dict[int, tuple[Placement, ...]], tuple[Placement, ...]]:
-    """Input targets and output placements of ``a_arg`` x ``b_arg`` over every mesh dim."""
+    """Input targets and output placements of ``a_arg`` x ``b_arg`` (+ ``bias_arg``) over every mesh dim."""
     pa, pb = call.position_of(a_arg), call.position_of(b_arg)
     la, lb = call.layout(pa), call.layout(pb)
+    lbias = call.layout(call.position_of(bias_arg)) if bias_arg is not None else None
     sizes = (a_arg.numel(), b_arg.numel())
     ta: list[Placement] = []
     tb: list[Placement] = []
+    tbias: list[Placement] = []
     out: list[Placement] = []
     for m in range(la.mesh.ndim):
-        x, y, z = contraction_placements(letters, la.placements[m], lb.placements[m], sizes, la.mesh.shape[m])
+        bias = (lbias.placements[m], tuple(lbias.shape)) if lbias is not None else None
+        x, y, z, w = contraction_placements(
+            letters, la.placements[m], lb.placements[m], sizes, la.mesh.shape[m], bias
+        )
         ta.append(x)
         tb.append(y)
         out.append(z)
-    return {pa: tuple(ta), pb: tuple(tb)}, tuple(out)
-
-
-def _bias_targets(bias: Layout, out: tuple[Placement, ...], out_ndim: int) -> tuple[Placement, ...]:
-    """The ``self`` term of an ``add*`` op, broadcast to the product: cut or partial like it."""
-    target: list[Placement] = []
-    for placement in out:
-        if isinstance(placement, Shard):
-            dim = placement.dim - (out_ndim - bias.ndim)
-            ok = dim >= 0 and bias.shape[dim] != 1
-            target.append(Shard(dim) if ok else R)
-        else:
-            target.append(placement)
-    return tuple(target)
+        if w is not None:
+            tbias.append(w)
+    inputs = {pa: tuple(ta), pb: tuple(tb)}
+    if bias_arg is not None:
+        inputs[call.position_of(bias_arg)] = tuple(tbias)
+    return inputs, tuple(out)
 
 
 def _all_dtensors(call: OpCall, *indices: int) -> bool:
@@ -171,9 +219,6 @@ def add_product_rule(call: OpCall) -> Decision | None:
     """``beta * self + alpha * (a @ b)``: the product's placement; ``self`` cut or made partial to match."""
     if not _all_dtensors(call, 1, 2):
         return None
-    letters = _ADD_PRODUCTS[call.func]
-    inputs, out = _contract(call, call.args[1], call.args[2], letters)
-    if _all_dtensors(call, 0):
-        position = call.position_of(call.args[0])
-        inputs[position] = _bias_targets(call.layout(position), out, len(letters[2]))
+    bias = call.args[0] if _all_dtensors(call, 0) else None
+    inputs, out = _contract(call, call.args[1], call.args[2], _ADD_PRODUCTS[call.func], bias)
     return Decision(inputs=inputs, outputs=[out])
