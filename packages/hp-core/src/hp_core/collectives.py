@@ -39,6 +39,8 @@ from hp_core._checks import (
     resolve_group,
 )
 from hp_core.capabilities import REDUCE_OPS, BackendCapabilities, capabilities_for
+from hp_core.carriers import Carrier
+def carrier_for(*a, **k): return None
 from hp_core.work import Work
 
 __all__ = [
@@ -147,6 +149,28 @@ def _check_sizes(fn: str, name: str, sizes: Sequence[int], world_size: int) -> l
     return values
 
 
+def _moved(fn: str, caps: BackendCapabilities, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors of a data-moving collective as the backend carries them ([Note: dtype carriers]).
+
+    Moving never looks at values, so an unsupported dtype travels as a
+    same-width view of the same memory: the results land in the caller's
+    tensors with no copy, and a supported dtype is passed through untouched.
+    """
+    carrier = carrier_for(fn, caps.backend, tensors[0].dtype)
+    if carrier is None:
+        return tensors
+    return tuple(carrier.there(t) for t in tensors)
+
+
+def _wire_out(carrier: Carrier | None, output: torch.Tensor) -> torch.Tensor:
+    """Where a reduction's result travels: the output itself, a view of it, or a fresh carrier buffer."""
+    if carrier is None:
+        return output
+    if carrier.shares_memory:
+        return output.view(carrier.dtype)
+    return torch.empty(output.shape, dtype=carrier.dtype, device=output.device)
+
+
 # -- all_reduce ---------------------------------------------------------------
 
 
@@ -214,11 +238,25 @@ def all_reduce(
     pg = resolve_group(fn, group)
     caps = capabilities_for(pg, tensor.device.type)
     plan = _plan_reduce(fn, op, scale, tensor, pg, caps)
+    carrier = carrier_for(fn, caps.backend, tensor.dtype, _op_name(fn, op))
+    wire = tensor
+    if carrier is not None:
+        wire = carrier.there(tensor)
+        if carrier.op is not None:
+            plan = _plan_reduce(fn, carrier.op, scale, wire, pg, caps)
     if plan.pre_scale is not None:
-        tensor.mul_(plan.pre_scale)
-    handle = _issue.all_reduce(tensor, plan.op, pg)
+        wire.mul_(plan.pre_scale)
+    handle = _issue.all_reduce(wire, plan.op, pg)
     divide_by = plan.divide_by
-    post = (lambda: tensor.div_(divide_by)) if divide_by is not None else None
+    if divide_by is None and (carrier is None or carrier.shares_memory):
+        return _finish(Work([handle], None, tensor), async_op)
+
+    def post() -> None:
+        if divide_by is not None:
+            wire.div_(divide_by)
+        if carrier is not None:
+            carrier.back(wire, tensor)
+
     return _finish(Work([handle], post, tensor), async_op)
 
 
@@ -319,6 +357,8 @@ def all_gather_into_tensor(
     pg = resolve_group(fn, group)
     world_size = group_facts(pg).size
     caps = capabilities_for(pg, input_tensor.device.type)
+    result = output_tensor
+    output_tensor, input_tensor = _moved(fn, caps, output_tensor, input_tensor)
 
     if input_sizes is None:
         expected = world_size * input_tensor.numel()
@@ -331,7 +371,7 @@ def all_gather_into_tensor(
                 "or pass input_sizes= if the ranks' sizes differ."
             )
         handle = _gather_even(output_tensor, input_tensor, pg, world_size, caps)
-        return _finish(Work([handle], None, output_tensor), async_op)
+        return _finish(Work([handle], None, result), async_op)
 
     sizes = _check_sizes(fn, "input_sizes", input_sizes, world_size)
     if input_tensor.dim() == 0:
@@ -355,7 +395,7 @@ def all_gather_into_tensor(
     largest = max(sizes)
     if all(size == largest for size in sizes):
         handle = _gather_even(output_tensor, input_tensor, pg, world_size, caps)
-        return _finish(Work([handle], None, output_tensor), async_op)
+        return _finish(Work([handle], None, result), async_op)
 
     padded = input_tensor.new_zeros((largest, *rest))
     padded[: input_tensor.shape[0]].copy_(input_tensor)
@@ -368,7 +408,7 @@ def all_gather_into_tensor(
             output_tensor[offset : offset + size].copy_(buffer[rank * largest : rank * largest + size])
             offset += size
 
-    return _finish(Work([handle], copy_out, output_tensor), async_op)
+    return _finish(Work([handle], copy_out, result), async_op)
 
 
 # -- reduce_scatter -----------------------------------------------------------
@@ -453,22 +493,42 @@ def reduce_scatter_tensor(
         )
     caps = capabilities_for(pg, input.device.type)
     plan = _plan_reduce(fn, op, scale, input, pg, caps)
-    source = input * plan.pre_scale if plan.pre_scale is not None else input
+    carrier = carrier_for(fn, caps.backend, input.dtype, _op_name(fn, op))
+    wire_in, wire_out = input, output
+    if carrier is not None:
+        wire_in, wire_out = carrier.there(input), _wire_out(carrier, output)
+        if carrier.op is not None:
+            plan = _plan_reduce(fn, carrier.op, scale, wire_in, pg, caps)
+    # A view carrier shares the caller's tensors (the input must stay unmodified).
+    shares_memory = carrier is None or carrier.shares_memory
+    source = wire_in * plan.pre_scale if plan.pre_scale is not None else wire_in
     divide_by = plan.divide_by
 
-    if caps.reduce_scatter_tensor:
-        handle = _issue.reduce_scatter(output, source, plan.op, pg)
-        post = (lambda: output.div_(divide_by)) if divide_by is not None else None
-        return _finish(Work([handle], post, output), async_op)
+    def carry_back() -> None:
+        if carrier is not None:
+            carrier.back(wire_out, output)
 
-    buffer = source if source is not input else input.clone()
+    if caps.reduce_scatter_tensor:
+        handle = _issue.reduce_scatter(wire_out, source, plan.op, pg)
+        if divide_by is None and shares_memory:
+            return _finish(Work([handle], None, output), async_op)
+
+        def finish() -> None:
+            if divide_by is not None:
+                wire_out.div_(divide_by)
+            carry_back()
+
+        return _finish(Work([handle], finish, output), async_op)
+
+    buffer = wire_in.clone() if source is wire_in and shares_memory else source
     handle = _issue.all_reduce(buffer, plan.op, pg)
     group_rank = group_facts(pg).rank
 
     def keep_chunk() -> None:
-        output.copy_(buffer.view(world_size, -1)[group_rank].view_as(output))
+        wire_out.copy_(buffer.view(world_size, -1)[group_rank].view_as(wire_out))
         if divide_by is not None:
-            output.div_(divide_by)
+            wire_out.div_(divide_by)
+        carry_back()
 
     return _finish(Work([handle], keep_chunk, output), async_op)
 
@@ -575,6 +635,8 @@ def all_to_all_single(
     in_splits = _splits(fn, "input_split_sizes", input, input_split_sizes, world_size)
     out_splits = _splits(fn, "output_split_sizes", output, output_split_sizes, world_size)
     caps = capabilities_for(pg, input.device.type)
+    result = output
+    output, input = _moved(fn, caps, output, input)
 
     if caps.all_to_all_single:
         handle = _issue.all_to_all(
@@ -584,7 +646,7 @@ def all_to_all_single(
             None if input_split_sizes is None else in_splits,
             pg,
         )
-        return _finish(Work([handle], None, output), async_op)
+        return _finish(Work([handle], None, result), async_op)
 
     # Emulation: one batch of point-to-point transfers; the own chunk is a local copy.
     _issue.refuse_when_tracing(fn)
@@ -602,7 +664,7 @@ def all_to_all_single(
             ops.append(dist.P2POp(dist.irecv, out_chunks[peer], ranks[peer], pg))
     out_chunks[group_rank].copy_(in_chunks[group_rank])
     handles = dist.batch_isend_irecv(ops) if ops else []
-    return _finish(Work(handles, None, output), async_op)
+    return _finish(Work(handles, None, result), async_op)
 
 
 # -- broadcast and barrier ------------------------------------------------------
@@ -683,7 +745,8 @@ def broadcast(
     check_tensor(fn, "tensor", tensor)
     pg = resolve_group(fn, group)
     source = _broadcast_source(fn, src, group_src, pg)
-    handle = _issue.broadcast(tensor, source, pg)
+    (wire,) = _moved(fn, capabilities_for(pg, tensor.device.type), tensor)
+    handle = _issue.broadcast(wire, source, pg)
     return _finish(Work([handle], None, tensor), async_op)
 
 
