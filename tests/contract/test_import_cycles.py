@@ -10,11 +10,7 @@ imports and are left out. ``from pkg import name`` points at ``pkg.name`` when
 that is a module, else at ``pkg`` (its ``__init__``); the implicit import of a
 parent package is not an edge (every submodule has it).
 
-hp_fsdp has no cycle. For the other packages, whose owners are changing them
-now, the cycles that exist are listed in ``KNOWN`` (each as the set of modules
-of one strongly connected component): a new cycle, or a larger one, fails; a
-listed one that is gone or smaller fails too, so that its entry is removed or
-shrunk and the list only ever shrinks.
+No package has a cycle, and this test keeps it so.
 """
 
 from __future__ import annotations
@@ -29,12 +25,7 @@ PACKAGES = {
     "hp_fsdp": ROOT / "packages/hp-fsdp/src/hp_fsdp",
     "hp_pipeline": ROOT / "packages/hp-pipeline/src/hp_pipeline",
     "hp_testing": ROOT / "packages/hp-testing/src/hp_testing",
-}
-ACYCLIC = {"hp_fsdp"}
-
-# The cycles of the other packages today; remove or shrink an entry when its cycle goes.
-KNOWN: set[frozenset[str]] = {
-    frozenset({"hp_dtensor.checkpoint", "hp_dtensor.dtensor"}),
+    "hp_torchtitan": ROOT / "packages/hp-torchtitan/src/hp_torchtitan",
 }
 
 
@@ -170,19 +161,9 @@ def test_edges_follow_python_import_rules() -> None:
     assert edges == {"p.b", "p.c", "p.d"}
 
 
-def test_hp_fsdp_has_no_import_cycle() -> None:
-    found = [c for c in cycles(import_graph()) if any(m.split(".")[0] in ACYCLIC for m in c)]
-    assert not found, "import cycles in hp_fsdp: " + "; ".join(map(_show, found))
-
-
-def test_other_packages_cycles_are_exactly_the_known_ones() -> None:
-    found = {c for c in cycles(import_graph()) if not any(m.split(".")[0] in ACYCLIC for m in c)}
-    new = sorted(map(_show, found - KNOWN))
-    gone = sorted(map(_show, KNOWN - found))
-    assert not new, (
-        f"new (or grown) import cycles: {new}; break them (move the shared part into a module both "
-        "import, or import lazily inside the function that needs it)"
-    )
-    assert not gone, (
-        f"these known cycles are gone or smaller: {gone}; update KNOWN to {sorted(map(_show, found))}"
+def test_no_package_has_an_import_cycle() -> None:
+    found = sorted(map(_show, cycles(import_graph())))
+    assert not found, (
+        f"import cycles: {found}; break them (move the shared part into a module both import, or "
+        "import lazily inside the function that needs it)"
     )

@@ -20,13 +20,13 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem
 
-    from hp_dtensor.dtensor import DTensor
+    from hp_dtensor.layout import Layout
 
 __all__ = ["chunk_list", "tensor_shard", "write_items"]
 
 
-def _refuse_partial(dt: DTensor, what: str) -> None:
-    placements = dt._layout.placements
+def _refuse_partial(layout: Layout, what: str) -> None:
+    placements = layout.placements
     if not any(isinstance(p, Partial) for p in placements):
         return
     fixed: list[Placement] = [Replicate() if isinstance(p, Partial) else p for p in placements]
@@ -37,17 +37,15 @@ def _refuse_partial(dt: DTensor, what: str) -> None:
     )
 
 
-def _box(dt: DTensor, what: str) -> tuple[torch.Size, torch.Size] | None:
+def _box(layout: Layout, local: torch.Tensor, what: str) -> tuple[torch.Size, torch.Size] | None:
     """This rank's (offsets, sizes) in the global tensor, or None when it has nothing to save or load.
 
     See [Note: DCP protocol] for why every layout gives one box and why empty
     pieces of a non-empty tensor give none.
     """
-    _refuse_partial(dt, what)
-    layout = dt._layout
+    _refuse_partial(layout, what)
     if layout.mesh.get_coordinate() is None:
         return None  # this rank is outside the tensor's mesh: it holds no piece
-    local = dt._local
     if local.numel() == 0 and math.prod(layout.shape) != 0:
         return None
     return torch.Size(layout.local_offset()), torch.Size(local.shape)
@@ -89,8 +87,8 @@ def _box(dt: DTensor, what: str) -> tuple[torch.Size, torch.Size] | None:
 # per index and could drop the one with data). When the whole tensor has no
 # elements every rank writes its (empty) box all the same, so the key is in
 # the checkpoint and a load of it finds it.
-def write_items(dt: DTensor, fqn: str) -> list[WriteItem]:
-    """The write item for this rank's piece of ``dt`` under the state-dict key ``fqn`` (none or one)."""
+def write_items(layout: Layout, local: torch.Tensor, fqn: str) -> list[WriteItem]:
+    """The write item for this rank's piece (``local``, under ``layout``) at the key ``fqn`` (none or one)."""
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         MetadataIndex,
@@ -98,7 +96,7 @@ def write_items(dt: DTensor, fqn: str) -> list[WriteItem]:
     )
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    box = _box(dt, f"dcp.save of {fqn!r}")
+    box = _box(layout, local, f"dcp.save of {fqn!r}")
     if box is None:
         return []
     offsets, sizes = box
@@ -108,36 +106,35 @@ def write_items(dt: DTensor, fqn: str) -> list[WriteItem]:
             type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(
                 chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                properties=TensorProperties.create_from_tensor(dt._local),
-                size=torch.Size(dt._layout.shape),
+                properties=TensorProperties.create_from_tensor(local),
+                size=torch.Size(layout.shape),
             ),
         )
     ]
 
 
-def chunk_list(dt: DTensor) -> list[ChunkStorageMetadata]:
+def chunk_list(layout: Layout, local: torch.Tensor) -> list[ChunkStorageMetadata]:
     """The box of the global tensor this rank holds, for DCP's load planner (none or one)."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    box = _box(dt, "dcp.load")
+    box = _box(layout, local, "dcp.load")
     if box is None:
         return []
     offsets, sizes = box
     return [ChunkStorageMetadata(offsets=offsets, sizes=sizes)]
 
 
-def tensor_shard(dt: DTensor, index: MetadataIndex) -> torch.Tensor:
+def tensor_shard(layout: Layout, local: torch.Tensor, index: MetadataIndex) -> torch.Tensor:
     """The local tensor DCP writes from or loads into (in place, so the DTensor sees the loaded values)."""
     what = f"DCP's lookup of {index.fqn!r}"
-    _refuse_partial(dt, what)
+    _refuse_partial(layout, what)
     if index.offset is not None:
-        mine = torch.Size(dt._layout.local_offset())
+        mine = torch.Size(layout.local_offset())
         if torch.Size(index.offset) != mine:
             raise ValueError(
                 f"{what}: asked for the piece at offset {tuple(index.offset)}, but this rank holds the "
-                f"one at {tuple(mine)} (placements {list(dt._layout.placements)}). The tensor's layout "
+                f"one at {tuple(mine)} (placements {list(layout.placements)}). The tensor's layout "
                 "changed between DCP's planning and its reads or writes; keep the state dict's tensors "
                 "as they are until dcp.save / dcp.load returns."
             )
-    local: torch.Tensor = dt._local
     return local

@@ -213,15 +213,15 @@ class DTensor(torch.Tensor):
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
         """DCP save: this rank's piece as a write item (none for an empty piece); Partial is refused."""
-        return _dcp.write_items(self, fqn)
+        return _dcp.write_items(self._layout, self._local, fqn)
 
     def __create_chunk_list__(self) -> list[Any]:
         """DCP load: this rank's box of the global tensor; only saved parts overlapping it are read."""
-        return _dcp.chunk_list(self)
+        return _dcp.chunk_list(self._layout, self._local)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         """DCP save and load: the local tensor to write from or load into in place."""
-        return _dcp.tensor_shard(self, index)
+        return _dcp.tensor_shard(self._layout, self._local, index)
 
     # -- entry and exit ---------------------------------------------------------------
 
@@ -253,7 +253,7 @@ class DTensor(torch.Tensor):
         table: list[Any] | None = None
         if run_check or (shape is not None and _has_shard(placements)):
             # This call gathers the local shapes anyway: agree on everything else in the same
-            # gather, before any local check ([Note: agreement before validation] in _agree).
+            # exchange, before any local check ([Note: cross-rank agreement] in hp_core.agreement).
             is_tensor = isinstance(local, torch.Tensor)
             with torch.profiler.record_function("hp_dtensor::from_local_gather_shapes"):  # not a hot path
                 table = _agree_on_local(local, is_tensor, mesh, placements, shape, what)
@@ -348,8 +348,8 @@ class DTensor(torch.Tensor):
 
 def _agree_on_local(
     local: Any, is_tensor: bool, mesh: DeviceMesh, placements: Any, shape: Any, what: str
-) -> list[Any]:
-    """Every mesh coordinate's local shape, once the ranks agree on everything else (one gather)."""
+) -> list[Any] | None:
+    """Every mesh coordinate's local shape, once the ranks agree on everything else (one exchange)."""
     return agree_over_mesh(
         what,
         mesh,
@@ -364,7 +364,7 @@ def _agree_on_local(
             "placements": describe(placements),
             "shape": describe(shape),
         },
-        extra=tuple(local.shape) if is_tensor else None,
+        extra=tuple(local.shape) if is_tensor else (),
     )
 
 
@@ -579,8 +579,8 @@ def distribute_tensor(
     what = "distribute_tensor"
     mesh = _check_mesh(device_mesh, what)
     if src_data_rank is not None:
-        # The broadcast below communicates: agree on the arguments first, so a mismatch raises on
-        # every rank instead of corrupting, aborting or hanging ([Note: agreement before validation]).
+        # The broadcast below communicates: agree on the arguments first, so a mismatch raises on every
+        # rank instead of corrupting, aborting or hanging ([Note: cross-rank agreement] in hp_core.agreement).
         agree_over_mesh(
             what,
             mesh,
@@ -667,8 +667,8 @@ def distribute_module(
                 f"{what}: {name} must be a callable or None, got {type(fn).__name__} {_short(fn)}; "
                 f"see distribute_module's docstring for the signature of {name}."
             )
-    # Replicating the parameters broadcasts them: agree on the module first
-    # ([Note: agreement before validation]); partition_fn's own distribute_tensor calls check theirs.
+    # Replicating the parameters broadcasts them: agree on the module first ([Note: cross-rank
+    # agreement] in hp_core.agreement); partition_fn's own distribute_tensor calls check theirs.
     agree_over_mesh(
         what,
         mesh,
