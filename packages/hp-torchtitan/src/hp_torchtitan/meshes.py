@@ -46,34 +46,55 @@ def hp_mesh_from_torch(mesh: Any) -> hp_core.DeviceMesh:
 def hp_dense_meshes(parallel_dims: Any) -> tuple[hp_core.DeviceMesh, hp_core.DeviceMesh | None]:
     """The data-parallel hp mesh for FSDP/HSDP and, when TP is on, the TP hp mesh beside it.
 
-    Without TP the data-parallel mesh is torchtitan's ``fsdp`` mesh (with
+    Without TP and PP the data-parallel mesh is torchtitan's ``fsdp`` mesh (with
     ``dp_replicate`` in front for HSDP) converted by :func:`hp_mesh_from_torch`.
-    With TP, hp_fsdp needs the TP mesh and the data-parallel mesh to be dims of
-    *one* hp mesh (it shards a TP DTensor again over dp and describes the result
-    on the combined mesh), so one hp mesh is built over torchtitan's dense
-    layout ``(dp_replicate, fsdp, tp)`` (row-major over the world, as
-    ``ParallelDims.build_mesh`` unflattens it) and sliced. The slices are
-    checked against torchtitan's own ``tp`` and data-parallel meshes.
+    Otherwise one hp mesh is built over the whole world (see
+    :func:`hp_dense_root`) and sliced; the slices are checked against
+    torchtitan's own ``tp`` and data-parallel meshes.
     """
     dp_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     torch_dp = parallel_dims.get_mesh(dp_names)
-    if not parallel_dims.tp_enabled:
+    if not parallel_dims.tp_enabled and not parallel_dims.pp_enabled:
         return hp_mesh_from_torch(torch_dp), None
-    torch_tp = parallel_dims.get_mesh("tp")
-    key = id(torch_tp)
-    hit = _converted.get(key)
-    if hit is None or hit[0] is not torch_tp:
-        fsdp = parallel_dims.dp_shard * parallel_dims.cp
-        grid = torch.arange(parallel_dims.world_size).view(parallel_dims.dp_replicate, fsdp, parallel_dims.tp)
-        root = hp_core.DeviceMesh(torch_tp.device_type, grid, mesh_dim_names=("dp_replicate", "fsdp", "tp"))
-        _converted[key] = (torch_tp, root)
-    root = _converted[key][1]
-    dp_mesh, tp_mesh = root[tuple(dp_names)], root["tp"]
-    for ours, theirs, name in ((tp_mesh, torch_tp, "tp"), (dp_mesh, torch_dp, "+".join(dp_names))):
+    root = hp_dense_root(parallel_dims)
+    dp_mesh = root[tuple(dp_names)]
+    pairs = [(dp_mesh, torch_dp, "+".join(dp_names))]
+    tp_mesh = None
+    if parallel_dims.tp_enabled:
+        tp_mesh = root["tp"]
+        pairs.append((tp_mesh, parallel_dims.get_mesh("tp"), "tp"))
+    for ours, theirs, name in pairs:
         if ours.mesh.flatten().tolist() != theirs.mesh.flatten().tolist():
             raise RuntimeError(
                 f"hp_dense_meshes: torchtitan's {name} mesh holds ranks {theirs.mesh.tolist()}, the hp mesh "
-                f"built from its (dp_replicate, fsdp, tp) layout {ours.mesh.tolist()}; torchtitan's mesh "
+                f"built from its (pp, dp_replicate, fsdp, tp) layout {ours.mesh.tolist()}; torchtitan's mesh "
                 "layout changed: update hp_torchtitan.meshes."
             )
     return dp_mesh, tp_mesh
+
+
+def hp_dense_root(parallel_dims: Any) -> hp_core.DeviceMesh:
+    """One hp mesh ``(pp, dp_replicate, fsdp, tp)`` over the whole world, as torchtitan lays it out.
+
+    [Note: one hp mesh over the world]
+    hp_fsdp needs the TP mesh and the data-parallel mesh to be dims of *one* hp
+    mesh (it shards a TP DTensor again over dp and describes the result on the
+    combined mesh). And an hp_core mesh is built collectively from the same
+    rank grid on every rank, so with PP the per-stage meshes torchtitan hands
+    out (a different rank grid on each pipeline rank) cannot be converted one by
+    one. So the whole dense layout is built once, row-major over the world as
+    ``ParallelDims.build_mesh`` unflattens it, and each rank slices its own
+    coordinates out of it.
+    """
+    world_mesh = parallel_dims.world_mesh
+    hit = _converted.get(id(world_mesh))
+    if hit is not None and hit[0] is world_mesh:
+        return hit[1]
+    fsdp = parallel_dims.dp_shard * parallel_dims.cp
+    shape = (parallel_dims.pp, parallel_dims.dp_replicate, fsdp, parallel_dims.tp)
+    grid = torch.arange(parallel_dims.world_size).view(shape)
+    root = hp_core.DeviceMesh(
+        world_mesh.device_type, grid, mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp")
+    )
+    _converted[id(world_mesh)] = (world_mesh, root)
+    return root

@@ -17,8 +17,14 @@ With ``tp > 1`` the decoder is first tensor-parallel (sequence parallel on)
 by :func:`hp_torchtitan.tensor_parallel.apply_tp`, then FSDP shards the TP
 parameters again over the data-parallel dims of the same hp mesh.
 
-What is not here yet raises before anything is applied: context, pipeline
-and expert parallelism, TP without sequence parallelism, activation
+Under pipeline parallelism torchtitan (or :func:`hp_torchtitan.pipeline.pipeline_decoder`)
+calls this once per stage's model part; modules a part does not hold are
+``None`` (or an empty ``layers``) and are skipped, and blocks keep their
+parameters gathered after the forward by default, as torchtitan's
+``get_fsdp_reshard_after_forward_policy`` does with PP on.
+
+What is not here yet raises before anything is applied: context and expert
+parallelism, TP without sequence parallelism, activation
 checkpointing, compile, CPU offload, weight tying (see the README's "Not yet").
 """
 
@@ -41,10 +47,12 @@ def _reject(observed: str, fix: str) -> None:
 
 def _check_supported(model: nn.Module, parallel_dims: Any, parallelism: Any, compile_config: Any) -> None:
     """Refuse, before any module is touched, every option this slice does not implement."""
-    for name in ("cp", "pp", "ep"):
+    for name in ("cp", "ep"):
         degree = getattr(parallel_dims, name)
         if degree != 1:
-            _reject(f"{name}={degree}", f"set parallelism's {name} degree to 1 (only FSDP/HSDP x TP so far)")
+            _reject(
+                f"{name}={degree}", f"set parallelism's {name} degree to 1 (only FSDP/HSDP x TP x PP so far)"
+            )
     if parallel_dims.tp != 1 and not parallelism.enable_sequence_parallel:
         _reject(
             f"tp={parallel_dims.tp} with parallelism.enable_sequence_parallel=False",
@@ -101,8 +109,9 @@ def parallelize_decoder(
         cast_forward_inputs=False,
     )
     policy = parallelism.fsdp_reshard_after_forward
-    # torchtitan's "default" reshards every block after forward unless PP is on (it is not here).
-    blocks_reshard = policy != "never"
+    # torchtitan's "default" reshards every block after forward unless PP is on: a stage runs
+    # several micro-batches' forwards and backwards in a row, which would gather each time.
+    blocks_reshard = policy == "always" or (policy == "default" and parallel_dims.pp == 1)
     tail_reshard = policy == "always"
 
     decoder: Any = model  # torchtitan's Decoder: its submodules by name

@@ -6,9 +6,9 @@ torchtitan 0.3.0 has no train-spec registry any more (0.2.x's
 on the command line with ``--module <python module> --config <function>``.
 The spec here is torchtitan's own Llama 3 spec (same architecture config,
 same initialisation, same state-dict adapter) with ``parallelize_fn`` swapped
-for :func:`hp_torchtitan.parallelize.parallelize_decoder`. Pipelining is not
-offered yet (``pipelining_fn=None``), so torchtitan refuses PP for this spec
-with its own message.
+for :func:`hp_torchtitan.parallelize.parallelize_decoder` and ``pipelining_fn``
+for :func:`hp_torchtitan.pipeline.pipeline_decoder` (hp_pipeline's stages and
+schedules, each stage's part parallelized by the former).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 from hp_torchtitan.parallelize import parallelize_decoder
+from hp_torchtitan.pipeline import pipeline_decoder
 
 SPEC_NAME = "hp_llama3"
 
@@ -58,5 +59,5 @@ def hp_llama3_spec(flavor: str = "debugmodel", **model_options: Any) -> Any:
         torch_spec,
         name=SPEC_NAME,
         parallelize_fn=parallelize_decoder,
-        pipelining_fn=None,
+        pipelining_fn=pipeline_decoder,
     )

@@ -88,17 +88,21 @@ def _check_blocks(model: nn.Module, tp: int) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: hp_core.DeviceMesh) -> None:
-    """Shard a torchtitan Llama 3 decoder (on any device, meta included) over the 1-D ``tp_mesh``."""
+    """Shard a torchtitan Llama 3 decoder (on any device, meta included) over the 1-D ``tp_mesh``.
+
+    A pipeline stage's part of the decoder works too: what it does not hold is skipped. Stage
+    boundaries then carry the residual stream's local ``Shard(1)`` piece, a plain tensor.
+    """
     _check_blocks(model, tp_mesh.size())
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
+    outer = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    # A pipeline stage's model part holds some of these only (the others are None).
+    present = {name: style for name, style in outer.items() if getattr(model, name, None) is not None}
+    if present:
+        parallelize_module(model, tp_mesh, present)
     blocks: Any = model.layers
     for block in blocks.values():
         parallelize_module(
