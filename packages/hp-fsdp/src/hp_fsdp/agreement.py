@@ -1,20 +1,19 @@
 """Cross-rank agreement: every rank called ``fully_shard`` alike, checked at the first communication.
 
-See [Note: cross-rank agreement] below. The units are read through the
+See [Note: fully_shard agreement] below; the exchange is hp_core's
+:func:`~hp_core.verify_across_ranks`. The units are read through the
 :class:`Unit` protocol (what :class:`hp_fsdp.state.FSDPState` provides), so
 this module sits below the state module that calls it.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any, Protocol
 
-import hp_core.collectives as hc
 import torch
-from hp_core import DeviceMesh
+from hp_core import verify_across_ranks
 
 from hp_fsdp.param_group import FSDPParamGroup
 from hp_fsdp.policies import MixedPrecisionPolicy
@@ -37,7 +36,7 @@ class Unit(Protocol):
     def backward_prefetch(self) -> Sequence[Unit] | None: ...
 
 
-# [Note: cross-rank agreement]
+# [Note: fully_shard agreement]
 # Each rank calls ``fully_shard`` on its own copy of the model, and nothing
 # stops the copies or the arguments from differing (a rank-dependent branch,
 # a config read per host). The units' collectives then disagree: a different
@@ -48,47 +47,31 @@ class Unit(Protocol):
 # that pads to the same size (13 rows against 14 over 2 ranks) trains on
 # mixed-up data without any error at all.
 #
-# Telling this needs the other ranks' arguments, i.e. communication, and
-# ``fully_shard`` itself communicates nothing: on the usual meshes it only
-# reads process groups the mesh already built. Adding a collective there
-# would make every ``fully_shard`` call a synchronisation point that all
-# ranks must reach in the same order, which today they need not (wrapping
-# order is free; under pipeline parallelism stages wrap different numbers of
-# blocks). So the check rides on the first moment the units communicate
-# anyway: the root's first forward (its lazy init), or an explicit
-# ``unshard()`` / ``reduce_grad()`` before any forward (how a pipeline
-# schedule drives its units), before the first all-gather is issued.
-#
-# It cannot ride *inside* that all-gather: the all-gather's size is exactly
-# what a mismatch changes, so the carrier would break before the check could
-# be read. It is a separate exchange of a fixed size: each rank hashes the
-# facts of every unit under the root (per parameter its name, global shape,
-# dtype, shard dim, replicate and requires_grad; per unit the mesh shape,
+# ``fully_shard`` itself communicates nothing (wrapping order is free; under
+# pipeline parallelism stages wrap different numbers of blocks), so the check
+# rides on the first moment the units communicate anyway: the root's first
+# forward (its lazy init), or an explicit ``unshard()`` / ``reduce_grad()``
+# before any forward, before the first all-gather is issued. It cannot ride
+# *inside* that all-gather: its size is what a mismatch changes. It is
+# hp_core's agreement ([Note: fully_shard agreement] in hp_core.agreement) over
+# the units' facts (per parameter its name, global shape, dtype, shard dim,
+# replicate and requires_grad; per unit the mesh shape,
 # ``reshard_after_forward``, ``mp_policy``, ``comm_fusion`` and the explicit
-# prefetch lists) and ``all_gather_object``s the 16-character digest, once
-# per root: one collective on a 1-D mesh (which torch runs as two tiny
-# all-gathers, the pickled size and then the bytes; it is not in
-# ``hp_testing.record_collectives``' per-step counts). On a 2-D mesh it is one per mesh
-# dim (shard, then replicate, so every rank sees every digest): one over the
-# flattened mesh would need a new process group, which is created
-# collectively over the whole world and, inside a pipeline stage's first
-# forward, would wait for stages that are blocked receiving from it. Only
-# when the digests differ do the ranks exchange the facts themselves (every
-# rank sees the same digests, so all take that path together) to name the
+# prefetch lists), once per root: a 16-byte digest per mesh dim (shard, then
+# replicate: a flattened group would be created collectively over the whole
+# world and, inside a pipeline stage's first forward, wait for stages blocked
+# receiving from it). Only on a mismatch are the facts exchanged, to name the
 # first differing value rank by rank; then every rank raises, before any unit
 # gathers. The units were already sharded by then, each rank consistently
-# with its own arguments; what the check guarantees is that no rank enters a
-# mismatched collective and that the error names the difference. Checks
-# that only read local state but run at that moment (prefetch targets under
-# the same root) are decided after the exchange, from facts it compared, so
-# they too raise on every rank or on none. Flags changed after the first
-# forward (``set_requires_gradient_sync`` and the other setters) are not
-# compared: they are per-step switches, and checking them would cost a
-# collective per step.
+# with its own arguments. Checks that read local state at that moment
+# (prefetch targets under the same root) are decided after the exchange, from
+# facts it compared, so they raise on every rank or on none. Flags changed
+# after the first forward (``set_requires_gradient_sync`` and the other
+# setters) are per-step switches and are not compared.
 
 
 def _unit_facts(state: Unit, names: dict[int, str]) -> dict[str, Any]:
-    """What must agree across ranks for one unit's collectives to match (see [Note: cross-rank agreement])."""
+    """What must agree across ranks for one unit's collectives to match ([Note: fully_shard agreement])."""
     group = state.group
 
     def target(other: Unit) -> str:
@@ -125,15 +108,6 @@ def _unit_facts(state: Unit, names: dict[int, str]) -> dict[str, Any]:
 def _plain(value: Any) -> Any:
     """A dtype as its name (readable in a message, and the same text on every rank)."""
     return str(value) if isinstance(value, torch.dtype) else value
-
-
-def _gather_over_mesh(obj: Any, mesh: DeviceMesh) -> list[Any]:
-    """Every mesh rank's ``obj`` in the mesh's row-major rank order, one exchange per mesh dim."""
-    gathered = [obj]
-    for dim in reversed(range(mesh.ndim)):  # shard dim first, then replicate: rows, then rows of rows
-        parts = hc.all_gather_object(gathered, mesh.get_group(dim))
-        gathered = [item for part in parts for item in part]
-    return gathered
 
 
 def _describe(values: list[Any], ranks: list[int]) -> str:
@@ -174,30 +148,28 @@ def _first_difference(per_rank: list[list[tuple[str, dict[str, Any]]]], ranks: l
 
 
 def check_agreement(names: dict[int, str], check: Sequence[Unit]) -> None:
-    """Raise on every rank if the ranks built ``check``'s units differently ([Note: cross-rank agreement]).
+    """Raise on every rank if the ranks built ``check``'s units differently ([Note: fully_shard agreement]).
 
     ``names`` holds a name, the same on every rank, for every unit of the
     tree by ``id`` (to name the units and their prefetch targets); ``check``
     are the units not compared yet; they are marked agreed on success.
-    One ``all_gather_object`` of a digest per mesh dim, over the mesh of the
-    first unit that has parameters; nothing when no unit communicates.
+    One 16-byte digest exchange per mesh dim, over the mesh of the first
+    unit that has parameters; nothing when no unit communicates.
     """
     meshes = [s.group.mesh for s in check if s.group is not None]
     if not meshes:
         return
-    mesh = meshes[0]
     local = [(names[id(s)], _unit_facts(s, names)) for s in check]
-    digest = hashlib.sha256(repr(local).encode()).hexdigest()[:16]
-    digests = _gather_over_mesh(digest, mesh)
-    if len(set(digests)) > 1:
-        per_rank = _gather_over_mesh(local, mesh)
-        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-        raise ValueError(
-            "hp_fsdp: the ranks called fully_shard differently, so the units' collectives would not match "
-            f"(a hang, an abort, or silently mixed-up data): {_first_difference(per_rank, ranks)}. Call "
-            "fully_shard on every rank with the same module structure, parameter shapes and dtypes and the "
-            "same arguments (compute any rank-dependent choice identically on all ranks first). Detected at "
-            "the first communication, before any unit gathered; see [Note: cross-rank agreement]."
-        )
+    verify_across_ranks(
+        local,
+        meshes[0],
+        what="hp_fsdp: the ranks called fully_shard differently, so the units' collectives would not match "
+        "(a hang, an abort, or silently mixed-up data)",
+        fix="Call fully_shard on every rank with the same module structure, parameter shapes and dtypes and "
+        "the same arguments (compute any rank-dependent choice identically on all ranks first). Detected at "
+        "the first communication, before any unit gathered; see [Note: fully_shard agreement] in "
+        "hp_fsdp.agreement.",
+        explain=_first_difference,
+    )
     for state in check:
         state.agreed = True
