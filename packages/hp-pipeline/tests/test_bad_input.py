@@ -9,7 +9,7 @@ changed: the module of a refused stage or schedule keeps its parameters and
 has no hooks, an order handed to a pass is left as it was, the step-kind
 registry keeps its members, and a refused step leaves no gradient and no
 learned metadata behind. Ranks that built different schedules raise at the
-first step, before any transfer ([Note: cross-rank agreement] in
+first step, before any transfer ([Note: schedule agreement] in
 ``hp_pipeline._checks``).
 """
 
@@ -750,28 +750,32 @@ def test_mpipe_ranks_that_disagree_raise_when_built(rank: int, world_size: int) 
 
 @pytest.mark.distributed(world_size=2, timeout=60)
 def test_agreeing_ranks_step_after_the_check(rank: int, world_size: int) -> None:
-    """The check passes once and is not repeated: the second step issues no all_gather_object."""
-    import hp_core
+    """The check is one digest exchange at the first step, none after; no object collective at all."""
+    import torch.distributed as dist
 
     stage = _this_rank(rank)
     schedule = Schedule1F1B(stage, 2, mse)
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    for _ in range(2):
-        schedule.step(x) if rank == 0 else schedule.step(target=y)
-    assert schedule._agreed
-    calls: list[Any] = []
-    original = hp_core.all_gather_object
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_object")}
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args)
-        return original(*args, **kwargs)
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return originals[name](*args, **kwargs)
 
-    hp_core.all_gather_object = counting
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
     try:
         schedule.step(x) if rank == 0 else schedule.step(target=y)
+        assert schedule._agreed and calls == ["all_gather"]
+        schedule.step(x) if rank == 0 else schedule.step(target=y)
     finally:
-        hp_core.all_gather_object = original
-    assert calls == []
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    assert calls == ["all_gather"]
 
 
 # -- step() inputs: a bad input on one rank makes every rank raise, before any compute ------------

@@ -4,37 +4,6 @@ Each helper raises a ``TypeError`` or ``ValueError`` that names the argument,
 the value it saw and what to pass instead, before the caller changes any
 state or any rank communicates. They run once per call of a constructor or a
 pass, never per compute step.
-
-[Note: cross-rank agreement]
-Ranks that build different schedules (another class, ``n_microbatches``,
-``num_stages``, a ``loss_fn`` on some ranks only, ...) run orders whose
-transfers do not pair up: they hang in the first point-to-point transfer that
-has no partner, or, worse, pair transfers of different micro-batches and
-compute on the wrong data. Schedule construction itself does not communicate
-(placement is checked against this rank's own stages; the failure vote only
-resolves the group), so there is nothing at construction to piggyback a
-comparison on, and adding a collective there would make every constructor a
-collective, which torch's are not.
-
-Could the first step's first exchange carry it? The first step already sends
-a small header object ahead of every transfer ([Note: first step] in
-:mod:`hp_pipeline.executor`), so a fingerprint would cost nothing extra there.
-But a header reaches only the downstream neighbour: the receiver would learn
-of the mismatch, the sender would not, and the sender goes on through an
-order its peers do not share, so the draining that reports failures
-([Note: failures]) cannot be relied on, since it follows each rank's own
-order. And with different orders the first transfer two ranks meet may
-already be a different one on each side (a forward-only rank's gradient
-receive that never comes), which hangs before any header is read.
-
-So the first step starts with one ``all_gather_object`` of a small fingerprint
-over the pipeline group, before any point-to-point transfer: a step
-communicates anyway, the first one is already blocking and sends an object per
-transfer, and it happens once per schedule (``_agreed``), so later steps carry
-nothing. When the fingerprints differ every rank raises the same
-``ValueError`` listing each rank's values, before any rank has computed or
-sent anything. ``ScheduleMPipe``, whose construction broadcasts the tower,
-runs the same agreement there, before the broadcast.
 """
 
 from __future__ import annotations
@@ -192,11 +161,33 @@ def check_costs(where: str, costs: object) -> None:
         )
 
 
-def describe_fingerprint(fingerprint: Mapping[str, Any]) -> str:
-    """One rank's schedule settings as ``Name(key=value, ...)`` for the agreement error."""
-    name = fingerprint.get("schedule", "?")
-    rest = ", ".join(f"{k}={v!r}" for k, v in fingerprint.items() if k != "schedule")
-    return f"{name}({rest})"
+# [Note: schedule agreement]
+# Ranks that build different schedules (another class, ``n_microbatches``,
+# ``num_stages``, a ``loss_fn`` on some ranks only, ...) run orders whose
+# transfers do not pair up: they hang in the first transfer that has no
+# partner or, worse, pair transfers of different micro-batches. Construction
+# does not communicate (placement is checked against this rank's own stages),
+# and a collective there would make every constructor one, which torch's are
+# not. A fingerprint in the first step's transfer headers would reach only the
+# downstream neighbour, and with different orders the first transfer two ranks
+# meet may already differ. So the first step starts with hp_core's agreement
+# ([Note: cross-rank agreement] in hp_core.agreement) over the pipeline group,
+# before any transfer: a 16-byte digest of ``fingerprint()``, once per schedule
+# (``_agreed``); every rank's settings are exchanged only when they differ, and
+# then every rank raises the same error before computing or sending anything.
+# ``ScheduleMPipe``, whose construction broadcasts the tower, agrees there,
+# before the broadcast.
+
+
+def describe_fingerprints(fingerprints: list[Mapping[str, Any]], ranks: list[int]) -> str:
+    """Every rank's schedule settings as ``rank R: Name(key=value, ...)`` for the agreement error."""
+
+    def one(fingerprint: Mapping[str, Any]) -> str:
+        rest = ", ".join(f"{k}={v!r}" for k, v in fingerprint.items() if k != "schedule")
+        return f"{fingerprint.get('schedule', '?')}({rest})"
+
+    rows = "; ".join(f"rank {rank}: {one(f)}" for rank, f in zip(ranks, fingerprints, strict=True))
+    return f"the ranks of the pipeline built different schedules ({rows})"
 
 
 def check_loss_kwargs(loss_kwargs: object) -> None:

@@ -40,7 +40,7 @@ constructor calls in this order, never the private machinery around them:
 4. ``make_runner(training=..., abort_timeout=...)``: the executor of this
    rank's row (default a ``StepRunner``);
 5. ``fingerprint()``: the settings every rank must share, checked once
-   across ranks before the first transfer ([Note: cross-rank agreement] in
+   across ranks before the first transfer ([Note: schedule agreement] in
    :mod:`hp_pipeline._checks`); extend ``super().fingerprint()``.
 
 torch.distributed.pipelining has no public equivalent (its schedules
@@ -99,6 +99,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hp_core import verify_across_ranks
 
 from hp_pipeline._checks import (
     check_bool,
@@ -108,7 +109,7 @@ from hp_pipeline._checks import (
     check_merge_spec,
     check_options,
     check_positive_number,
-    describe_fingerprint,
+    describe_fingerprints,
 )
 from hp_pipeline._torch_api import check_eval_losses, check_losses, microbatch_inputs
 from hp_pipeline.builders import (
@@ -338,7 +339,7 @@ class PipelineSchedule:
         self._runner.recv_lookahead = recv_lookahead
         self._learned = False
         self._eval: _Mode | None = None  # the eval mode's runner and metadata, built on the first eval()
-        self._agreed = False  # [Note: cross-rank agreement] in hp_pipeline._checks
+        self._agreed = False  # [Note: schedule agreement] in hp_pipeline._checks
         self._tied: list[TiedGroup] = []
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -444,27 +445,19 @@ class PipelineSchedule:
     def _agree_across_ranks(self) -> None:
         """Once per schedule: every rank raises if any rank built a different schedule.
 
-        One ``all_gather_object`` over the pipeline group, before any
-        point-to-point transfer ([Note: cross-rank agreement] in hp_pipeline._checks).
+        One digest exchange over the pipeline group before any point-to-point
+        transfer ([Note: schedule agreement] in :mod:`hp_pipeline._checks`).
         """
-        if self._agreed or self.num_ranks == 1:
+        if not self._agreed:
+            verify_across_ranks(
+                self.fingerprint(),
+                self.group,
+                what="hp_pipeline",
+                fix="their transfers would not pair up. Build the same schedule on every rank: the same "
+                "class, n_microbatches, num_stages, loss_fn (given or not) and the options listed above",
+                explain=describe_fingerprints,
+            )
             self._agreed = True
-            return
-        from hp_core import all_gather_object
-
-        mine = self.fingerprint()
-        every = all_gather_object(mine, self.group)
-        if any(f != mine for f in every):
-            rows = "; ".join(
-                f"rank {rank}: {describe_fingerprint(f)}"
-                for rank, f in zip(self._global_ranks, every, strict=True)
-            )
-            raise ValueError(
-                f"the ranks of the pipeline built different schedules ({rows}); their transfers would not "
-                "pair up. Build the same schedule on every rank: the same class, n_microbatches, "
-                "num_stages, loss_fn (given or not) and the options listed above"
-            )
-        self._agreed = True
 
     # -- running ------------------------------------------------------------------
 

@@ -262,7 +262,7 @@ class ScheduleMPipe(PipelineSchedule):
         if self.in_schedule_loading:
             check_owns_data(p, m, self.group_rank, overflow_mode)
         if broadcast_tower and p > 1:
-            # Construction communicates here, so the ranks agree first ([Note: cross-rank agreement]).
+            # Construction communicates here, so the ranks agree first ([Note: schedule agreement]).
             self._agree_across_ranks()
             self.broadcast_tower()
 
