@@ -27,6 +27,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (regis
     softmax,
     sorting,
     sparse,
+    spatial,
     vector_norms,
     views,
 )
