@@ -27,11 +27,23 @@ Targets outside the range, and ignored targets, are given a local ignore
 index (-1, never a valid local class) so the local kernel skips them. The
 mean divides the local sum by the global total weight: without class
 weights that is the number of targets not ignored, which every rank of a
-class line can count from its replicated targets; with class weights each
-rank adds up the weights it owns and one ``all_reduce(sum)`` of that scalar
-completes it. Batch mesh dims add one ``all_reduce(sum)`` of the scalar as
-well. The backward writes ``-w[t] * grad / total_weight`` at the local
-target positions, again without communication.
+class line can count from its replicated targets; with class weights kept
+whole every rank adds them up over the whole target too; with cut class
+weights each rank adds up the weights it owns and one ``all_reduce(sum)`` of
+that scalar completes it. Batch mesh dims add one ``all_reduce(sum)`` of the
+scalar only when the target itself is cut (see [Note: whole targets]). The
+backward writes ``-w[t] * grad / total_weight`` at the local target
+positions, again without communication.
+
+[Note: whole targets]
+The denominator of a mean is the total weight of every target not ignored,
+over the whole batch. A batch cut of the input usually comes with a
+replicated target (the labels of the whole batch on every rank): then the
+forward keeps the target whole, each rank reads its own samples' targets as
+a view (the rows of its batch cut) for its local sum, and counts the total
+from the whole target, with no collective. The class weights likewise stay
+whole when they are replicated (each rank narrows them to its classes). Only
+a target or weight that is itself cut needs the scalar all-reduce.
 
 [Note: elementwise losses]
 ``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``soft_margin_loss``,
@@ -155,20 +167,53 @@ def _groups(layout: Layout, roles: list[Role | None], wanted: tuple[str, ...]) -
     return [mesh_group(layout.mesh, m) for m, r in enumerate(roles) if r is not None and r[0] in wanted]
 
 
+def _whole(layout: Layout | None) -> bool:
+    """Whether every rank holds all of a tensor (a plain tensor, or a replicated DTensor)."""
+    return layout is None or all(isinstance(p, Replicate) for p in layout.placements)
+
+
+def _own_rows(target: torch.Tensor, layout: Layout, roles: list[Role | None]) -> torch.Tensor:
+    """This rank's samples of a whole target: the rows of the input's batch cut ([Note: whole targets])."""
+    offsets, sizes = layout.local_offset(), layout.local_shape()
+    for dim in sorted({r[1] for r in roles if r is not None and r[0] == "batch"}):
+        target = target.narrow(_target_dim(dim, layout.ndim), offsets[dim], sizes[dim])
+    return target
+
+
 def _forward_kernel(call: LocalCall) -> tuple[torch.Tensor, torch.Tensor]:
     x, target, weight, reduction, ignore_index = call.args[:5]
     layout = call.layout(0)
     target_layout = call.layouts[1] if isinstance(call.layouts[1], Layout) else None
+    weight_layout = call.layouts[2] if isinstance(call.layouts[2], Layout) else None
     roles = nll_roles(layout, target_layout)
+    # Whole target and weight: the total weight is counted here (see [Note: whole targets]).
+    whole = _whole(target_layout) and (weight is None or _whole(weight_layout))
+    everything = target
+    if _whole(target_layout) and _has(roles, "batch"):
+        target = _own_rows(target, layout, roles)
+    local_weight = weight
+    if weight is not None and weight.numel() and _whole(weight_layout) and _has(roles, "class"):
+        class_dim = _class_dim(layout.ndim)
+        local_weight = weight.narrow(0, layout.local_offset()[class_dim], layout.local_shape()[class_dim])
     local_target, keep = _localize(target, int(ignore_index), layout, roles)
     local_reduction = _NONE if reduction == _NONE else _SUM  # a sum, divided by the global total below
     if x.shape[_class_dim(x.dim())] == 0:  # an empty piece of the classes (uneven cut): no target is here
         out = x.new_zeros(target.shape if reduction == _NONE else ())
     else:
-        out, _ = call.func(x, local_target, weight, local_reduction, _LOCAL_IGNORE)
+        out, _ = call.func(x, local_target, local_weight, local_reduction, _LOCAL_IGNORE)
     if reduction == _NONE:
         return out, x.new_zeros(())
-    if weight is None:
+    groups: list[Any] = []
+    if whole:
+        counted = everything != int(ignore_index)
+        if weight is None:
+            total = counted.sum().to(x.dtype)
+        elif weight.numel() == 0:
+            total = x.new_zeros(())
+        else:
+            picked = weight[torch.where(counted, everything, torch.zeros_like(everything))]
+            total = torch.where(counted, picked, torch.zeros_like(picked)).sum().to(x.dtype)
+    elif weight is None:
         # Every rank of a class line counts the same targets: only batch lines add up.
         total = (target != int(ignore_index)).sum().to(x.dtype)
         groups = _groups(layout, roles, ("batch",))
@@ -176,7 +221,7 @@ def _forward_kernel(call: LocalCall) -> tuple[torch.Tensor, torch.Tensor]:
         if weight.numel() == 0:
             total = x.new_zeros(())
         else:
-            picked = weight[local_target.clamp(min=0)]
+            picked = local_weight[local_target.clamp(min=0)]
             total = torch.where(keep, picked, torch.zeros_like(picked)).sum().to(x.dtype)
         groups = _groups(layout, roles, ("batch", "class"))
     total = total.contiguous()
@@ -227,6 +272,10 @@ def nll_loss_forward_rule(call: OpCall) -> Decision | None:
         out = tuple(SUM if r is not None and r[0] == "class" else p for r, p in per_sample)
     else:
         out = tuple(SUM if r is not None else R for r in roles)
+    if reduction != _NONE:  # whole targets and weights stay whole: see [Note: whole targets]
+        for value in (target, weight):
+            if _whole(_layout_of(call, value)):
+                _set(inputs, call, value, (R,) * len(roles))
     kernel = _forward_kernel if any(r is not None for r in roles) else None
     return Decision(inputs=inputs, outputs=[out, (R,) * len(roles)], kernel=kernel)
 
