@@ -1,4 +1,4 @@
-"""Vector norms as partial values: ``linalg_vector_norm``, ``norm`` and ``_foreach_norm``.
+"""Vector norms as partial values: ``linalg_vector_norm``, ``norm``, ``_foreach_norm`` and its kin.
 
 A p-norm over a sharded dim is computed on each rank's piece and stays
 ``Partial("norm", p)`` (see [Note: norm partials] in
@@ -16,6 +16,11 @@ inputs (a replicated input joins it locally) instead of reducing every norm
 on its own: the clip then costs one scalar all-reduce per mesh dim, the first
 time the total norm is used (``total_norm + 1e-6``), as in torch.
 
+``_foreach_max`` (the inf-norm building block of torch's foreach norm paths)
+and ``_foreach_powsum`` (``sum(|x|**p)``, the p-norm before its root) are
+whole-tensor reductions too: ``Partial("max")`` and ``Partial("sum")``, one
+all-reduce when read, never a gather.
+
 [Note: empty pieces]
 An uneven cut may leave a rank with no rows. The inf, -inf and negative-p
 norms of an empty tensor are undefined in torch (it raises), but as a term of
@@ -27,6 +32,7 @@ a partial the empty piece contributes the reduction's identity: 0 for ``inf``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -153,43 +159,73 @@ def vector_norm_rule(call: OpCall) -> Decision:
     return Decision(inputs={position: inputs}, outputs=[out], kernel=kernel)
 
 
-def _foreach_norm_rule(call: OpCall) -> Decision:
+# How a whole-tensor reduction of one element is cut: (input, output) placements from its layout.
+WholeDecision = Callable[[Layout], tuple[Sequence[Placement], Sequence[Placement]]]
+
+
+def _foreach_whole_rule(decide: WholeDecision) -> Callable[[OpCall], Decision]:
+    """A foreach rule reducing each element to a scalar: ``decide`` cuts every DTensor element."""
+
+    def rule(call: OpCall) -> Decision:
+        decision = Decision()
+        elements, _ = element_positions(call.args)
+        for element in elements:
+            position = element[0]
+            if not hasattr(call.flat[position], "_layout"):
+                decision.outputs.append(None)
+                continue
+            inputs, out = decide(call.layout(position))
+            decision.inputs[position] = tuple(inputs)
+            decision.outputs.append(tuple(out))
+        return decision
+
+    return rule
+
+
+def _foreach_norm_decision(call: OpCall) -> WholeDecision:
     ord = _ord(call.args[1] if len(call.args) > 1 else call.kwargs.get("ord", 2))
-    decision = Decision()
-    elements, _ = element_positions(call.args)
-    for element in elements:
-        position = element[0]
-        value = call.flat[position]
-        if not hasattr(value, "_layout"):
-            decision.outputs.append(None)
-            continue
-        layout = call.layout(position)
+
+    def decide(layout: Layout) -> tuple[Sequence[Placement], Sequence[Placement]]:
         dims = list(range(layout.ndim))
         _check_defined(layout, dims, ord, call.func)
-        inputs, out = vector_norm_decision(layout, dims, False, ord)
-        decision.inputs[position] = inputs
-        decision.outputs.append(out)
-    return decision
+        return vector_norm_decision(layout, dims, False, ord)
+
+    return decide
+
+
+def _fill_empty(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fill: Callable[[torch.Tensor], Any] | None
+) -> Any:
+    """One local foreach call over the non-empty pieces; an empty piece gives ``fill(piece)``.
+
+    See [Note: empty pieces]: an uneven cut may leave a rank an empty piece of
+    an element whose reduction is undefined on empty tensors; as a term of a
+    partial it contributes the reduction's identity.
+    """
+    tensors = list(args[0])
+    empty = {i for i, t in enumerate(tensors) if t.numel() == 0}
+    if fill is None or not empty:
+        return func(*args, **kwargs)
+    full = [tensors[i] for i in range(len(tensors)) if i not in empty]
+    computed = iter(func(full, *args[1:], **kwargs) if full else [])
+    return [fill(t) if i in empty else next(computed) for i, t in enumerate(tensors)]
 
 
 def _foreach_norm_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One local ``_foreach_norm``; empty pieces give the identity (see [Note: empty pieces])."""
-    tensors = list(args[0])
-    ord = _ord(args[1] if len(args) > 1 else kwargs.get("ord", 2))
-    fill = _identity(ord)
-    empty = [i for i, t in enumerate(tensors) if t.numel() == 0]
-    if fill is None or not empty:
+    value = _identity(_ord(args[1] if len(args) > 1 else kwargs.get("ord", 2)))
+    if value is None:
         return func(*args, **kwargs)
-    full = [i for i in range(len(tensors)) if i not in set(empty)]
-    computed = iter(func([tensors[i] for i in full], *args[1:], **kwargs) if full else [])
-    out = []
-    for t in tensors:
-        if t.numel() == 0:
-            dtype = kwargs.get("dtype") or torch.empty((), dtype=t.dtype).abs().dtype
-            out.append(torch.full((), fill, dtype=dtype, device=t.device))
-        else:
-            out.append(next(computed))
-    return out
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        dtype = kwargs.get("dtype") or torch.empty((), dtype=t.dtype).abs().dtype
+        return torch.full((), value, dtype=dtype, device=t.device)
+
+    return _fill_empty(func, args, kwargs, fill)
+
+
+def _foreach_norm_rule(call: OpCall) -> Decision:
+    return _foreach_whole_rule(_foreach_norm_decision(call))(call)
 
 
 def _foreach_norm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -203,4 +239,62 @@ def _foreach_norm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     )
 
 
+def _max_decision(layout: Layout) -> tuple[Sequence[Placement], Sequence[Placement]]:
+    if 0 in layout.shape:
+        raise RuntimeError(
+            f"_foreach_max: an element has global shape {tuple(layout.shape)} (no elements), whose maximum "
+            "is undefined (torch raises too); leave empty tensors out of the list."
+        )
+    return reduce_decision(layout, list(range(layout.ndim)), False, "max", empty_ok=True)
+
+
+def _lowest(t: torch.Tensor) -> torch.Tensor:
+    """The identity of a max over ``t``'s dtype: what an empty piece contributes."""
+    if t.dtype == torch.bool:
+        value: Any = False
+    elif t.dtype.is_floating_point:
+        value = -_INF
+    else:
+        value = torch.iinfo(t.dtype).min
+    return torch.full((), value, dtype=t.dtype, device=t.device)
+
+
+def _foreach_max(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``_foreach_max(tensors)``: each element's maximum stays ``Partial("max")`` over its shards.
+
+    Nothing is gathered; the per-rank maxima are combined by one all-reduce
+    when the value is read (``clip_grad_norm_``-style inf norms reduce the
+    stack of them together). An empty piece contributes the dtype's lowest value.
+    """
+    return dispatch_foreach(
+        aten._foreach_max.default,
+        args,
+        kwargs,
+        _foreach_whole_rule(_max_decision),
+        output_shape=lambda layout: ((), ()),
+        local_run=lambda func, a, k: _fill_empty(func, a, k, _lowest),
+    )
+
+
+def _powsum_decision(layout: Layout) -> tuple[Sequence[Placement], Sequence[Placement]]:
+    return reduce_decision(layout, list(range(layout.ndim)), False, "sum")
+
+
+def _foreach_powsum(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``_foreach_powsum(tensors, ord)``: ``sum(|x|**ord)`` is a sum over pieces, so ``Partial("sum")``.
+
+    It is linear in the pieces for every ``ord`` (0 and inf included, as
+    torch computes them elementwise), and an empty piece sums to 0.
+    """
+    return dispatch_foreach(
+        aten._foreach_powsum.Scalar,
+        args,
+        kwargs,
+        _foreach_whole_rule(_powsum_decision),
+        output_shape=lambda layout: ((), ()),
+    )
+
+
+pass
+pass
 SPECIAL[aten._foreach_norm.Scalar] = _foreach_norm
