@@ -25,6 +25,7 @@ from typing import Any, cast
 import hp_core.collectives as hc
 import torch
 import torch.autograd.profiler as _profiler
+from hp_core import get_logger
 from hp_core.distributed import mesh_group
 from hp_core.work import Work
 from torch.distributed._functional_collectives import _are_we_tracing
@@ -33,6 +34,8 @@ from hp_dtensor.layout import Layout, chunk_sizes
 from hp_dtensor.pending import PendingTensor, pending, then
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.planner import RedistributeStep, plan_redistribute
+
+_log = get_logger("hp_dtensor")  # one line per plan built ([Note: debug levels] in hp_core.debug)
 
 Post = Callable[[torch.Tensor], torch.Tensor]
 
@@ -313,6 +316,7 @@ def _program(layout: Layout, placements: tuple[Placement, ...], itemsize: int) -
             steps.append((step, current, after))
             current = after
         program = tuple(steps)
+        _log.debug("redistribute plan %s -> %s: %s", layout.placements, placements, [s[0] for s in program])
         if len(_PROGRAMS) >= _MAX_PROGRAMS:
             _PROGRAMS.clear()
         _PROGRAMS[key] = program

@@ -77,12 +77,13 @@ gathers the ragged dims, so rules never see one.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hp_core import DeviceMesh
+from hp_core import DeviceMesh, get_logger
 from torch.utils import _pytree as pytree
 
 from hp_dtensor import dtensor as _dtensor_module
@@ -105,6 +106,17 @@ __all__ = [
     "dispatch",
     "register",
 ]
+
+_log = get_logger("hp_dtensor")
+
+
+def _name(rule: Any) -> str:
+    return getattr(rule, "__qualname__", None) or repr(rule)
+
+
+def _dropped(problem: str | None) -> str:
+    return "" if problem is None else f", dropped: {problem}; the replicated fallback runs"
+
 
 aten = torch.ops.aten
 
@@ -669,6 +681,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 _decision_cache[key] = decision
                 if problem is not None:
                     _problems[key] = problem
+            if _log.isEnabledFor(logging.DEBUG):  # once per layouts (decisions are cached)
+                _log.debug("%s: rule %s chose %s%s", func, _name(rule), decision, _dropped(problem))
     if decision is None:
         if func.namespace == "c10d":
             _refuse_collective(func)

@@ -22,6 +22,7 @@ communication. :func:`fallback_stats` counts calls and bytes per op.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hp_core import get_logger
 from torch.utils import _pytree as pytree
 
 from hp_dtensor.dtensor import DTensor
@@ -47,6 +49,7 @@ __all__ = [
 ]
 
 _POLICIES = ("warn", "error", "allow")
+_log = get_logger("hp_dtensor")  # a line per fallback taken ([Note: debug levels] in hp_core.debug)
 
 
 def _initial_policy() -> str:
@@ -158,6 +161,14 @@ def _announce(func: Any, flat: Sequence[Any], positions: Sequence[int], reason: 
         )
     stat.calls += 1
     stat.bytes_gathered += nbytes
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug(
+            "fallback: %s%s runs replicated, gathering %s (%d bytes)",
+            name,
+            why,
+            _describe(flat, positions),
+            nbytes,
+        )
     if _policy == "warn" and name not in _warned:
         _warned.add(name)
         warnings.warn(
