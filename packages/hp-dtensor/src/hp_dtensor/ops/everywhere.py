@@ -18,6 +18,19 @@ with equal local shapes share one meta run.
 
 Decisions with a ``kernel`` are not checked: a kernel may communicate and
 is written for uneven pieces itself.
+
+[Note: one verdict per process]
+The verdict is a function of what the meta runs see: the op, the argument
+structure, each DTensor's global shape, dtype and placements (after the
+rule's input targets) on a mesh of a given shape, the other arguments'
+meta stand-ins, and the decision's outputs. It depends on no rank and on no
+mesh object, so it is remembered under exactly that key in a memo that
+outlives the dispatcher's caches (a new rule gives a new decision, hence a
+new key). The memo is an object, not a module-level dict, on purpose:
+hp_testing's local mode runs every rank of a world as a thread of one
+process and gives each rank its own copy of the module-level dicts of hp's
+packages (their per-process state), but leaves other objects shared, so the
+64 ranks of a local world check each decision once instead of 64 times.
 """
 
 from __future__ import annotations
@@ -32,6 +45,24 @@ from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout
 
 __all__ = ["decision_problem", "to_meta"]
+
+_MAX_VERDICTS = 8192
+
+
+class _Verdicts:
+    """Remembered answers of :func:`decision_problem` (see [Note: one verdict per process])."""
+
+    def __init__(self) -> None:
+        self.table: dict[Any, str | None] = {}
+
+    def remember(self, key: Any, verdict: str | None) -> str | None:
+        if len(self.table) >= _MAX_VERDICTS:
+            self.table.clear()
+        self.table[key] = verdict
+        return verdict
+
+
+_VERDICTS = _Verdicts()
 
 
 def _meta(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
@@ -48,6 +79,47 @@ def to_meta(value: Any) -> Any:
     if isinstance(value, torch.device):  # _to_copy(..., device=cpu), factories: stay on meta
         return torch.device("meta")
     return value
+
+
+def _leaf_key(value: Any) -> Any:
+    """What a non-DTensor argument contributes to the meta runs (None: not hashable, not memoised)."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.dtype)
+    if isinstance(value, torch.device):
+        return ("device",)
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return (type(value), value)
+
+
+def _verdict_key(
+    func: Any,
+    flat: list[Any],
+    spec: Any,
+    layouts: dict[int, Layout],
+    decision: Any,
+    mesh: Any,
+    out_meta: list[Any],
+) -> Any:
+    """The key of [Note: one verdict per process], or None when some argument cannot be keyed."""
+    leaves: list[Any] = []
+    for i, value in enumerate(flat):
+        layout = layouts.get(i)
+        if layout is not None:
+            leaves.append(("D", layout.shape, layout.placements, layout.ragged, flat[i].dtype))
+            continue
+        key = _leaf_key(value)
+        if key is None:
+            return None
+        leaves.append(key)
+    outputs = (
+        None
+        if decision.inplace
+        else tuple((tuple(decision.outputs[i]), tuple(m.shape), tuple(m.stride())) for i, m in out_meta)
+    )
+    return (func, spec, tuple(leaves), tuple(mesh.shape), outputs, decision.inplace, decision.size_arg)
 
 
 def decision_problem(
@@ -68,17 +140,38 @@ def decision_problem(
                 return f"the rule gives no placements for the op's tensor result #{index}"
     if decision.kernel is not None:
         return None
-    tables: dict[int, tuple[tuple[int, ...], ...]] = {}
+    layouts: dict[int, Layout] = {}
     for p in positions:
         layout: Layout = flat[p]._layout
         target = decision.inputs.get(p)
         if target is not None and tuple(target) != layout.placements:
             layout = layout.with_placements(target)
-        tables[p] = layout.table()
+        layouts[p] = layout
+    key = _verdict_key(func, flat, spec, layouts, decision, mesh, out_meta)
+    if key is None:
+        return _check_every_coordinate(func, flat, spec, positions, decision, mesh, layouts, out_meta)
+    if key in _VERDICTS.table:
+        return _VERDICTS.table[key]
+    verdict = _check_every_coordinate(func, flat, spec, positions, decision, mesh, layouts, out_meta)
+    return _VERDICTS.remember(key, verdict)
+
+
+def _check_every_coordinate(
+    func: Any,
+    flat: list[Any],
+    spec: Any,
+    positions: Sequence[int],
+    decision: Any,
+    mesh: Any,
+    layouts: dict[int, Layout],
+    out_meta: list[Any],
+) -> str | None:
+    """Run the op on meta tensors at every distinct set of local shapes; the first failure, or None."""
+    tables = {p: layout.table() for p, layout in layouts.items()}
     out_tables: list[tuple[tuple[int, ...], ...] | None] = []
     if not decision.inplace:
         for index, m in out_meta:
-            target = outputs[index]
+            target = decision.outputs[index]
             assert target is not None
             out_tables.append(Layout(mesh, tuple(target), tuple(m.shape), tuple(m.stride())).table())
     base = [to_meta(v) for v in flat]  # DTensor slots are replaced per coordinate
