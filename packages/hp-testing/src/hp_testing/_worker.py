@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hp_testing._lifetime import die_with_parent
+from hp_testing._torch_rank import RankSkip, install_adoption
 
 # Fixtures whose value differs per rank: computed inside the worker, never sent.
 #: Fixtures each rank builds itself instead of receiving a pickled copy. ``monkeypatch`` is one:
@@ -73,6 +74,10 @@ class Task:
     function_name: str
     kwargs: dict[str, Any]
     sys_path: list[str]
+    #: "function" (a marked test), or a torch test-case method (:mod:`hp_testing._torch_rank`).
+    kind: str = "function"
+    #: What a torch test-case method needs besides its name: ``file_name``, ``env``.
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,8 @@ class TaskResult:
     needs_reinit: bool = False
     # Injected faults that fired on this rank (and planned ones that did not).
     faults: list[str] = field(default_factory=list)
+    # Why the test skipped itself on this rank (a torch test's SkipTest or skip exit code).
+    skipped: str = ""
 
 
 def _init_group(cfg: WorkerConfig, generation: int) -> None:
@@ -199,7 +206,7 @@ def _format_error(exc: BaseException) -> str:
     return text
 
 
-def _load_function(task: Task) -> Callable[..., Any]:
+def _load_module(task: Task) -> ModuleType:
     for entry in reversed(task.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -208,6 +215,15 @@ def _load_function(task: Task) -> Callable[..., Any]:
         task.module_file
     ):
         module = _import_test_module(task.module_name, task.module_file)
+    return module
+
+
+def _load_function(task: Task, cfg: WorkerConfig) -> Callable[..., Any]:
+    module = _load_module(task)
+    if task.kind != "function":
+        from hp_testing._torch_rank import rank_body
+
+        return rank_body(task, module, cfg.rank, cfg.world_size, cfg.backend)
     if task.class_name is None:
         fn: Callable[..., Any] = getattr(module, task.function_name)
         return fn
@@ -281,12 +297,16 @@ def _run_task(
                     strict=options.strict,
                     faults=options.faults,
                 )
-            fn = _load_function(task)
+            fn = _load_function(task, cfg)
             kwargs = dict(task.kwargs)
             for name in RANK_LOCAL_FIXTURES:
                 if name in kwargs:
                     kwargs[name] = _rank_local_value(name, cfg)
             fn(**kwargs)
+            if layer is not None and dist.is_initialized():
+                layer.finish_test()
+        except RankSkip as exc:
+            result.skipped = str(exc) or "skipped"
             if layer is not None and dist.is_initialized():
                 layer.finish_test()
         except BaseException as exc:
@@ -331,6 +351,7 @@ def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
         from hp_testing import emulation
 
         emulation.install(cfg.backend)
+        install_adoption()  # torch test classes join the pool's group: [Note: adopting the pool's group]
         check_store = dist.TCPStore(
             cfg.store_host,
             cfg.store_port,

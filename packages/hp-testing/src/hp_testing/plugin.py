@@ -15,16 +15,26 @@ Under plain ``torchrun -m pytest`` (RANK and WORLD_SIZE already set and no pool
 involved) the plugin steps aside: the test body runs in the calling process on
 the default group that ``hp_core.init_distributed`` creates. This is what makes
 every harness test also a ``torchrun`` test.
+
+Test classes derived from torch's ``MultiProcessTestCase`` (``DTensorTestBase``,
+``DistributedTestBase``) and ``MultiProcContinuousTest`` run on the same pools,
+unchanged, by default (:mod:`hp_testing._torch_cases`): a user who installs the
+plugin for speed gets it for the tests they already have, a class that cannot be
+pooled says why and runs the torch way, and ``--hp-torch-testcases=torch`` (or
+``@pytest.mark.torch_harness``) keeps torch's own harness.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import types
+import unittest
 from typing import Any
 
 import pytest
 
+from hp_testing._torch_cases import TorchCase, bare_instance, classify, take_over, world_size_of
 from hp_testing._worker import RANK_LOCAL_FIXTURES, RunOptions, Task
 from hp_testing.faults import Fault
 from hp_testing.fixtures import DeviceMeshFactory, make_device_mesh_factory
@@ -36,6 +46,8 @@ ENV_BACKEND = "HP_TEST_BACKEND"
 ENV_STRICT = "HP_TEST_STRICT"
 ENV_CHECKS = "HP_TEST_CHECKS"
 ENV_MODE = "HP_TEST_MODE"
+TORCH_HARNESS_MARKER = "torch_harness"
+TORCH_TESTCASES = ("pool", "torch")
 _DEFAULT_TIMEOUT_S = 60.0
 _SESSION_KEY = "hp-testing-session"
 
@@ -181,6 +193,61 @@ def _mode(item: pytest.Item, marker: pytest.Mark, backend: str, options: RunOpti
     return str(mode)
 
 
+def _torch_case(item: pytest.Item, config: pytest.Config) -> TorchCase | None:
+    """The torch test class ``item`` belongs to, unless torch's harness is asked for (or none)."""
+    cls = getattr(item, "cls", None)
+    if cls is None or not issubclass(cls, unittest.TestCase) or _inline():
+        return None
+    case = classify(cls)
+    if case is None:
+        return None
+    choice = config.getoption("hp_torch_testcases") or config.getini("hp_torch_testcases") or "pool"
+    if choice not in TORCH_TESTCASES:
+        raise pytest.UsageError(
+            f"--hp-torch-testcases / hp_torch_testcases must be one of {TORCH_TESTCASES}, got {choice!r}"
+        )
+    if choice == "torch" or item.get_closest_marker(TORCH_HARNESS_MARKER) is not None:
+        return None
+    return case
+
+
+def _torch_marker(item: pytest.Item, world: int) -> Any:
+    """The ``distributed`` marker's options for a torch class: its world size is the class's own."""
+    marker = item.get_closest_marker(MARKER)
+    kwargs = dict(marker.kwargs) if marker is not None else {}
+    given = kwargs.get("world_size")
+    if given is not None and given != world:
+        raise MarkerError(
+            f"{item.nodeid}: @pytest.mark.{MARKER}(world_size={given!r}) on a torch test class whose "
+            f"world_size is {world}; the class decides its world size: drop world_size from the marker"
+        )
+    if kwargs.pop("mode", "process") != "process":
+        raise MarkerError(
+            f"{item.nodeid}: torch test classes run on the process pool; mode='local' is for marked "
+            f"test functions"
+        )
+    kwargs["world_size"] = world
+    return types.SimpleNamespace(args=tuple(marker.args) if marker is not None else (), kwargs=kwargs)
+
+
+def _torch_task(item: pytest.Item, case: TorchCase, extra: dict[str, Any]) -> Task:
+    import sys
+
+    module = getattr(item, "module", None)
+    assert module is not None and getattr(item, "cls", None) is not None
+    return Task(
+        nodeid=item.nodeid,
+        module_name=module.__name__,
+        module_file=str(module.__file__),
+        class_name=item.cls.__qualname__,  # type: ignore[attr-defined]
+        function_name=item.name,
+        kwargs={},
+        sys_path=list(sys.path),
+        kind=case.family,
+        extra=extra,
+    )
+
+
 class HarnessSession:
     """Owns the pools of one pytest process; a pytest-forked child gets private pools."""
 
@@ -188,6 +255,8 @@ class HarnessSession:
         self.config = config
         self.owner_pid = os.getpid()
         self.pools: dict[tuple[int, str], WorkerPool] = {}
+        self.pooled_classes: set[str] = set()
+        self.torch_way: dict[str, str] = {}  # class -> why it ran with torch's harness
 
     def pool(self, world_size: int, backend: str) -> WorkerPool:
         key = (world_size, backend)
@@ -210,6 +279,14 @@ class HarnessSession:
             return
         needed: set[tuple[int, str]] = set()
         for item in session.items:
+            case = _torch_case(item, self.config)
+            if case is not None and case.reason is None:
+                try:
+                    world = world_size_of(item.cls, bare_instance(item.cls))  # type: ignore[attr-defined]
+                    needed.add((world, _options(item, _torch_marker(item, world), self.config)[1]))
+                except Exception:
+                    pass  # reported when the test runs
+                continue
             marker = item.get_closest_marker(MARKER)
             if marker is not None:
                 try:
@@ -242,20 +319,62 @@ class HarnessSession:
 
             _report(pyfuncitem, run_local_test(pyfuncitem, world), "hplocal (local mode)", options)
             return True
-        if os.getpid() != self.owner_pid:
-            # A pytest-forked child: the parent's pools belong to the parent.
-            pool = WorkerPool(world, backend=backend)
-            pool.start()
-            try:
-                outcome = pool.run(task, timeout, options)
-            finally:
-                pool.shutdown()
-            _report(pyfuncitem, outcome, backend, options)
-            return True
-        else:
-            outcome = self.pool(world, backend).run(task, timeout, options)
-        _report(pyfuncitem, outcome, backend, options)
+        _report(pyfuncitem, self._outcome(world, backend, task, timeout, options), backend, options)
         return True
+
+    def _outcome(self, world: int, backend: str, task: Task, timeout: float, options: RunOptions) -> Outcome:
+        if os.getpid() == self.owner_pid:
+            return self.pool(world, backend).run(task, timeout, options)
+        # A pytest-forked child: the parent's pools belong to the parent.
+        pool = WorkerPool(world, backend=backend)
+        pool.start()
+        try:
+            return pool.run(task, timeout, options)
+        finally:
+            pool.shutdown()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> None:
+        """A torch test class's method: let unittest run it, with the ranks on the pool."""
+        case = _torch_case(item, self.config)
+        if case is None:
+            return
+        name = f"{item.cls.__module__}.{item.cls.__qualname__}"  # type: ignore[attr-defined]
+        if case.reason is not None:
+            if name not in self.torch_way:
+                self.torch_way[name] = case.reason
+                warning = f"hp-testing runs {name} with torch's own harness: {case.reason}"
+                item.warn(pytest.PytestWarning(warning))
+            return
+        try:
+            world = world_size_of(item.cls, item.instance)  # type: ignore[attr-defined]
+            marker = _torch_marker(item, world)
+            _, backend, timeout = _options(item, marker, self.config)
+            options = _run_options(item, marker)
+        except unittest.SkipTest as exc:
+            pytest.skip(str(exc))
+        except MarkerError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        self.pooled_classes.add(name)
+
+        def run_on_pool(extra: dict[str, Any]) -> None:
+            outcome = self._outcome(world, backend, _torch_task(item, case, extra), timeout, options)
+            _report(item, outcome, backend, options)  # type: ignore[arg-type]
+            first = outcome.results.get(0)
+            if first is not None and first.skipped:  # torch too decides a skip by rank 0's exit code
+                raise unittest.SkipTest(first.skipped)
+
+        take_over(item, case, backend, run_on_pool)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.pooled_classes and not self.torch_way:
+            return
+        terminalreporter.write_line(
+            f"hp-testing: {len(self.pooled_classes)} torch test class(es) ran on pooled ranks"
+            + (" (--hp-torch-testcases=torch runs them with torch's harness)" if self.pooled_classes else "")
+        )
+        for name, reason in sorted(self.torch_way.items()):
+            terminalreporter.write_line(f"hp-testing: {name} ran with torch's harness: {reason}")
 
     def pytest_sessionfinish(self) -> None:
         if os.getpid() == self.owner_pid:
@@ -363,6 +482,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="seconds before a distributed test counts as hung (default: ini hp_timeout, 60)",
     )
     parser.addini("hp_timeout", "default per-test timeout in seconds for distributed tests", default="60")
+    group.addoption(
+        "--hp-torch-testcases",
+        dest="hp_torch_testcases",
+        choices=TORCH_TESTCASES,
+        default=None,
+        help="torch MultiProcessTestCase / DTensorTestBase / MultiProcContinuousTest classes: 'pool' runs "
+        "their ranks on hp-testing's pool (default, ini hp_torch_testcases), 'torch' with torch's harness",
+    )
+    parser.addini(
+        "hp_torch_testcases",
+        "'pool' (default) or 'torch': who runs torch's multi-process test classes",
+        default="pool",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -371,6 +503,11 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{MARKER}(world_size=N, backend='gloo'|'nccl-emu'|'hccl-emu', timeout=60, checks=True, "
         "strict=False, faults=[], mode='process'|'local'): run the test body on N ranks of a pooled "
         "process group (mode='local': N threads of this process) and report it once",
+    )
+    config.addinivalue_line(
+        "markers",
+        f"{TORCH_HARNESS_MARKER}: run this torch MultiProcessTestCase / MultiProcContinuousTest class with "
+        "torch's own harness (spawned ranks) instead of hp-testing's pool",
     )
     if not config.pluginmanager.has_plugin(_SESSION_KEY):
         config.pluginmanager.register(HarnessSession(config), _SESSION_KEY)
