@@ -8,7 +8,12 @@ on every rank) is the same for the ranks that only read it.
 
 from __future__ import annotations
 
+import math
+import os
+import sys
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,3 +72,53 @@ def test_a_decision_is_checked_once_per_process_and_dropped_on_every_rank() -> N
     # one check for the whole world (coordinate #0's 2-row piece gives 2 rows where the output
     # layout holds 1, so the check stops there); checked per rank, that was 4 meta runs
     assert PIECES == [(2, 3)]
+
+
+# -- the main job (examples/llama_3d.py) ----------------------------------------------------------------
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+from llama_3d import Args, train  # noqa: E402
+
+BF16 = 2e-2  # bf16 compute on both sides, different reduction orders (tests/main_job's tolerance)
+
+
+def _main_job_cases() -> list[Any]:
+    """8 ranks (2, 2, 2) in CI; the 64-rank (4, 4, 4) layout users run with HP_COMPOSITION=full."""
+    cases = [
+        pytest.param((2, 2, 2), marks=pytest.mark.distributed(world_size=8, mode="local"), id="local-8"),
+    ]
+    if os.environ.get("HP_COMPOSITION") == "full":
+        cases.append(
+            pytest.param((4, 4, 4), marks=pytest.mark.distributed(world_size=64, mode="local"), id="local-64")
+        )
+    return cases
+
+
+@pytest.mark.parametrize("layout", _main_job_cases())
+def test_main_job_in_local_mode_matches_one_process(
+    layout: tuple[int, int, int], rank: int, tmp_path: Path
+) -> None:
+    """Pipeline x FSDP x TP, every rank a thread: the losses and parameters of the run in one process.
+
+    tests/main_job/test_main_job.py checks the same against the same reference in the multi-process
+    mode, so both modes agree with each other to bf16's precision.
+    """
+    pp, dp, _ = layout
+    args = Args(
+        layout=layout,
+        steps=2,
+        global_batch=math.lcm(16, pp * dp * 2),
+        per_micro=2,
+        lr=3e-3,
+        max_norm=1.0,
+        save_at=0,
+        resume=None,
+        out=str(tmp_path),
+        reference=True,
+    )
+    history = train(args)
+    assert sorted(history["loss"]) == [0, 1]
+    if rank == 0:
+        for step, loss in history["loss"].items():
+            assert abs(loss - history["reference"][step]) <= BF16, (step, loss, history["reference"][step])
+        assert history["max_param_diff"] <= BF16, history["max_param_diff"]
