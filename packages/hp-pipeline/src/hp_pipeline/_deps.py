@@ -1,45 +1,6 @@
 """The data-flow model every pass shares: which step needs which, and over which wire.
 
-[Note: dependency model]
-Each step kind declares its own rules ([Note: step-kind registry] in
-:mod:`hp_pipeline.kinds`); :class:`OrderView` only indexes an order and asks
-them. For the built-in kinds (:mod:`hp_pipeline._builtin_kinds`) a step on
-stage ``s`` for micro-batch ``i`` depends on:
-
-* ``F(s, i)`` on ``F(s-1, i)`` (the activation), and on the loaded micro-batch
-  when ``s`` is the loading stage or receives the data (``RECV_D``);
-* ``B(s, i)`` / ``I(s, i)`` on ``F(s, i)`` and on the input-gradient backward
-  (``B`` or ``I``) of ``s+1`` for the same micro-batch (the output gradient);
-* ``W(s, i)`` on ``I(s, i)``;
-* a send on the step that produced its payload, and the consumer of a payload
-  on the receive that brought it.
-
-The rules come in four shapes: ``needs`` (same-stage steps that come earlier
-in the rank's list), ``edges`` (edges from other stages into the step),
-``feeds`` (edges *out of* a step into another kind's step: how a plug-in
-adds an input to a built-in step, e.g. MPipe's tower forward feeding stage
-0's ``F``, see :mod:`hp_pipeline.mpipe.kinds`) and, for a receive,
-``consumer``. The loaded micro-batch comes from the stage whose ``LOAD``
-names it; a plain order loads everything on stage 0, an MPipe order loads
-each micro-batch on its owning rank.
-
-An edge between stages on different ranks is carried by a SEND/RECV pair once
-communication is inserted; an edge within a rank is a local hand-off, ordered
-by the rank's list alone.
-
-An ``OVERLAP_F_B`` step is a *node* of its rank's list that holds two steps
-(its ``parts``). The index places both halves at the pair's position, so every
-question about a half (where it runs, what it needs) has its usual answer;
-the pair itself needs what its halves need (:meth:`OrderView.node_edges`).
-
-[Note: order walk]
-``validate_order`` (does the order deadlock?) and ``simulate`` (when does each
-step run?) execute an order the same way: every rank runs its list in order,
-round robin, each as far as it can go; a step of a ``collective`` kind runs
-when every rank stands at one, on all of them together. :func:`walk_order` is
-that loop; the two passes differ only in what a rank's step waits for (a
-rendezvous with its peer's matching step, or the arrival of its inputs) and in
-what they record, which they pass in.
+Details: [Note: dependency model], [Note: order walk].
 """
 
 from __future__ import annotations
@@ -51,6 +12,39 @@ from hp_pipeline.errors import ScheduleError
 from hp_pipeline.ir import MetaStep, MetaStepType
 
 __all__ = ["Edge", "OrderView", "matching", "walk_order"]
+
+
+# [Note: dependency model]
+# Each step kind declares its own rules ([Note: step-kind registry] in
+# :mod:`hp_pipeline.kinds`); :class:`OrderView` only indexes an order and asks
+# them. For the built-in kinds (:mod:`hp_pipeline._builtin_kinds`) a step on
+# stage ``s`` for micro-batch ``i`` depends on:
+#
+# * ``F(s, i)`` on ``F(s-1, i)`` (the activation), and on the loaded micro-batch
+#   when ``s`` is the loading stage or receives the data (``RECV_D``);
+# * ``B(s, i)`` / ``I(s, i)`` on ``F(s, i)`` and on the input-gradient backward
+#   (``B`` or ``I``) of ``s+1`` for the same micro-batch (the output gradient);
+# * ``W(s, i)`` on ``I(s, i)``;
+# * a send on the step that produced its payload, and the consumer of a payload
+#   on the receive that brought it.
+#
+# The rules come in four shapes: ``needs`` (same-stage steps that come earlier
+# in the rank's list), ``edges`` (edges from other stages into the step),
+# ``feeds`` (edges *out of* a step into another kind's step: how a plug-in
+# adds an input to a built-in step, e.g. MPipe's tower forward feeding stage
+# 0's ``F``, see :mod:`hp_pipeline.mpipe.kinds`) and, for a receive,
+# ``consumer``. The loaded micro-batch comes from the stage whose ``LOAD``
+# names it; a plain order loads everything on stage 0, an MPipe order loads
+# each micro-batch on its owning rank.
+#
+# An edge between stages on different ranks is carried by a SEND/RECV pair once
+# communication is inserted; an edge within a rank is a local hand-off, ordered
+# by the rank's list alone.
+#
+# An ``OVERLAP_F_B`` step is a *node* of its rank's list that holds two steps
+# (its ``parts``). The index places both halves at the pair's position, so every
+# question about a half (where it runs, what it needs) has its usual answer;
+# the pair itself needs what its halves need (:meth:`OrderView.node_edges`).
 
 
 @dataclass(frozen=True)
@@ -225,6 +219,16 @@ def matching(step: MetaStep) -> MetaStep:
     """The other half of a SEND/RECV pair: same micro-batch, stage and peer swapped."""
     assert step.peer_stage is not None
     return MetaStep(step.micro_index, step.type.matching, step.peer_stage, step.stage_index)
+
+
+# [Note: order walk]
+# ``validate_order`` (does the order deadlock?) and ``simulate`` (when does each
+# step run?) execute an order the same way: every rank runs its list in order,
+# round robin, each as far as it can go; a step of a ``collective`` kind runs
+# when every rank stands at one, on all of them together. :func:`walk_order` is
+# that loop; the two passes differ only in what a rank's step waits for (a
+# rendezvous with its peer's matching step, or the arrival of its inputs) and in
+# what they record, which they pass in.
 
 
 def walk_order(

@@ -1,41 +1,6 @@
 """What a schedule's ``step`` hands the executor: torch's two input forms, and torch's meshes as groups.
 
-[Note: pre-split micro-batches]
-torch's newest pipelining takes a step's inputs in one of two forms, and so
-do we. The whole batch, ``step(*args, target=y, **kwargs)``, is cut into
-``n_microbatches`` pieces by the chunk specs ([Note: nested batches] in
-:mod:`hp_pipeline.microbatch`). The pre-split form, ``step(arg_mbs=[...],
-kwarg_mbs=[...], target_mbs=[...])``, gives one entry per micro-batch and is
-used as given: a tuple of positional inputs, a dict of keyword inputs and a
-target for micro-batch ``k``. torchtitan uses the second form because a batch
-whose metadata depends on its rows (variable-length attention offsets, masks
-built per micro-batch) cannot be cut by a chunk spec.
-
-The meaning follows torch's ``_get_microbatch_inputs``: the form is
-pre-split as soon as one of the three lists is given; the two forms cannot be
-mixed (a positional input, a model keyword or ``target=`` beside a list is an
-error naming what to move where); each list is a ``list`` of exactly
-``n_microbatches`` entries; ``arg_mbs`` holds tuples and ``kwarg_mbs`` dicts;
-a list left out means "nothing" for every micro-batch. Positional inputs
-reach stage 0 only (later stages take the previous stage's outputs), keyword
-inputs reach the forward of every stage of the rank they are given on (torch's
-``forward_one_chunk``; torchtitan passes the same ``kwarg_mbs`` on every
-rank), targets reach the loss of the last stage. Whole-batch keyword inputs
-mean the same once split.
-
-Every check here runs inside ``step``'s pre-step ``try``, so a bad call makes
-every rank raise the same :class:`~hp_pipeline.PipelineStepError` before any
-rank computes ([Note: failures] in :mod:`hp_pipeline.executor`), where torch
-raises on the offending rank only and leaves its peers waiting.
-
-[Note: meshes as groups]
-torch's code passes ``group=pp_mesh.get_group()`` and, more and more, the mesh
-itself. Where hp-pipeline takes a process group it therefore also takes a
-one-dimensional mesh, ours (``hp_core.DeviceMesh``) or torch's
-(``torch.distributed.device_mesh.DeviceMesh``), and uses the group the mesh
-already holds (``mesh.get_group()``): no conversion and no new process group,
-so the stage communicates on exactly the communicator the rest of the program
-uses for that dimension. A mesh of more dims is refused with the slice to pass.
+Details: [Note: pre-split micro-batches], [Note: meshes as groups].
 """
 
 from __future__ import annotations
@@ -108,6 +73,35 @@ def check_eval_losses(last_stage: int | None, target: Any, target_mbs: Any) -> N
             "is no loss to compute; pass the batch's targets, e.g. schedule.eval(target=y, losses=losses) "
             "or eval(..., target_mbs=[y0, y1, ...]), or leave losses out to get the outputs only"
         )
+
+
+# [Note: pre-split micro-batches]
+# torch's newest pipelining takes a step's inputs in one of two forms, and so
+# do we. The whole batch, ``step(*args, target=y, **kwargs)``, is cut into
+# ``n_microbatches`` pieces by the chunk specs ([Note: nested batches] in
+# :mod:`hp_pipeline.microbatch`). The pre-split form, ``step(arg_mbs=[...],
+# kwarg_mbs=[...], target_mbs=[...])``, gives one entry per micro-batch and is
+# used as given: a tuple of positional inputs, a dict of keyword inputs and a
+# target for micro-batch ``k``. torchtitan uses the second form because a batch
+# whose metadata depends on its rows (variable-length attention offsets, masks
+# built per micro-batch) cannot be cut by a chunk spec.
+#
+# The meaning follows torch's ``_get_microbatch_inputs``: the form is
+# pre-split as soon as one of the three lists is given; the two forms cannot be
+# mixed (a positional input, a model keyword or ``target=`` beside a list is an
+# error naming what to move where); each list is a ``list`` of exactly
+# ``n_microbatches`` entries; ``arg_mbs`` holds tuples and ``kwarg_mbs`` dicts;
+# a list left out means "nothing" for every micro-batch. Positional inputs
+# reach stage 0 only (later stages take the previous stage's outputs), keyword
+# inputs reach the forward of every stage of the rank they are given on (torch's
+# ``forward_one_chunk``; torchtitan passes the same ``kwarg_mbs`` on every
+# rank), targets reach the loss of the last stage. Whole-batch keyword inputs
+# mean the same once split.
+#
+# Every check here runs inside ``step``'s pre-step ``try``, so a bad call makes
+# every rank raise the same :class:`~hp_pipeline.PipelineStepError` before any
+# rank computes ([Note: failures] in :mod:`hp_pipeline.executor`), where torch
+# raises on the offending rank only and leaves its peers waiting.
 
 
 def check_pre_split(
@@ -204,6 +198,16 @@ def microbatch_inputs(
         kwargs_out = split_args_kwargs((), kwargs, m, None, kwargs_chunk_spec)[1]
     targets = split_target(target, m) if holds_last and target is not None else None
     return args_out, kwargs_out, targets
+
+
+# [Note: meshes as groups]
+# torch's code passes ``group=pp_mesh.get_group()`` and, more and more, the mesh
+# itself. Where hp-pipeline takes a process group it therefore also takes a
+# one-dimensional mesh, ours (``hp_core.DeviceMesh``) or torch's
+# (``torch.distributed.device_mesh.DeviceMesh``), and uses the group the mesh
+# already holds (``mesh.get_group()``): no conversion and no new process group,
+# so the stage communicates on exactly the communicator the rest of the program
+# uses for that dimension. A mesh of more dims is refused with the slice to pass.
 
 
 def as_process_group(where: str, group: object, name: str = "group") -> dist.ProcessGroup | None:

@@ -1,32 +1,6 @@
 """DTensors across a stage boundary: the local shard travels, the receiver rebuilds the DTensor.
 
-[Note: DTensors across stages]
-A stage of a tensor-parallel model (torchtitan's, say) may return DTensors,
-torch's or hp-dtensor's. A process group is not serialisable, so, as in torch,
-what crosses the boundary is the *local* shard, and the metadata of the first
-step ([Note: first step] in :mod:`hp_pipeline.executor`) says how to rebuild
-the DTensor on the other side: its class, placements, global shape and the
-mesh's dim names and shape (:class:`DTensorMeta`, a field of
-:class:`~hp_pipeline.stage.TensorMeta`). The receiving stage finds the mesh
-itself, because only it holds the groups: first among the meshes of the
-DTensors it already knows (its module's parameters and buffers, the DTensors
-it received or produced), then through ``PipelineStage(get_mesh=...)``,
-torch's ``GetMeshCallback``, called as ``get_mesh(mesh_dim_names, None)``
-(the layout argument is torch's private ``_MeshLayout``, which ours has no
-counterpart of; the mesh the callback returns is checked against the
-sender's shape instead). A mesh found once is cached on the stage.
-
-Gradients go back the same way. The gradient of a received DTensor may come
-out of autograd with other placements than the activation had (``Partial``
-after a row-parallel layer); it is redistributed to the activation's
-placements before its shard is sent, so the sender of the activation can
-rebuild it with the placements of the output it produced. That may cost a
-collective on the receiving stage's mesh where torch would send the partial
-sums as they are; the values are the same.
-
-hp-pipeline does not import hp-dtensor (nor need torch's DTensor): a DTensor
-is recognised by its public interface (``to_local``, ``placements``,
-``device_mesh`` and the class's ``from_local``), which both share.
+Details: [Note: DTensors across stages].
 """
 
 from __future__ import annotations
@@ -41,6 +15,35 @@ from typing import Any
 import torch
 
 __all__ = ["DTensorMeta"]
+
+
+# [Note: DTensors across stages]
+# A stage of a tensor-parallel model (torchtitan's, say) may return DTensors,
+# torch's or hp-dtensor's. A process group is not serialisable, so, as in torch,
+# what crosses the boundary is the *local* shard, and the metadata of the first
+# step ([Note: first step] in :mod:`hp_pipeline.executor`) says how to rebuild
+# the DTensor on the other side: its class, placements, global shape and the
+# mesh's dim names and shape (:class:`DTensorMeta`, a field of
+# :class:`~hp_pipeline.stage.TensorMeta`). The receiving stage finds the mesh
+# itself, because only it holds the groups: first among the meshes of the
+# DTensors it already knows (its module's parameters and buffers, the DTensors
+# it received or produced), then through ``PipelineStage(get_mesh=...)``,
+# torch's ``GetMeshCallback``, called as ``get_mesh(mesh_dim_names, None)``
+# (the layout argument is torch's private ``_MeshLayout``, which ours has no
+# counterpart of; the mesh the callback returns is checked against the
+# sender's shape instead). A mesh found once is cached on the stage.
+#
+# Gradients go back the same way. The gradient of a received DTensor may come
+# out of autograd with other placements than the activation had (``Partial``
+# after a row-parallel layer); it is redistributed to the activation's
+# placements before its shard is sent, so the sender of the activation can
+# rebuild it with the placements of the output it produced. That may cost a
+# collective on the receiving stage's mesh where torch would send the partial
+# sums as they are; the values are the same.
+#
+# hp-pipeline does not import hp-dtensor (nor need torch's DTensor): a DTensor
+# is recognised by its public interface (``to_local``, ``placements``,
+# ``device_mesh`` and the class's ``from_local``), which both share.
 
 
 @dataclass(frozen=True)

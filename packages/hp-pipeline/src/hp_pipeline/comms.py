@@ -1,30 +1,6 @@
 """``insert_comms``: turn a compute-only order into one an executor can run.
 
-[Note: deadlock-free placement]
-Every cross-rank dependency becomes a *pair*, a SEND on the producer's rank and
-the matching RECV on the consumer's rank. The pass builds one global sequence
-of all steps and pairs (a topological order of the data-flow graph plus each
-rank's program order) and appends each pair to *both* ranks' lists at the same
-point of that sequence. Every rank's list is then a subsequence of one global
-sequence in which each pair is a single event, so executing the global
-sequence in order is always possible, even with blocking (rendezvous) sends:
-whenever a pair comes up, both ranks have finished everything before it and
-stand at its SEND and RECV. Two ranks therefore always post their transfers to
-each other in the same relative order; sends and receives never cross.
-
-Among the steps that are ready, the sequence takes the earliest in simulated
-time (pairs first at equal times), using the simulator's timing of the
-compute-only order. So a SEND comes right after the step that produced its
-payload, and a RECV lands where the data arrives, before the step that needs
-it, without delaying anything under the simulator's model.
-
-Adjacent stages on the same rank (the turn of a V, or a whole V on one rank)
-need no pair: the producer precedes the consumer in the rank's own list.
-
-An ``OVERLAP_F_B`` step is one node of the sequence: every transfer into
-either half comes before the pair, and each half's sends follow it, the
-forward's first (its outputs are ready when the forward ends, see [Note:
-running overlapped steps] in :mod:`hp_pipeline.overlap`).
+Details: [Note: deadlock-free placement].
 """
 
 from __future__ import annotations
@@ -43,6 +19,33 @@ from hp_pipeline.validate import validate_order
 __all__ = ["insert_comms"]
 
 _PAIR, _LOCAL = 0, 1  # at equal times pairs go first, so a RECV precedes its consumer
+
+
+# [Note: deadlock-free placement]
+# Every cross-rank dependency becomes a *pair*, a SEND on the producer's rank and
+# the matching RECV on the consumer's rank. The pass builds one global sequence
+# of all steps and pairs (a topological order of the data-flow graph plus each
+# rank's program order) and appends each pair to *both* ranks' lists at the same
+# point of that sequence. Every rank's list is then a subsequence of one global
+# sequence in which each pair is a single event, so executing the global
+# sequence in order is always possible, even with blocking (rendezvous) sends:
+# whenever a pair comes up, both ranks have finished everything before it and
+# stand at its SEND and RECV. Two ranks therefore always post their transfers to
+# each other in the same relative order; sends and receives never cross.
+#
+# Among the steps that are ready, the sequence takes the earliest in simulated
+# time (pairs first at equal times), using the simulator's timing of the
+# compute-only order. So a SEND comes right after the step that produced its
+# payload, and a RECV lands where the data arrives, before the step that needs
+# it, without delaying anything under the simulator's model.
+#
+# Adjacent stages on the same rank (the turn of a V, or a whole V on one rank)
+# need no pair: the producer precedes the consumer in the rank's own list.
+#
+# An ``OVERLAP_F_B`` step is one node of the sequence: every transfer into
+# either half comes before the pair, and each half's sends follow it, the
+# forward's first (its outputs are ready when the forward ends, see [Note:
+# running overlapped steps] in :mod:`hp_pipeline.overlap`).
 
 
 def insert_comms(

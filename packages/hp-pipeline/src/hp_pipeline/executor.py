@@ -1,141 +1,13 @@
 """The executor: run one rank's list of :class:`MetaStep` for one training step.
 
-[Note: posting and waiting]
-The rank's steps are cut into *blocks*: the communication steps between two
-compute steps, then the compute step. On gloo, right before compute step
-``k`` the executor posts the sends of block ``k`` (their payloads were
-produced by earlier compute) and the receives of block ``k+L``, ``L`` compute
-steps ahead of where ``insert_comms`` put them (``L`` is the whole step unless
-bounded, see [Note: receive lookahead] and [Note: direct p2p]); backends that
-coalesce post in list order instead ([Note: coalesced batches]). A receive is
-waited only right before the compute step that consumes it, and waiting it
-waits nothing else (on gloo; its batch, elsewhere); sends are
-waited at the end of the step. This is deadlock-free for any order that passes
-``validate_order``: every rank posts its communication in its list's order,
-its list is a subsequence of one global sequence in which each SEND/RECV pair
-is a single event, and so a rank blocked on a handle always waits for a peer
-that is blocked on something strictly earlier in that sequence; the chain
-ends at a rank that can progress.
-
-[Note: direct p2p]
-Later steps are the hot path, and hp-core's ``batch_isend_irecv`` re-checks
-per call what cannot change within a schedule: that the group is initialised
-and this rank is in it, that every peer is a rank of the group and not this
-rank, that every tensor is dense and contiguous. Here these hold once checked:
-the group and every peer of the rank's order are checked when the runner is
-built (``_check_p2p_setup``); receive buffers are our own ``torch.empty``; sent
-tensors are made contiguous (``_forward``, ``_send_tensors``) and outputs are
-checked dense in ``_forward``, where a failure drains like any compute error.
-So steps after the first call ``torch.distributed`` directly. On gloo each op
-is independent anyway (torch's ``batch_isend_irecv`` only loops), so the
-executor posts them one by one and keeps a handle per receive: waiting for an
-activation no longer also waits for the sends posted beside it, which on gloo
-complete only when the peer has posted the matching receive. Backends that
-coalesce (NCCL, HCCL) get one ``batch_isend_irecv`` per compute step
-([Note: coalesced batches]). The first step, blocking and rare, keeps
-hp-core's checked wrappers.
-
-[Note: coalesced batches]
-On NCCL and HCCL a ``batch_isend_irecv`` is one group (``ncclGroupStart`` /
-``ncclGroupEnd``): its operations progress together, but the groups a rank
-issues run one after another on its stream, each until every operation in it
-has met its peer operation (NCCL user guide, "Point-to-point communication").
-So two ranks must meet their transfers to each other in the same order: if
-rank A posts its receive of ``y`` in an earlier group than its send of ``x``
-while rank B posts its receive of ``x`` in an earlier group than its send of
-``y``, both groups wait forever. Posting the receives of the next block ahead
-of this block's sends (what gloo does, [Note: receive lookahead]) does exactly
-that whenever a block starts with a send and the next block holds a receive
-from the same peer (GPipe's last forward send and first gradient receive).
-
-The executor therefore posts a rank's transfers *in its list's order*, cut
-into one batch per compute step (:func:`_coalesced_batches`): batch ``k``
-holds what is left of block ``k``'s communication, then the receives that lead
-block ``k+1`` (up to its first send, whose payload compute ``k`` produces).
-Deadlock freedom: every list is a subsequence of one global sequence in which
-each SEND/RECV pair is one event ([Note: deadlock-free placement] in
-:mod:`hp_pipeline.comms`). Hoisting the leading receives of block ``k+1``
-above compute ``k`` keeps that true, because compute ``k`` is private to the
-rank and its results leave the rank only through later sends, so it can be
-moved after those receives in the global sequence. (An FSDP step is a
-collective over the stage's data-parallel replicas, which run the same order
-with the same batches in lockstep; it moves the same way on all of them.)
-Each batch is then a run of
-consecutive transfers of the rank's (rewritten) list with no compute inside,
-and the earliest unfinished event of the global sequence can always finish:
-both of its ranks have finished everything before it, every batch in front of
-its own on either rank holds only earlier events, and operations within a
-batch progress together. Waiting a receive waits its whole batch (one handle;
-on NCCL the consumer's stream waits for the group), which this argument
-already allows for. The price against gloo is lookahead: a receive is posted at
-most one compute step early.
-
-[Note: receive lookahead]
-On gloo a transfer is a rendezvous: the payload leaves only once the
-receiver has posted its receive. When the receive is posted first, the
-sender's ``isend`` writes the payload at once; when the send comes first, it
-announces itself, waits for the receiver's notice and the payload goes out
-from gloo's transport thread later, a round trip and two more wake-ups on the
-critical path, each costing milliseconds on a CPU the ranks share. So on
-gloo the executor posts receives ``recv_lookahead`` compute steps ahead
-(default: all of the step's receives when it starts, so every receive is
-posted before its send), each into its own buffer. Posting a receive never
-blocks, and receives from one peer are still posted in list order, so the
-argument of [Note: posting and waiting] is untouched. The price is memory: the
-buffers of the step's received activations and gradients all exist from the
-start (on stage ``s > 0`` of 1F1B: ``m`` inputs and ``m`` output gradients,
-each the size of one micro-batch's boundary tensors, where 1F1B otherwise holds
-``p``); pass ``recv_lookahead=k`` to a schedule to bound it. Backends that
-coalesce ignore it: there a posted receive is a group that holds its stream
-until matched, and the sends queued behind it could not start
-([Note: coalesced batches]).
-
-[Note: first step]
-The first step of a schedule also learns the tensor metadata ([Note: tensor
-metadata] in :mod:`hp_pipeline.stage`). It runs every transfer blocking, in
-list order, with a small header object ahead of the tensors: the list of
-:class:`~hp_pipeline.stage.TensorMeta` for activations, an "ok" for gradients,
-or a failure record. Later steps send tensors only.
-
-[Note: failures]
-A pipeline failure is hard to report well: when stage 2 raises, stage 3 is
-blocked in a receive that will never be matched and stage 1 in a receive of
-gradients, and a plain ``raise`` leaves them hanging until the process-group
-timeout, with the real error on one rank only. Instead:
-
-* an exception raised by *compute* (the module, ``loss_fn``, autograd, a
-  shape check) does not unwind the step. The rank records it and *drains*:
-  it keeps executing its list, skipping compute but posting every send and
-  receive, so no peer is ever left waiting. On the first step the failure
-  record travels in the headers, so downstream ranks stop computing too; on
-  later steps a draining rank sends zeros of the cached shapes (peers compute
-  on them, harmlessly, and their results are thrown away);
-* every handle is waited, then all ranks of the pipeline group exchange one
-  failure flag ([Note: failure vote] in :mod:`hp_pipeline.vote`: on gloo a
-  star of point-to-point flags whose receives are posted when the step starts,
-  elsewhere a one-element all-reduce on a side stream, which spares the host
-  a sync of the compute stream but not the wait for every rank's last
-  transfer: [Note: vote off the compute stream]); when any is set they gather
-  the failure records and every rank raises the same :class:`PipelineStepError`,
-  naming the rank, stage and step that failed and the original traceback.
-  The process group stays healthy, so the caller may catch it, fix the input
-  and step again;
-* an exception raised by *communication* (a peer died, a timeout) cannot be
-  drained around: the rank waits what it posted (with ``abort_timeout``),
-  then raises at once. Peers learn of it from their own broken connections or
-  timeouts.
-
-We chose in-band draining over a store-based side channel because it needs
-no polling of a store in the hot path, keeps working without a TCPStore (any
-launcher), and leaves the communicator usable; its cost is the vote per step (one hop after
-the last rank finishes, on gloo; on NCCL/HCCL a one-element all-reduce queued behind the
-step's last transfers). ``KeyboardInterrupt`` and other ``BaseException``\\ s are
-not drained: they propagate at once.
+Details in the [Note]s below: posting and waiting, direct p2p, coalesced
+batches, receive lookahead, first step, failures.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
@@ -145,7 +17,7 @@ from typing import Any
 import torch
 import torch.autograd.profiler as _profiler
 import torch.distributed as dist
-from hp_core import capabilities_for
+from hp_core import DebugLevel, capabilities_for, get_debug_level, get_logger
 
 from hp_pipeline.boundary import grad_to_send, is_dtensor, local_of, rebuild
 from hp_pipeline.errors import PipelineStepError, StageFailure
@@ -155,6 +27,8 @@ from hp_pipeline.kinds import Transfer
 from hp_pipeline.overlap import split_overlaps
 from hp_pipeline.stage import PipelineStage, TensorMeta
 from hp_pipeline.vote import FailureVote
+
+_log = get_logger("hp_pipeline")
 
 __all__ = ["BUILTIN_HANDLERS", "CommError", "StepRunner"]
 
@@ -182,6 +56,42 @@ def _blocks(steps: Sequence[MetaStep]) -> list[_Block]:
     return blocks
 
 
+# [Note: coalesced batches]
+# On NCCL and HCCL a ``batch_isend_irecv`` is one group (``ncclGroupStart`` /
+# ``ncclGroupEnd``): its operations progress together, but the groups a rank
+# issues run one after another on its stream, each until every operation in it
+# has met its peer operation (NCCL user guide, "Point-to-point communication").
+# So two ranks must meet their transfers to each other in the same order: if
+# rank A posts its receive of ``y`` in an earlier group than its send of ``x``
+# while rank B posts its receive of ``x`` in an earlier group than its send of
+# ``y``, both groups wait forever. Posting the receives of the next block ahead
+# of this block's sends (what gloo does, [Note: receive lookahead]) does exactly
+# that whenever a block starts with a send and the next block holds a receive
+# from the same peer (GPipe's last forward send and first gradient receive).
+#
+# The executor therefore posts a rank's transfers *in its list's order*, cut
+# into one batch per compute step (:func:`_coalesced_batches`): batch ``k``
+# holds what is left of block ``k``'s communication, then the receives that lead
+# block ``k+1`` (up to its first send, whose payload compute ``k`` produces).
+# Deadlock freedom: every list is a subsequence of one global sequence in which
+# each SEND/RECV pair is one event ([Note: deadlock-free placement] in
+# :mod:`hp_pipeline.comms`). Hoisting the leading receives of block ``k+1``
+# above compute ``k`` keeps that true, because compute ``k`` is private to the
+# rank and its results leave the rank only through later sends, so it can be
+# moved after those receives in the global sequence. (An FSDP step is a
+# collective over the stage's data-parallel replicas, which run the same order
+# with the same batches in lockstep; it moves the same way on all of them.)
+# Each batch is then a run of
+# consecutive transfers of the rank's (rewritten) list with no compute inside,
+# and the earliest unfinished event of the global sequence can always finish:
+# both of its ranks have finished everything before it, every batch in front of
+# its own on either rank holds only earlier events, and operations within a
+# batch progress together. Waiting a receive waits its whole batch (one handle;
+# on NCCL the consumer's stream waits for the group), which this argument
+# already allows for. The price against gloo is lookahead: a receive is posted at
+# most one compute step early.
+
+
 def _coalesced_batches(blocks: Sequence[_Block]) -> list[list[MetaStep]]:
     """The ``batch_isend_irecv`` posted before each block's action on NCCL/HCCL.
 
@@ -202,6 +112,42 @@ def _coalesced_batches(blocks: Sequence[_Block]) -> list[list[MetaStep]]:
             batch.extend(following[:carried])
         batches.append(batch)
     return batches
+
+
+# [Note: failures]
+# A pipeline failure is hard to report well: when stage 2 raises, stage 3 is
+# blocked in a receive that will never be matched and stage 1 in a receive of
+# gradients, and a plain ``raise`` leaves them hanging until the process-group
+# timeout, with the real error on one rank only. Instead:
+#
+# * an exception raised by *compute* (the module, ``loss_fn``, autograd, a
+#   shape check) does not unwind the step. The rank records it and *drains*:
+#   it keeps executing its list, skipping compute but posting every send and
+#   receive, so no peer is ever left waiting. On the first step the failure
+#   record travels in the headers, so downstream ranks stop computing too; on
+#   later steps a draining rank sends zeros of the cached shapes (peers compute
+#   on them, harmlessly, and their results are thrown away);
+# * every handle is waited, then all ranks of the pipeline group exchange one
+#   failure flag ([Note: failure vote] in :mod:`hp_pipeline.vote`: on gloo a
+#   star of point-to-point flags whose receives are posted when the step starts,
+#   elsewhere a one-element all-reduce on a side stream, which spares the host
+#   a sync of the compute stream but not the wait for every rank's last
+#   transfer: [Note: vote off the compute stream]); when any is set they gather
+#   the failure records and every rank raises the same :class:`PipelineStepError`,
+#   naming the rank, stage and step that failed and the original traceback.
+#   The process group stays healthy, so the caller may catch it, fix the input
+#   and step again;
+# * an exception raised by *communication* (a peer died, a timeout) cannot be
+#   drained around: the rank waits what it posted (with ``abort_timeout``),
+#   then raises at once. Peers learn of it from their own broken connections or
+#   timeouts.
+#
+# We chose in-band draining over a store-based side channel because it needs
+# no polling of a store in the hot path, keeps working without a TCPStore (any
+# launcher), and leaves the communicator usable; its cost is the vote per step (one hop after
+# the last rank finishes, on gloo; on NCCL/HCCL a one-element all-reduce queued behind the
+# step's last transfers). ``KeyboardInterrupt`` and other ``BaseException``\ s are
+# not drained: they propagate at once.
 
 
 class CommError(Exception):
@@ -233,6 +179,25 @@ class _Works:
                 handle.wait(timeout)
 
 
+# [Note: direct p2p]
+# Later steps are the hot path, and hp-core's ``batch_isend_irecv`` re-checks
+# per call what cannot change within a schedule: that the group is initialised
+# and this rank is in it, that every peer is a rank of the group and not this
+# rank, that every tensor is dense and contiguous. Here these hold once checked:
+# the group and every peer of the rank's order are checked when the runner is
+# built (``_check_p2p_setup``); receive buffers are our own ``torch.empty``; sent
+# tensors are made contiguous (``_forward``, ``_send_tensors``) and outputs are
+# checked dense in ``_forward``, where a failure drains like any compute error.
+# So steps after the first call ``torch.distributed`` directly. On gloo each op
+# is independent anyway (torch's ``batch_isend_irecv`` only loops), so the
+# executor posts them one by one and keeps a handle per receive: waiting for an
+# activation no longer also waits for the sends posted beside it, which on gloo
+# complete only when the peer has posted the matching receive. Backends that
+# coalesce (NCCL, HCCL) get one ``batch_isend_irecv`` per compute step
+# ([Note: coalesced batches]). The first step, blocking and rare, keeps
+# hp-core's checked wrappers.
+
+
 def _check_p2p_setup(steps: Sequence[MetaStep], peer_rank: Callable[[int], int], pg: Any) -> None:
     """Once per schedule, the peer checks hp-core's p2p wrappers repeat per call ([Note: direct p2p])."""
     ranks = dist.get_process_group_ranks(pg)
@@ -248,6 +213,53 @@ def _check_p2p_setup(steps: Sequence[MetaStep], peer_rank: Callable[[int], int],
                 + "; the stages' placement and the group do not match (build the stages with the "
                 "pipeline's process group)"
             )
+
+
+# [Note: posting and waiting]
+# The rank's steps are cut into *blocks*: the communication steps between two
+# compute steps, then the compute step. On gloo, right before compute step
+# ``k`` the executor posts the sends of block ``k`` (their payloads were
+# produced by earlier compute) and the receives of block ``k+L``, ``L`` compute
+# steps ahead of where ``insert_comms`` put them (``L`` is the whole step unless
+# bounded, see [Note: receive lookahead] and [Note: direct p2p]); backends that
+# coalesce post in list order instead ([Note: coalesced batches]). A receive is
+# waited only right before the compute step that consumes it, and waiting it
+# waits nothing else (on gloo; its batch, elsewhere); sends are
+# waited at the end of the step. This is deadlock-free for any order that passes
+# ``validate_order``: every rank posts its communication in its list's order,
+# its list is a subsequence of one global sequence in which each SEND/RECV pair
+# is a single event, and so a rank blocked on a handle always waits for a peer
+# that is blocked on something strictly earlier in that sequence; the chain
+# ends at a rank that can progress.
+
+
+# [Note: receive lookahead]
+# On gloo a transfer is a rendezvous: the payload leaves only once the
+# receiver has posted its receive. When the receive is posted first, the
+# sender's ``isend`` writes the payload at once; when the send comes first, it
+# announces itself, waits for the receiver's notice and the payload goes out
+# from gloo's transport thread later, a round trip and two more wake-ups on the
+# critical path, each costing milliseconds on a CPU the ranks share. So on
+# gloo the executor posts receives ``recv_lookahead`` compute steps ahead
+# (default: all of the step's receives when it starts, so every receive is
+# posted before its send), each into its own buffer. Posting a receive never
+# blocks, and receives from one peer are still posted in list order, so the
+# argument of [Note: posting and waiting] is untouched. The price is memory: the
+# buffers of the step's received activations and gradients all exist from the
+# start (on stage ``s > 0`` of 1F1B: ``m`` inputs and ``m`` output gradients,
+# each the size of one micro-batch's boundary tensors, where 1F1B otherwise holds
+# ``p``); pass ``recv_lookahead=k`` to a schedule to bound it. Backends that
+# coalesce ignore it: there a posted receive is a group that holds its stream
+# until matched, and the sends queued behind it could not start
+# ([Note: coalesced batches]).
+
+
+# [Note: first step]
+# The first step of a schedule also learns the tensor metadata ([Note: tensor
+# metadata] in :mod:`hp_pipeline.stage`). It runs every transfer blocking, in
+# list order, with a small header object ahead of the tensors: the list of
+# :class:`~hp_pipeline.stage.TensorMeta` for activations, an "ok" for gradients,
+# or a failure record. Later steps send tensors only.
 
 
 class StepRunner:
@@ -297,6 +309,7 @@ class StepRunner:
         self._bind_kinds(handlers or {})
         self._early: list[MetaStep] = []
         self._lean_blocks = self.blocks
+        self._log_steps = False
         self._reset()
 
     # -- step kinds ([Note: running a kind]) -------------------------------------------
@@ -392,6 +405,8 @@ class StepRunner:
         """Run the steps; returns this rank's own failure (if any) after every handle is waited."""
         self.vote.open()  # [Note: failure vote]: its receives wait for the end of the step
         self._reset()
+        # Each step's action at DETAIL ([Note: debug levels] in hp_core.debug), decided once per step.
+        self._log_steps = get_debug_level() >= DebugLevel.DETAIL and _log.isEnabledFor(logging.DEBUG)
         self.arg_mbs, self.kwarg_mbs, self.targets = arg_mbs, kwarg_mbs, targets
         self.loss_fn, self.scale = loss_fn, scale
         if pre_failure is not None:
@@ -477,8 +492,11 @@ class StepRunner:
         """Run one step; under an active profiler it shows as ``PP:<step>`` (e.g. ``PP:0F1``), as in torch.
 
         The label's text is built only while profiling: this runs for every
-        step of every schedule, so without a profiler it costs one attribute read.
+        step of every schedule, so without a profiler (and without DETAIL logs)
+        it costs two attribute reads.
         """
+        if self._log_steps:
+            _log.debug("PP step %s%s", step, " (draining)" if self.draining else "")
         if _profiler._is_profiler_enabled:
             with torch.profiler.record_function(f"PP:{step}"):
                 self._act_step(step)

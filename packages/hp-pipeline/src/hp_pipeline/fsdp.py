@@ -1,47 +1,6 @@
 """Compose with a sharded-data-parallel wrapper (hp-fsdp) without importing it.
 
-[Note: FSDP protocol]
-hp-pipeline must not depend on hp-fsdp, so a stage takes part in the
-``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD`` steps by *shape*: every submodule
-of the stage module (the module itself included) with the methods of
-:class:`ShardedModule` is a *unit*. Users wrap the way they do without a
-pipeline: each block, the stage module, or both (nested, bottom-up). The
-*outer* units are those not inside another unit. Per step the executor
-
-1. before the first compute step, calls on the outer units
-   ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``
-   (when present; they apply to the units below, as in FSDP2), so the
-   per-micro-batch backwards only accumulate and keep the parameters
-   gathered, and on every unit whose ``reshard_after_forward`` reads true
-   ``set_reshard_after_forward(False, recurse=False)``, so no micro-batch's
-   forward frees what ``UNSHARD`` gathered (a unit resharding after each
-   forward would gather again for every micro-batch's backward and the next
-   forward: ``2m`` all-gathers per unit instead of one);
-2. runs ``UNSHARD`` -> ``unshard(async_op=True)`` on every unit before the
-   stage's first compute step; the returned handles are waited before the
-   stage computes, so on an accelerator all gathers of the stage are in
-   flight together;
-3. runs ``REDUCE_GRAD`` -> ``set_requires_gradient_sync(True)`` then
-   ``reduce_grad()`` on the outer units after the stage's last backward
-   (``reduce_grad`` covers the unit and every unit below it): the gradients of
-   all micro-batches are reduced once per step, not once per micro-batch;
-4. runs ``RESHARD`` at the end: ``set_reshard_after_backward(True)`` on the
-   outer units (FSDP's default again), each unit's ``reshard_after_forward``
-   put back as it was read, and ``reshard()`` on every unit, so after the step
-   every parameter the module registers is its shard again (the one the
-   optimizer steps).
-
-Step 4 reaching *every* unit is what keeps nested wrapping correct: a unit
-left gathered after the step would run the next forward on its old gathered
-values while the optimizer updates the shards, and its parameters (as the
-module lists them) would carry no gradient.
-
-One all-gather and one reduce-scatter per unit per step, whatever the
-wrapping and the number of micro-batches. Forward-only steps (no
-``loss_fn``) only unshard and reshard. A wrapper without ``reduce_grad``
-cannot take part; such a module is treated as unsharded.
-:func:`add_fsdp_steps` inserts the steps into a compute-only order (before
-:func:`~hp_pipeline.insert_comms`).
+Details: [Note: FSDP protocol].
 """
 
 from __future__ import annotations
@@ -54,6 +13,50 @@ from torch import nn
 from hp_pipeline.ir import MetaStep, MetaStepType, Order
 
 __all__ = ["ShardedModule", "ShardedUnits", "add_fsdp_steps", "is_sharded_module", "sharded_units"]
+
+
+# [Note: FSDP protocol]
+# hp-pipeline must not depend on hp-fsdp, so a stage takes part in the
+# ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD`` steps by *shape*: every submodule
+# of the stage module (the module itself included) with the methods of
+# :class:`ShardedModule` is a *unit*. Users wrap the way they do without a
+# pipeline: each block, the stage module, or both (nested, bottom-up). The
+# *outer* units are those not inside another unit. Per step the executor
+#
+# 1. before the first compute step, calls on the outer units
+#    ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``
+#    (when present; they apply to the units below, as in FSDP2), so the
+#    per-micro-batch backwards only accumulate and keep the parameters
+#    gathered, and on every unit whose ``reshard_after_forward`` reads true
+#    ``set_reshard_after_forward(False, recurse=False)``, so no micro-batch's
+#    forward frees what ``UNSHARD`` gathered (a unit resharding after each
+#    forward would gather again for every micro-batch's backward and the next
+#    forward: ``2m`` all-gathers per unit instead of one);
+# 2. runs ``UNSHARD`` -> ``unshard(async_op=True)`` on every unit before the
+#    stage's first compute step; the returned handles are waited before the
+#    stage computes, so on an accelerator all gathers of the stage are in
+#    flight together;
+# 3. runs ``REDUCE_GRAD`` -> ``set_requires_gradient_sync(True)`` then
+#    ``reduce_grad()`` on the outer units after the stage's last backward
+#    (``reduce_grad`` covers the unit and every unit below it): the gradients of
+#    all micro-batches are reduced once per step, not once per micro-batch;
+# 4. runs ``RESHARD`` at the end: ``set_reshard_after_backward(True)`` on the
+#    outer units (FSDP's default again), each unit's ``reshard_after_forward``
+#    put back as it was read, and ``reshard()`` on every unit, so after the step
+#    every parameter the module registers is its shard again (the one the
+#    optimizer steps).
+#
+# Step 4 reaching *every* unit is what keeps nested wrapping correct: a unit
+# left gathered after the step would run the next forward on its old gathered
+# values while the optimizer updates the shards, and its parameters (as the
+# module lists them) would carry no gradient.
+#
+# One all-gather and one reduce-scatter per unit per step, whatever the
+# wrapping and the number of micro-batches. Forward-only steps (no
+# ``loss_fn``) only unshard and reshard. A wrapper without ``reduce_grad``
+# cannot take part; such a module is treated as unsharded.
+# :func:`add_fsdp_steps` inserts the steps into a compute-only order (before
+# :func:`~hp_pipeline.insert_comms`).
 
 
 @runtime_checkable

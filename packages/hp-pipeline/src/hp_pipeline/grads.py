@@ -1,21 +1,6 @@
 """Gradients that span stages: tied parameters and the global gradient-norm clip.
 
-[Note: tied parameters]
-Some weights are used by two stages, classically the token embedding (stage
-0) and the output projection (the last stage). Each owning stage holds its own
-copy; after the step the copies' gradients must be summed so that every copy
-takes the same optimizer step. Each owner rank sends its copies' gradients to
-every other owner rank and each rank adds all of them *in stage order*, so
-every copy gets a bit-identical sum (partial sums exchanged between ranks
-would round differently on each side and the copies would drift apart).
-:meth:`TiedGroup.sync_values` makes the copies equal in the first place.
-
-[Note: global norm]
-``torch.nn.utils.clip_grad_norm_`` on one stage would clip by that stage's
-norm, so stages would scale by different coefficients. Here each rank adds up
-``|g|^p`` over its parameters, one all-reduce over the pipeline group gives
-the global sum, and every rank scales by the same ``max_norm / (norm + 1e-6)``
-(clamped to 1), the formula torch uses. A tied weight is counted once.
+Details: [Note: tied parameters], [Note: global norm].
 """
 
 from __future__ import annotations
@@ -29,6 +14,17 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["TiedGroup", "clip_grad_norm_", "global_grad_norm"]
+
+
+# [Note: tied parameters]
+# Some weights are used by two stages, classically the token embedding (stage
+# 0) and the output projection (the last stage). Each owning stage holds its own
+# copy; after the step the copies' gradients must be summed so that every copy
+# takes the same optimizer step. Each owner rank sends its copies' gradients to
+# every other owner rank and each rank adds all of them *in stage order*, so
+# every copy gets a bit-identical sum (partial sums exchanged between ranks
+# would round differently on each side and the copies would drift apart).
+# :meth:`TiedGroup.sync_values` makes the copies equal in the first place.
 
 
 @dataclass(frozen=True)
@@ -143,6 +139,14 @@ def sync_tied(
                     p.grad = total.clone()
                 else:
                     p.grad.copy_(total)
+
+
+# [Note: global norm]
+# ``torch.nn.utils.clip_grad_norm_`` on one stage would clip by that stage's
+# norm, so stages would scale by different coefficients. Here each rank adds up
+# ``|g|^p`` over its parameters, one all-reduce over the pipeline group gives
+# the global sum, and every rank scales by the same ``max_norm / (norm + 1e-6)``
+# (clamped to 1), the formula torch uses. A tied weight is counted once.
 
 
 def clip_grad_norm_(

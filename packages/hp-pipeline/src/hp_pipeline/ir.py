@@ -7,66 +7,7 @@ the point-to-point steps, :func:`~hp_pipeline.validate_order` checks them and
 as code inside an executor) is what lets every one of those passes, and the
 tests, look at a schedule without running a model.
 
-[Note: text form]
-Every step prints as ``{stage}{code}{micro}``, the torch.distributed.pipelining
-convention, so ``"2F0"`` is "stage 2 runs the forward of micro-batch 0".
-The codes below are those hp_pipeline registers (the built-in kinds and
-MPipe's); a plug-in adds its own with :func:`~hp_pipeline.register_step_kind`
-([Note: step-kind registry] in :mod:`hp_pipeline.kinds`), and its steps
-print, parse and round-trip through CSV the same way.
-
-============  ===============  ==================================================
-code          type             meaning
-============  ===============  ==================================================
-``F``         FWD              forward of one micro-batch through one stage
-``B``         BWD              full backward (input and weight gradients)
-``I``         BWD_INPUT        backward for the input gradient only (zero bubble)
-``W``         BWD_WEIGHT       backward for the weight gradient only (zero bubble)
-``SEND_F``    FWD_SEND         send the stage's output activation downstream
-``RECV_F``    FWD_RECV         receive the stage's input activation
-``SEND_B``    BWD_SEND         send the gradient of the stage's input upstream
-``RECV_B``    BWD_RECV         receive the gradient of the stage's output
-``LOAD``      DATA_LOAD        take the micro-batch from the data loader
-``SEND_D``    DATA_SEND        send the micro-batch (inputs, targets) to a stage
-``RECV_D``    DATA_RECV        receive the micro-batch from the loading stage
-``UNSHARD``   UNSHARD          FSDP: all-gather the stage's parameters
-``RESHARD``   RESHARD          FSDP: free the gathered parameters
-``REDUCE_GRAD`` REDUCE_GRAD    FSDP: reduce-scatter the stage's gradients
-``PF``        PREPROCESS_FWD   MPipe: run the preprocess tower on the owning rank
-``PB``        PREPROCESS_BWD   MPipe: backpropagate through the tower
-``SEND_P``    PREPROCESS_SEND  MPipe: send the tower's features to stage 0
-``RECV_P``    PREPROCESS_RECV  MPipe: receive the tower's features on stage 0
-``SEND_PG``   PREPROCESS_GRAD_SEND  MPipe: send dL/dfeatures back to the owner
-``RECV_PG``   PREPROCESS_GRAD_RECV  MPipe: receive dL/dfeatures on the owner
-``REDUCE_P``  PREPROCESS_REDUCE  MPipe: sum the tower's gradients over the ranks
-``OVERLAP_F_B`` OVERLAP_F_B    a forward and another micro-batch's backward, run as one
-============  ===============  ==================================================
-
-Communication steps name their peer stage. For activations and gradients the
-peer is the adjacent stage (``s + 1`` for ``SEND_F``/``RECV_B``, ``s - 1`` for
-``RECV_F``/``SEND_B``), so it is left out of the text: ``"0SEND_F1"`` sends
-micro-batch 1's activation from stage 0 to stage 1. A non-default peer, and
-every data step's peer, is written after an arrow that points the way the data
-flows: ``"0SEND_D3->5"`` (stage 0 sends micro-batch 3's data to stage 5) is
-matched by ``"5RECV_D3<-0"``; the MPipe transfers name their peer the same
-way (``"2SEND_P6->0"``, ``"0SEND_PG6->2"``). The FSDP steps and ``REDUCE_P``
-act on a whole stage (a collective), so their micro-batch is optional:
-``"1UNSHARD"``, ``"3REDUCE_P"``. The MPipe steps are described in
-:mod:`hp_pipeline.mpipe.order`.
-
-[Note: overlapped steps]
-An ``OVERLAP_F_B`` step (DualPipe's "F&B" chunk) pairs a forward with the
-backward of another micro-batch on the same rank, so that a runtime may
-let one's communication hide behind the other's compute. It is written as
-torch.distributed.pipelining writes it, the two halves in parentheses:
-``"(0F3;7B1)OVERLAP_F_B"`` is stage 0's forward of micro-batch 3 together
-with stage 7's backward of micro-batch 1. Build one with
-:meth:`MetaStep.overlap`; the halves are ``step.sub_steps`` (a forward ``F``,
-then a ``B`` or an ``I``), and the step itself carries its forward's stage
-and micro-batch in ``stage_index`` / ``micro_index``, so a pass that only
-asks "which rank" sees it on the right one. Every pass treats the halves as
-the steps they are, at the position of the pair (:mod:`hp_pipeline.overlap`
-says how they run and are timed).
+Details: [Note: text form], [Note: overlapped steps].
 """
 
 from __future__ import annotations
@@ -90,10 +31,73 @@ __all__ = [
 ]
 
 
+# [Note: text form]
+# Every step prints as ``{stage}{code}{micro}``, the torch.distributed.pipelining
+# convention, so ``"2F0"`` is "stage 2 runs the forward of micro-batch 0".
+# The codes below are those hp_pipeline registers (the built-in kinds and
+# MPipe's); a plug-in adds its own with :func:`~hp_pipeline.register_step_kind`
+# ([Note: step-kind registry] in :mod:`hp_pipeline.kinds`), and its steps
+# print, parse and round-trip through CSV the same way.
+#
+# ============  ===============  ==================================================
+# code          type             meaning
+# ============  ===============  ==================================================
+# ``F``         FWD              forward of one micro-batch through one stage
+# ``B``         BWD              full backward (input and weight gradients)
+# ``I``         BWD_INPUT        backward for the input gradient only (zero bubble)
+# ``W``         BWD_WEIGHT       backward for the weight gradient only (zero bubble)
+# ``SEND_F``    FWD_SEND         send the stage's output activation downstream
+# ``RECV_F``    FWD_RECV         receive the stage's input activation
+# ``SEND_B``    BWD_SEND         send the gradient of the stage's input upstream
+# ``RECV_B``    BWD_RECV         receive the gradient of the stage's output
+# ``LOAD``      DATA_LOAD        take the micro-batch from the data loader
+# ``SEND_D``    DATA_SEND        send the micro-batch (inputs, targets) to a stage
+# ``RECV_D``    DATA_RECV        receive the micro-batch from the loading stage
+# ``UNSHARD``   UNSHARD          FSDP: all-gather the stage's parameters
+# ``RESHARD``   RESHARD          FSDP: free the gathered parameters
+# ``REDUCE_GRAD`` REDUCE_GRAD    FSDP: reduce-scatter the stage's gradients
+# ``PF``        PREPROCESS_FWD   MPipe: run the preprocess tower on the owning rank
+# ``PB``        PREPROCESS_BWD   MPipe: backpropagate through the tower
+# ``SEND_P``    PREPROCESS_SEND  MPipe: send the tower's features to stage 0
+# ``RECV_P``    PREPROCESS_RECV  MPipe: receive the tower's features on stage 0
+# ``SEND_PG``   PREPROCESS_GRAD_SEND  MPipe: send dL/dfeatures back to the owner
+# ``RECV_PG``   PREPROCESS_GRAD_RECV  MPipe: receive dL/dfeatures on the owner
+# ``REDUCE_P``  PREPROCESS_REDUCE  MPipe: sum the tower's gradients over the ranks
+# ``OVERLAP_F_B`` OVERLAP_F_B    a forward and another micro-batch's backward, run as one
+# ============  ===============  ==================================================
+#
+# Communication steps name their peer stage. For activations and gradients the
+# peer is the adjacent stage (``s + 1`` for ``SEND_F``/``RECV_B``, ``s - 1`` for
+# ``RECV_F``/``SEND_B``), so it is left out of the text: ``"0SEND_F1"`` sends
+# micro-batch 1's activation from stage 0 to stage 1. A non-default peer, and
+# every data step's peer, is written after an arrow that points the way the data
+# flows: ``"0SEND_D3->5"`` (stage 0 sends micro-batch 3's data to stage 5) is
+# matched by ``"5RECV_D3<-0"``; the MPipe transfers name their peer the same
+# way (``"2SEND_P6->0"``, ``"0SEND_PG6->2"``). The FSDP steps and ``REDUCE_P``
+# act on a whole stage (a collective), so their micro-batch is optional:
+# ``"1UNSHARD"``, ``"3REDUCE_P"``. The MPipe steps are described in
+# :mod:`hp_pipeline.mpipe.order`.
+
+
 _TEXT = re.compile(r"^(\d+)([A-Z_]+?)(\d*)(?:(->|<-)(\d+))?$")
 _OVERLAP_TEXT = re.compile(r"^\(([^()]*)\)([A-Z_]+)$")
 # The halves an OVERLAP_F_B may pair: a forward, then a backward that makes an input gradient.
 _OVERLAP_HALVES = (frozenset({"F"}), frozenset({"B", "I"}))
+
+
+# [Note: overlapped steps]
+# An ``OVERLAP_F_B`` step (DualPipe's "F&B" chunk) pairs a forward with the
+# backward of another micro-batch on the same rank, so that a runtime may
+# let one's communication hide behind the other's compute. It is written as
+# torch.distributed.pipelining writes it, the two halves in parentheses:
+# ``"(0F3;7B1)OVERLAP_F_B"`` is stage 0's forward of micro-batch 3 together
+# with stage 7's backward of micro-batch 1. Build one with
+# :meth:`MetaStep.overlap`; the halves are ``step.sub_steps`` (a forward ``F``,
+# then a ``B`` or an ``I``), and the step itself carries its forward's stage
+# and micro-batch in ``stage_index`` / ``micro_index``, so a pass that only
+# asks "which rank" sees it on the right one. Every pass treats the halves as
+# the steps they are, at the position of the pair (:mod:`hp_pipeline.overlap`
+# says how they run and are timed).
 
 
 @dataclass(frozen=True)

@@ -1,57 +1,6 @@
 """Step kinds as plug-ins: one registry that says what every :class:`MetaStepType` is and does.
 
-[Note: step-kind registry]
-A step kind is declared once, as a :class:`StepKind`, and every pass reads
-that declaration instead of special-casing the kind:
-
-==================  ==========================================================
-pass                what it reads from the declaration
-==================  ==========================================================
-text form, CSV      ``code`` (and, for a transfer, ``peer_offset``)
-dependencies        ``needs``, ``edges``, ``feeds``, ``consumer`` ([Note:
-                    dependency model] in :mod:`hp_pipeline._deps`)
-``validate_order``  the above, ``collective``, ``check`` (order-wide counts)
-``simulate``        ``cost`` (overridable per run with ``StepCosts.by_code``),
-                    ``busy``, ``collective``
-``render_order``    ``colour``
-executor            ``handler`` (``transfer`` kinds: a :class:`Transfer`),
-                    ``runs_while_draining``, ``training_only``, ``wraps`` /
-                    ``around``, ``begin``
-==================  ==========================================================
-
-The built-in kinds (``F``, ``B``, ``SEND_F``, ``UNSHARD``, ...) are declared
-through :func:`register_step_kind` like any other (:mod:`hp_pipeline._builtin_kinds`);
-MPipe's (``PF``, ``SEND_P``, ...) are declared by :mod:`hp_pipeline.mpipe.kinds`
-when ``hp_pipeline`` is imported. A kind registered in one process must be
-registered in every process that reads or runs an order holding it (import the
-module that declares it on every rank): steps travel between ranks by code.
-
-Declaring the IR part and the executor part may happen in two places, so that
-a module of pure order logic needs no torch: :func:`register_step_handler`
-attaches (or replaces) the executor handler of a registered kind. This is how
-the built-in kinds get theirs (:mod:`hp_pipeline.executor`) and MPipe's
-(:mod:`hp_pipeline.mpipe.runner`).
-
-[Note: running a kind]
-For each step of a rank's list the executor (``StepRunner``) calls, in the
-list's order, ``handler(runner, step)``; for a transfer kind it posts the
-tensors of ``handler.payload`` (sends) or buffers shaped by
-``handler.metas`` (receives) and a consumer reads them back with
-``runner.take_recv(step)``. A handler's exception marks the step failed and
-the rank drains ([Note: failures] in :mod:`hp_pipeline.executor`); raise
-``hp_pipeline.executor.CommError`` for a broken communicator instead. A kind
-whose step must run even while the rank drains (a collective its peers wait
-in) sets ``runs_while_draining``; one that only makes sense when training
-(backward, gradient reduction) sets ``training_only``.
-
-A kind can also wrap the compute of *other* kinds: with ``wraps=("F",)`` and
-``around=factory``, every ``F`` step of a runner whose list holds a step of
-this kind runs inside ``factory(runner, step)`` (a context manager, or
-``None`` to leave that step alone). That is the place for an activation
-swap: ``torch.autograd.graph.saved_tensors_hooks`` entered around the forward
-of the micro-batches it swaps, with ``SWAP_OUT`` / ``SWAP_IN`` steps of its
-own moving the saved tensors. ``begin(runner)`` runs at the start of every
-step of such a runner, training or not (reset per-step state kept in ``runner.state``).
+Details: [Note: step-kind registry], [Note: running a kind].
 """
 
 from __future__ import annotations
@@ -88,6 +37,28 @@ CheckRule = Callable[[_View, "set[int]"], Problems]
 AroundFactory = Callable[[Any, _Step], "AbstractContextManager[Any] | None"]
 
 
+# [Note: running a kind]
+# For each step of a rank's list the executor (``StepRunner``) calls, in the
+# list's order, ``handler(runner, step)``; for a transfer kind it posts the
+# tensors of ``handler.payload`` (sends) or buffers shaped by
+# ``handler.metas`` (receives) and a consumer reads them back with
+# ``runner.take_recv(step)``. A handler's exception marks the step failed and
+# the rank drains ([Note: failures] in :mod:`hp_pipeline.executor`); raise
+# ``hp_pipeline.executor.CommError`` for a broken communicator instead. A kind
+# whose step must run even while the rank drains (a collective its peers wait
+# in) sets ``runs_while_draining``; one that only makes sense when training
+# (backward, gradient reduction) sets ``training_only``.
+#
+# A kind can also wrap the compute of *other* kinds: with ``wraps=("F",)`` and
+# ``around=factory``, every ``F`` step of a runner whose list holds a step of
+# this kind runs inside ``factory(runner, step)`` (a context manager, or
+# ``None`` to leave that step alone). That is the place for an activation
+# swap: ``torch.autograd.graph.saved_tensors_hooks`` entered around the forward
+# of the micro-batches it swaps, with ``SWAP_OUT`` / ``SWAP_IN`` steps of its
+# own moving the saved tensors. ``begin(runner)`` runs at the start of every
+# step of such a runner, training or not (reset per-step state kept in ``runner.state``).
+
+
 @dataclass(frozen=True)
 class Transfer:
     """The executor part of a ``transfer`` kind ([Note: running a kind]).
@@ -108,6 +79,39 @@ class Transfer:
 
 _CODE = re.compile(r"^[A-Z][A-Z_]*$")
 _NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
+
+
+# [Note: step-kind registry]
+# A step kind is declared once, as a :class:`StepKind`, and every pass reads
+# that declaration instead of special-casing the kind:
+#
+# ==================  ==========================================================
+# pass                what it reads from the declaration
+# ==================  ==========================================================
+# text form, CSV      ``code`` (and, for a transfer, ``peer_offset``)
+# dependencies        ``needs``, ``edges``, ``feeds``, ``consumer`` ([Note:
+#                     dependency model] in :mod:`hp_pipeline._deps`)
+# ``validate_order``  the above, ``collective``, ``check`` (order-wide counts)
+# ``simulate``        ``cost`` (overridable per run with ``StepCosts.by_code``),
+#                     ``busy``, ``collective``
+# ``render_order``    ``colour``
+# executor            ``handler`` (``transfer`` kinds: a :class:`Transfer`),
+#                     ``runs_while_draining``, ``training_only``, ``wraps`` /
+#                     ``around``, ``begin``
+# ==================  ==========================================================
+#
+# The built-in kinds (``F``, ``B``, ``SEND_F``, ``UNSHARD``, ...) are declared
+# through :func:`register_step_kind` like any other (:mod:`hp_pipeline._builtin_kinds`);
+# MPipe's (``PF``, ``SEND_P``, ...) are declared by :mod:`hp_pipeline.mpipe.kinds`
+# when ``hp_pipeline`` is imported. A kind registered in one process must be
+# registered in every process that reads or runs an order holding it (import the
+# module that declares it on every rank): steps travel between ranks by code.
+#
+# Declaring the IR part and the executor part may happen in two places, so that
+# a module of pure order logic needs no torch: :func:`register_step_handler`
+# attaches (or replaces) the executor handler of a registered kind. This is how
+# the built-in kinds get theirs (:mod:`hp_pipeline.executor`) and MPipe's
+# (:mod:`hp_pipeline.mpipe.runner`).
 
 
 @dataclass(frozen=True)

@@ -10,43 +10,8 @@ positional and keyword argument is split according to its chunk spec:
   shared mask, a Python number).
 
 Without a spec, tensors are split along dim 0 and everything else is
-replicated, which is what a batch-first model wants; a tuple, list or dict
-is looked into, so each tensor inside it is split along dim 0 too
-([Note: nested batches]). Specs are given as a sequence parallel to ``args``
-and a mapping parallel to ``kwargs``, like torch.distributed.pipelining's
-``args_chunk_spec`` / ``kwargs_chunk_spec``; torch's own ``TensorChunkSpec``
-objects are accepted wherever ours are (:func:`as_chunk_spec`).
-
-[Note: nested batches]
-A batch often travels as a structure: ``step(target=(labels, weights))``, a
-dict of inputs, a list of masks. Handing such a value whole to every
-micro-batch would pair micro-batch ``k``'s outputs with the *whole* batch's
-labels: the loss would be silently wrong, not an error. So every tensor found
-inside a tuple (named tuples included), list or dict is cut along dim 0 like a
-bare tensor, and the structure is rebuilt around the pieces; other leaves
-(numbers, strings, ``None``) go whole to every micro-batch. This is what
-torch does for ``args`` / ``kwargs`` through its pytree (its ``target`` must
-be one tensor); the target of a schedule follows the same rule here. A 0-d
-tensor has no dim 0 to cut and is refused, naming the channel for
-whole-batch values. A structure without a tensor is handed on as the same
-object.
-
-[Note: merge specs]
-``output_merge_spec`` says how the last stage's per-micro-batch outputs become
-one value. An int (ours) concatenates every tensor of the output along that
-dim; ``None`` (torch's default) is dim 0. torch's form is a tuple, list or
-dict of leaf specs, one per tensor of the output: ``TensorChunkSpec(dim)``
-(concatenate along ``dim``), ``REPLICATE`` (every micro-batch gave the same
-value: keep one, or fail if they differ) or one of torch's reducers such as
-``sum_reducer`` (fold the values with it). As in torch, the spec's leaves are
-matched with the output's leaves in order (both flattened), a count that
-differs is an error, and the merged value takes the spec's structure: a
-one-tensor output merged with ``(TensorChunkSpec(0),)`` comes back as a
-1-tuple, as torch returns it. A ``None`` leaf means what it means in torch
-(whose merge treats any leaf that is neither a chunk spec nor a reducer so):
-every micro-batch gave the same value, kept once, as ``REPLICATE``. We also
-take an int leaf, for "along this dim". A 0-d tensor (a per-micro-batch
-scalar) is stacked into a vector, since it has no dim to concatenate along.
+replicated ([Note: default chunk specs]); [Note: nested batches], [Note:
+merge specs].
 """
 
 from __future__ import annotations
@@ -68,6 +33,16 @@ __all__ = [
     "split_args_kwargs",
     "split_target",
 ]
+
+
+# [Note: default chunk specs]
+# Without a spec, tensors are split along dim 0 and everything else is
+# replicated, which is what a batch-first model wants; a tuple, list or dict
+# is looked into, so each tensor inside it is split along dim 0 too
+# ([Note: nested batches]). Specs are given as a sequence parallel to ``args``
+# and a mapping parallel to ``kwargs``, like torch.distributed.pipelining's
+# ``args_chunk_spec`` / ``kwargs_chunk_spec``; torch's own ``TensorChunkSpec``
+# objects are accepted wherever ours are (:func:`as_chunk_spec`).
 
 
 @dataclass(frozen=True)
@@ -157,6 +132,21 @@ def _rebuild(like: Any, items: list[Any]) -> Any:
     if isinstance(like, tuple) and hasattr(like, "_fields"):
         return type(like)(*items)
     return type(like)(items)
+
+
+# [Note: nested batches]
+# A batch often travels as a structure: ``step(target=(labels, weights))``, a
+# dict of inputs, a list of masks. Handing such a value whole to every
+# micro-batch would pair micro-batch ``k``'s outputs with the *whole* batch's
+# labels: the loss would be silently wrong, not an error. So every tensor found
+# inside a tuple (named tuples included), list or dict is cut along dim 0 like a
+# bare tensor, and the structure is rebuilt around the pieces; other leaves
+# (numbers, strings, ``None``) go whole to every micro-batch. This is what
+# torch does for ``args`` / ``kwargs`` through its pytree (its ``target`` must
+# be one tensor); the target of a schedule follows the same rule here. A 0-d
+# tensor has no dim 0 to cut and is refused, naming the channel for
+# whole-batch values. A structure without a tensor is handed on as the same
+# object.
 
 
 def _split_nested(name: str, value: object, m: int, whole: str) -> list[Any] | None:
@@ -285,6 +275,24 @@ def _merge_replicated(where: str, values: Sequence[Any]) -> Any:
                 "micro-batch 0's; give that leaf TensorChunkSpec(dim) to concatenate the pieces instead"
             )
     return first
+
+
+# [Note: merge specs]
+# ``output_merge_spec`` says how the last stage's per-micro-batch outputs become
+# one value. An int (ours) concatenates every tensor of the output along that
+# dim; ``None`` (torch's default) is dim 0. torch's form is a tuple, list or
+# dict of leaf specs, one per tensor of the output: ``TensorChunkSpec(dim)``
+# (concatenate along ``dim``), ``REPLICATE`` (every micro-batch gave the same
+# value: keep one, or fail if they differ) or one of torch's reducers such as
+# ``sum_reducer`` (fold the values with it). As in torch, the spec's leaves are
+# matched with the output's leaves in order (both flattened), a count that
+# differs is an error, and the merged value takes the spec's structure: a
+# one-tensor output merged with ``(TensorChunkSpec(0),)`` comes back as a
+# 1-tuple, as torch returns it. A ``None`` leaf means what it means in torch
+# (whose merge treats any leaf that is neither a chunk spec nor a reducer so):
+# every micro-batch gave the same value, kept once, as ``REPLICATE``. We also
+# take an int leaf, for "along this dim". A 0-d tensor (a per-micro-batch
+# scalar) is stacked into a vector, since it has no dim to concatenate along.
 
 
 def _merge_leaf(where: str, values: Sequence[Any], spec: object) -> Any:

@@ -1,36 +1,6 @@
 """How an ``OVERLAP_F_B`` step runs, is timed, and takes part in the FSDP steps.
 
-[Note: running overlapped steps]
-An ``OVERLAP_F_B`` pairs a forward with the backward of another micro-batch
-([Note: overlapped steps] in :mod:`hp_pipeline.ir`). The passes that check an
-order (``validate_order``, ``insert_comms``) hold it to the strict meaning
-that a runtime may start both halves at once: neither half may need the
-other, directly or through other ranks, and everything either half receives
-arrives before the pair. The executor then runs the pair in its *split form*
-(:func:`split_overlaps`): the forward, then the transfers that follow the pair
-in the rank's list up to the first one that carries the backward's result
-(the forward's outgoing activation among them), then the backward. So, in
-one training step:
-
-* the backward's incoming gradient (its receive was posted before the pair)
-  travels while the forward computes, and the forward's outgoing activation
-  is posted as soon as the forward ends and travels while the backward
-  computes: each half's communication hides behind the other's compute;
-* the two computations themselves run one after the other on the rank's one
-  compute thread. On CPU with gloo that is all there is to overlap (gloo
-  moves the bytes on its own threads); on an accelerator the halves could
-  also share the device through two streams, which this executor does not
-  do (torch.distributed.pipelining runs them one after the other too).
-
-The split form is still deadlock-free: it only moves the backward, a local
-compute step whose results leave the rank through sends that stay after it,
-later past some transfers, and a rank's compute can always be moved later in
-the global sequence of [Note: deadlock-free placement] in
-:mod:`hp_pipeline.comms`. Receives and sends keep their list order, so the
-argument of [Note: coalesced batches] in :mod:`hp_pipeline.executor` holds too.
-``simulate`` times the split form (the forward's outputs leave when the
-forward ends, the backward starts when the forward is done and its own inputs
-are there), so simulated and executed orders are the same.
+Details: [Note: running overlapped steps].
 """
 
 from __future__ import annotations
@@ -56,6 +26,39 @@ def _carries(step: MetaStep, backward: MetaStep) -> bool:
         and step.stage_index == backward.stage_index
         and step.micro_index == backward.micro_index
     )
+
+
+# [Note: running overlapped steps]
+# An ``OVERLAP_F_B`` pairs a forward with the backward of another micro-batch
+# ([Note: overlapped steps] in :mod:`hp_pipeline.ir`). The passes that check an
+# order (``validate_order``, ``insert_comms``) hold it to the strict meaning
+# that a runtime may start both halves at once: neither half may need the
+# other, directly or through other ranks, and everything either half receives
+# arrives before the pair. The executor then runs the pair in its *split form*
+# (:func:`split_overlaps`): the forward, then the transfers that follow the pair
+# in the rank's list up to the first one that carries the backward's result
+# (the forward's outgoing activation among them), then the backward. So, in
+# one training step:
+#
+# * the backward's incoming gradient (its receive was posted before the pair)
+#   travels while the forward computes, and the forward's outgoing activation
+#   is posted as soon as the forward ends and travels while the backward
+#   computes: each half's communication hides behind the other's compute;
+# * the two computations themselves run one after the other on the rank's one
+#   compute thread. On CPU with gloo that is all there is to overlap (gloo
+#   moves the bytes on its own threads); on an accelerator the halves could
+#   also share the device through two streams, which this executor does not
+#   do (torch.distributed.pipelining runs them one after the other too).
+#
+# The split form is still deadlock-free: it only moves the backward, a local
+# compute step whose results leave the rank through sends that stay after it,
+# later past some transfers, and a rank's compute can always be moved later in
+# the global sequence of [Note: deadlock-free placement] in
+# :mod:`hp_pipeline.comms`. Receives and sends keep their list order, so the
+# argument of [Note: coalesced batches] in :mod:`hp_pipeline.executor` holds too.
+# ``simulate`` times the split form (the forward's outputs leave when the
+# forward ends, the backward starts when the forward is done and its own inputs
+# are there), so simulated and executed orders are the same.
 
 
 def split_overlaps(steps: Sequence[MetaStep]) -> list[MetaStep]:

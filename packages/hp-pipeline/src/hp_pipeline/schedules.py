@@ -1,89 +1,8 @@
 """The schedule classes: a builder's order plus the executor, behind torch-pipelining's interface.
 
-Each class picks a builder and a placement; everything else is shared:
-
-================================  ===============================  =====================  ===========
-class                             builder                          stages per rank        placement
-================================  ===============================  =====================  ===========
-``ScheduleGPipe``                 ``build_gpipe_order``            1                      ``stage = rank``
-``Schedule1F1B``                  ``build_1f1b_order``             1                      ``stage = rank``
-``ScheduleZeroBubble``            ``build_zero_bubble_h1_order``   1                      ``stage = rank``
-``ScheduleInterleaved1F1B``       ``build_interleaved_1f1b_order`` ``v >= 1`` (a list)    loop
-``ScheduleLoopedBFS``             ``build_looped_bfs_order``       ``v >= 1`` (a list)    loop
-``ScheduleInterleavedZeroBubble`` ``build_interleaved_zero_...``   ``v >= 1`` (a list)    loop
-``ScheduleZBVZeroBubble``         ``build_zbv_order``              2 (a list)             V
-``ScheduleDualPipeV``             ``build_dualpipev_order``        2 (a list)             V
-================================  ===============================  =====================  ===========
-
-``ScheduleZBV`` is another name of ``ScheduleZBVZeroBubble``. The first three
-derive from :class:`PipelineScheduleSingle`, the others from
-:class:`PipelineScheduleMulti`, as in torch.distributed.pipelining, and
-:func:`get_schedule_class` maps torch's schedule names to these classes.
-
-``.order`` is the whole pipeline's order with communication (and, when the
-stage modules are sharded, FSDP steps) inserted; ``.step()`` runs this rank's
-row of it. Every rank of the pipeline calls ``step()``: the rank of stage 0
-with the batch, the rank of the last stage with ``target=`` (and ``losses=``),
-the others with neither.
-
-[Note: schedule subclass hooks]
-A new schedule derives from :class:`PipelineScheduleSingle` or
-:class:`PipelineScheduleMulti` and overrides public hooks that the
-constructor calls in this order, never the private machinery around them:
-
-1. ``expected_num_stages(num_ranks, stages_per_rank)``: the stage count the
-   stages must agree on (the two bases already give the usual answers);
-2. ``build_order(num_ranks, n_microbatches)``: the compute-only order, the
-   one hook every schedule defines (a base class without it refuses to be
-   built);
-3. ``add_comms(order)``: the communication pass (default ``insert_comms``);
-4. ``make_runner(training=..., abort_timeout=...)``: the executor of this
-   rank's row (default a ``StepRunner``);
-5. ``fingerprint()``: the settings every rank must share, checked once
-   across ranks before the first transfer ([Note: schedule agreement] in
-   :mod:`hp_pipeline._checks`); extend ``super().fingerprint()``.
-
-torch.distributed.pipelining has no public equivalent (its schedules
-override private methods), so the names are ours. ``ScheduleMPipe`` is built
-this way: it overrides all five.
-
-[Note: schedule signatures]
-A user coming from torch reads ``inspect.signature(Schedule1F1B)`` (or an
-IDE's tooltip) to see what a schedule takes, and torch's keywords differ by
-class: the single-stage classes take ``args_chunk_spec``,
-``kwargs_chunk_spec``, ``output_merge_spec`` and ``scale_grads``;
-``PipelineScheduleMulti`` adds ``use_full_backward`` and
-``backward_requires_autograd``; the multi-stage schedules take
-``backward_requires_autograd`` and ``defer_pp_recv`` instead of
-``use_full_backward`` (and ``ScheduleLoopedBFS`` no chunk specs, which we take
-anyway). The keyword options are written out once, in
-:meth:`PipelineSchedule.__init__`, in torch's order followed by ours
-(``abort_timeout``, ``recv_lookahead``, ``swap_policy``). Each class names
-the ones it takes in ``_options``, and the constructors between (which take
-``**options`` and check them with the list of valid ones, so a misspelt
-option is reported with every valid name, which Python's own error does not
-do) get a ``__signature__`` built from the two by ``__init_subclass__``: the
-constructor's own parameters, then its options in that one order. A class
-that inherits its constructor gets a copy of the function (the same code and
-closure, so ``super()`` behaves the same) to carry its own signature, so the
-parent's is left as it was. The options stay keyword-only, as they always
-were here (torch's can also be passed by position; a positional call past
-``loss_fn`` gets Python's ``TypeError``).
-
-[Note: eval steps]
-torch's ``eval`` runs ``step`` with the schedule's backward switched off.
-Ours does the same with a second runner: ``make_runner(training=False)``
-over the same ``.order`` (the runner leaves out the training-only kinds: the
-backward steps, their transfers, ``REDUCE_GRAD`` and the swaps), with a
-context around each forward of the last stage that computes the loss under
-``no_grad`` when a target was given, since a forward-only runner computes
-none. It is built on the first ``eval``. Shapes are learned per mode: a
-forward under ``no_grad`` gives outputs that require no gradient, so the
-metadata a training step learned (a gradient travels back) does not describe
-an eval step's transfers, and the other way round. Each mode keeps its own
-metadata on the stages (the eval mode's are swapped in for the step and
-back) and its own first step. A schedule built without ``loss_fn`` is
-forward-only already: its ``eval`` is its ``step``.
+Each class picks a builder and a placement ([Note: schedule classes] lists
+them); everything else is shared. Details in the [Note]s below: schedule
+subclass hooks, schedule signatures, eval steps.
 """
 
 from __future__ import annotations
@@ -91,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -103,12 +21,8 @@ from hp_core import verify_across_ranks
 
 from hp_pipeline._checks import (
     check_bool,
-    check_callable,
-    check_chunk_specs,
     check_loss_kwargs,
-    check_merge_spec,
     check_options,
-    check_positive_number,
     describe_fingerprints,
 )
 from hp_pipeline._torch_api import check_eval_losses, check_losses, microbatch_inputs
@@ -123,20 +37,24 @@ from hp_pipeline.builders import (
     build_zero_bubble_h1_order,
     dualpipev_min_microbatches,
     stage_to_rank,
-    stages_on_rank,
 )
 from hp_pipeline.builders.placement import Style
 from hp_pipeline.comms import insert_comms
 from hp_pipeline.errors import StageFailure
 from hp_pipeline.executor import StepRunner, raise_step_error
-from hp_pipeline.fsdp import sharded_units
 from hp_pipeline.grads import TiedGroup, clip_grad_norm_, sync_tied
 from hp_pipeline.ir import MetaStep, Order
 from hp_pipeline.kinds import MetaStepType
 from hp_pipeline.microbatch import ChunkSpec, as_chunk_spec, merge_chunks
-from hp_pipeline.overlap import add_fsdp_steps_with_overlaps
+from hp_pipeline.schedule_build import (
+    build_runner,
+    build_whole_order,
+    check_keywords,
+    check_placement,
+    check_stages,
+)
 from hp_pipeline.stage import PipelineStage
-from hp_pipeline.swap import SwapPolicy, SwapStats, attach_swap, insert_swaps
+from hp_pipeline.swap import SwapPolicy, SwapStats
 
 __all__ = [
     "PipelineSchedule",
@@ -154,7 +72,95 @@ __all__ = [
     "get_schedule_class",
 ]
 
+# [Note: schedule classes]
+# ================================  ===============================  =====================  ===========
+# class                             builder                          stages per rank        placement
+# ================================  ===============================  =====================  ===========
+# ``ScheduleGPipe``                 ``build_gpipe_order``            1                      ``stage = rank``
+# ``Schedule1F1B``                  ``build_1f1b_order``             1                      ``stage = rank``
+# ``ScheduleZeroBubble``            ``build_zero_bubble_h1_order``   1                      ``stage = rank``
+# ``ScheduleInterleaved1F1B``       ``build_interleaved_1f1b_order`` ``v >= 1`` (a list)    loop
+# ``ScheduleLoopedBFS``             ``build_looped_bfs_order``       ``v >= 1`` (a list)    loop
+# ``ScheduleInterleavedZeroBubble`` ``build_interleaved_zero_...``   ``v >= 1`` (a list)    loop
+# ``ScheduleZBVZeroBubble``         ``build_zbv_order``              2 (a list)             V
+# ``ScheduleDualPipeV``             ``build_dualpipev_order``        2 (a list)             V
+# ================================  ===============================  =====================  ===========
+#
+# ``ScheduleZBV`` is another name of ``ScheduleZBVZeroBubble``. The first three
+# derive from :class:`PipelineScheduleSingle`, the others from
+# :class:`PipelineScheduleMulti`, as in torch.distributed.pipelining, and
+# :func:`get_schedule_class` maps torch's schedule names to these classes.
+#
+# ``.order`` is the whole pipeline's order with communication (and, when the
+# stage modules are sharded, FSDP steps) inserted; ``.step()`` runs this rank's
+# row of it. Every rank of the pipeline calls ``step()``: the rank of stage 0
+# with the batch, the rank of the last stage with ``target=`` (and ``losses=``),
+# the others with neither.
+
+
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+# [Note: schedule subclass hooks]
+# A new schedule derives from :class:`PipelineScheduleSingle` or
+# :class:`PipelineScheduleMulti` and overrides public hooks that the
+# constructor calls in this order, never the private machinery around them:
+#
+# 1. ``expected_num_stages(num_ranks, stages_per_rank)``: the stage count the
+#    stages must agree on (the two bases already give the usual answers);
+# 2. ``build_order(num_ranks, n_microbatches)``: the compute-only order, the
+#    one hook every schedule defines (a base class without it refuses to be
+#    built);
+# 3. ``add_comms(order)``: the communication pass (default ``insert_comms``);
+# 4. ``make_runner(training=..., abort_timeout=...)``: the executor of this
+#    rank's row (default a ``StepRunner``);
+# 5. ``fingerprint()``: the settings every rank must share, checked once
+#    across ranks before the first transfer ([Note: schedule agreement] in
+#    :mod:`hp_pipeline._checks`); extend ``super().fingerprint()``.
+#
+# torch.distributed.pipelining has no public equivalent (its schedules
+# override private methods), so the names are ours. ``ScheduleMPipe`` is built
+# this way: it overrides all five.
+
+
+# [Note: schedule signatures]
+# A user coming from torch reads ``inspect.signature(Schedule1F1B)`` (or an
+# IDE's tooltip) to see what a schedule takes, and torch's keywords differ by
+# class: the single-stage classes take ``args_chunk_spec``,
+# ``kwargs_chunk_spec``, ``output_merge_spec`` and ``scale_grads``;
+# ``PipelineScheduleMulti`` adds ``use_full_backward`` and
+# ``backward_requires_autograd``; the multi-stage schedules take
+# ``backward_requires_autograd`` and ``defer_pp_recv`` instead of
+# ``use_full_backward`` (and ``ScheduleLoopedBFS`` no chunk specs, which we take
+# anyway). The keyword options are written out once, in
+# :meth:`PipelineSchedule.__init__`, in torch's order followed by ours
+# (``abort_timeout``, ``recv_lookahead``, ``swap_policy``). Each class names
+# the ones it takes in ``_options``, and the constructors between (which take
+# ``**options`` and check them with the list of valid ones, so a misspelt
+# option is reported with every valid name, which Python's own error does not
+# do) get a ``__signature__`` built from the two by ``__init_subclass__``: the
+# constructor's own parameters, then its options in that one order. A class
+# that inherits its constructor gets a copy of the function (the same code and
+# closure, so ``super()`` behaves the same) to carry its own signature, so the
+# parent's is left as it was. The options stay keyword-only, as they always
+# were here (torch's can also be passed by position; a positional call past
+# ``loss_fn`` gets Python's ``TypeError``).
+
+
+# [Note: eval steps]
+# torch's ``eval`` runs ``step`` with the schedule's backward switched off.
+# Ours does the same with a second runner: ``make_runner(training=False)``
+# over the same ``.order`` (the runner leaves out the training-only kinds: the
+# backward steps, their transfers, ``REDUCE_GRAD`` and the swaps), with a
+# context around each forward of the last stage that computes the loss under
+# ``no_grad`` when a target was given, since a forward-only runner computes
+# none. It is built on the first ``eval``. Shapes are learned per mode: a
+# forward under ``no_grad`` gives outputs that require no gradient, so the
+# metadata a training step learned (a gradient travels back) does not describe
+# an eval step's transfers, and the other way round. Each mode keeps its own
+# metadata on the stages (the eval mode's are swapped in for the step and
+# back) and its own first step. A schedule built without ``loss_fn`` is
+# forward-only already: its ``eval`` is its ``step``.
 
 
 class PipelineSchedule:
@@ -244,49 +250,22 @@ class PipelineSchedule:
                 f"{type(self).__name__} is a base class (get_schedule_class returns it, as torch's does, "
                 "for issubclass checks); build a schedule such as Schedule1F1B or ScheduleInterleaved1F1B"
             )
-        # Every argument is checked before any rank communicates or any attribute is set .
-        check_callable(self._name, "loss_fn", loss_fn, "loss_fn=torch.nn.functional.mse_loss")
-        check_chunk_specs(self._name, args_chunk_spec, kwargs_chunk_spec)
-        check_merge_spec(self._name, output_merge_spec)
-        if use_full_backward is not None:
-            warnings.warn(
-                f"{self._name}: use_full_backward is deprecated in torch.distributed.pipelining and "
-                "ignored, here as there; stop passing it",
-                FutureWarning,
-                stacklevel=3,
-            )
-        check_bool(self._name, "scale_grads", scale_grads)
-        check_bool(self._name, "backward_requires_autograd", backward_requires_autograd)
-        check_bool(self._name, "defer_pp_recv", defer_pp_recv)
-        if defer_pp_recv:
-            raise ValueError(
-                f"{self._name}: defer_pp_recv=True (torch's option to post each receive as late as its "
-                "consumer allows) is not supported; receives are posted by recv_lookahead here: pass "
-                "recv_lookahead=1 to post each one a compute step ahead on gloo (NCCL and HCCL post at "
-                "most one compute step ahead already, in list order), or leave defer_pp_recv out"
-            )
-        check_positive_number(self._name, "abort_timeout", abort_timeout)
-        if recv_lookahead is not None and (
-            isinstance(recv_lookahead, bool) or not isinstance(recv_lookahead, int) or recv_lookahead < 1
-        ):
-            raise ValueError(
-                f"{self._name}: recv_lookahead must be None (post all of a step's receives when it starts) "
-                f"or an int >= 1 (that many compute steps ahead), got {recv_lookahead!r}"
-            )
-        if swap_policy is not None and not isinstance(swap_policy, SwapPolicy):
-            raise TypeError(
-                f"{self._name}: swap_policy must be a SwapPolicy or None, got {type(swap_policy).__name__} "
-                f"({swap_policy!r}); e.g. swap_policy=hp_pipeline.SwapPolicy(keep_newest=0)"
-            )
-        stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)
-        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
-            raise TypeError(
-                f"{self._name} needs PipelineStage objects, got "
-                f"{[type(s).__name__ for s in stages] or 'nothing'}; wrap each of this rank's model "
-                "chunks as PipelineStage(submodule, stage_index, num_stages)"
-            )
-        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
-            raise ValueError(f"{self._name}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
+        # 1. checking: every argument, before any rank communicates or any attribute is set
+        check_keywords(
+            self._name,
+            loss_fn=loss_fn,
+            args_chunk_spec=args_chunk_spec,
+            kwargs_chunk_spec=kwargs_chunk_spec,
+            output_merge_spec=output_merge_spec,
+            use_full_backward=use_full_backward,
+            scale_grads=scale_grads,
+            backward_requires_autograd=backward_requires_autograd,
+            defer_pp_recv=defer_pp_recv,
+            abort_timeout=abort_timeout,
+            recv_lookahead=recv_lookahead,
+            swap_policy=swap_policy,
+        )
+        stages = check_stages(self._name, stage_or_stages, n_microbatches)
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
         self._has_backward = loss_fn is not None  # off for the length of an eval() ([Note: eval steps])
@@ -304,42 +283,30 @@ class PipelineSchedule:
         self._backward_requires_autograd = backward_requires_autograd
         self._abort_timeout = abort_timeout
         self._recv_lookahead = recv_lookahead
-        groups = {id(s.group) for s in stages}
-        if len(groups) != 1:
-            named = {
-                s.stage_index: "the default group"
-                if s.group is None
-                else f"group of ranks {dist.get_process_group_ranks(s.group)}"
-                for s in stages
-            }
-            raise ValueError(
-                f"{self._name}: all stages of a rank must use the same process group, got {named}; build "
-                "every stage of the schedule with the same group= (the pipeline's group)"
-            )
         self.group: dist.ProcessGroup | None = stages[0].group
         self.num_ranks = dist.get_world_size(self.group)
         self.group_rank = dist.get_rank(self.group)
         self._global_ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         self._stages = {s.stage_index: s for s in sorted(stages, key=lambda s: s.stage_index)}
-        self._check_placement(stages)
+        check_placement(self, stages)
         if swap_policy is not None:
             swap_policy.check(self.num_stages)  # before any rank communicates
-        order = self.build_order(self.num_ranks, n_microbatches)
-        units = {index: sharded_units(s.submod) for index, s in self._stages.items()}
-        for index, stage_units in units.items():
-            stage_units.check_covers_all(f"{self._name}: stage {index}")
-        if any(units.values()):
-            # [Note: FSDP protocol]: every rank is assumed to compose the same way.
-            order = add_fsdp_steps_with_overlaps(order, range(self.num_stages))
-        self.order: Order = self.add_comms(order)
-        if swap_policy is not None and loss_fn is not None:
-            self.order = insert_swaps(self.order, swap_policy)
-        self._runner = self.make_runner(training=loss_fn is not None, abort_timeout=abort_timeout)
-        self._swap = None if swap_policy is None else attach_swap(self._runner, swap_policy)
-        self._runner.recv_lookahead = recv_lookahead
+        # 2. the whole order, the same on every rank
+        training = loss_fn is not None
+        self.order: Order = build_whole_order(
+            self, self._stages, n_microbatches, training=training, swap_policy=swap_policy
+        )
+        # 3. this rank's runner
+        self._runner, self._swap = build_runner(
+            self,
+            training=training,
+            abort_timeout=abort_timeout,
+            recv_lookahead=recv_lookahead,
+            swap_policy=swap_policy,
+        )
         self._learned = False
         self._eval: _Mode | None = None  # the eval mode's runner and metadata, built on the first eval()
-        self._agreed = False  # [Note: schedule agreement] in hp_pipeline._checks
+        self._agreed = False  # [Note: schedule agreement]
         self._tied: list[TiedGroup] = []
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -402,26 +369,6 @@ class PipelineSchedule:
             abort_timeout=abort_timeout,
         )
 
-    def _check_placement(self, stages: list[PipelineStage]) -> None:
-        p = self.num_ranks
-        total = self.expected_num_stages(p, len(stages))
-        counts = {s.num_stages for s in stages}
-        if counts != {total}:
-            raise ValueError(
-                f"{self._name} over {p} ranks with {len(stages)} stage(s) per rank runs {total} stages, "
-                f"but the stages say num_stages={sorted(counts)}; build them with num_stages={total}"
-            )
-        per_rank = total // p
-        want = stages_on_rank(self.group_rank, p, per_rank, style=self._style)
-        have = sorted(self._stages)
-        if have != sorted(want) or len(have) != len(stages):
-            raise ValueError(
-                f"{self._name}: rank {self.group_rank} of {p} must host stages {sorted(want)} "
-                f"({self._style} placement), got {[s.stage_index for s in stages]}; build this rank's "
-                f"stages for hp_pipeline.stages_on_rank({self.group_rank}, {p}, {per_rank}, "
-                f"style={self._style!r})"
-            )
-
     def _peer_rank(self, stage: int) -> int:
         return self._global_ranks[stage_to_rank(stage, self.num_ranks, style=self._style)]
 
@@ -452,7 +399,7 @@ class PipelineSchedule:
             verify_across_ranks(
                 self.fingerprint(),
                 self.group,
-                what="hp_pipeline",
+                what=self._name,
                 fix="their transfers would not pair up. Build the same schedule on every rank: the same "
                 "class, n_microbatches, num_stages, loss_fn (given or not) and the options listed above",
                 explain=describe_fingerprints,

@@ -5,65 +5,8 @@ the simulator gives both without a cluster, in exact arithmetic
 (:class:`fractions.Fraction`), so the textbook formulas can be checked with
 ``==`` rather than with a tolerance.
 
-[Note: timing model]
-* Every rank starts at time 0 and runs its list in order, one step at a time.
-* A compute step (and ``LOAD``, ``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``, and
-  any other kind that is not a transfer) takes the cost its kind declares
-  ([Note: step-kind registry] in :mod:`hp_pipeline.kinds`), read from
-  :class:`StepCosts`. It starts when the rank is free and every
-  input from another rank has arrived (see ``_deps.py`` [Note: dependency model]).
-* An input from another rank arrives ``comm`` after it was sent. In an order with
-  communication steps it is sent when the sender reaches the ``SEND`` step; in
-  a compute-only order, when the producing step ends.
-* ``SEND`` and ``RECV`` take no time on the rank: sends are issued
-  asynchronously and receives are posted early and waited for by the step that
-  needs the data, which is how the executor runs them. Whether an order could
-  deadlock under blocking point-to-point is ``validate_order``'s question, not
-  the simulator's.
-* An ``OVERLAP_F_B`` runs as the executor runs it ([Note: running overlapped
-  steps] in :mod:`hp_pipeline.overlap`): its forward, then its backward, each
-  at its own cost and waiting for its own inputs; the forward's outputs leave
-  when the forward ends. Its entry in the timeline spans both halves; its
-  compute time is the halves' costs. With ``StepCosts.overlap_f_b`` set, the
-  pair is instead one step of that cost (two streams on an accelerator): it
-  starts when both halves' inputs are there and both halves end with it,
-  which is how DualPipe's bubble formula counts.
-* A step of a ``collective`` kind (MPipe's ``REDUCE_P``) starts on every rank
-  when the last rank reaches it and ends after its cost ([Note: order walk]
-  in :mod:`hp_pipeline._deps`).
-
-[Note: bubble definitions]
-With ``compute[r]`` the time rank ``r`` spends in ``F``/``B``/``I``/``W`` (and
-in the steps of any kind declared ``busy``, e.g. MPipe's tower steps ``PF``/``PB``) and
-``idle[r] = makespan - compute[r]``:
-
-* ``bubble_ratio[r] = idle[r] / makespan``, the share of the step rank ``r``
-  does no model compute. GPipe and 1F1B with ``F = B`` and ``comm = 0`` give
-  exactly ``(p-1)/(m+p-1)``, the GPipe paper's figure.
-* ``bubble_overhead[r] = idle[r] / compute[r]``, the bubble relative to the ideal
-  (bubble-free) compute time, as in the Megatron-LM paper. Interleaved 1F1B with
-  ``v`` stages per rank, ``m`` a multiple of ``p``, ``F = B`` and ``comm = 0``
-  gives exactly ``(p-1)/(v*m)``; for GPipe and 1F1B it is ``(p-1)/m``.
-
-The two are related by ``ratio = overhead / (1 + overhead)``.
-
-[Note: live activations]
-A micro-batch's activations on a stage are live from the start of its ``F`` to
-the end of its last backward step there (``B``, or ``W`` when the backward is
-split: the weight gradient still needs the saved inputs). Where one step frees
-and another allocates at the same instant, the free counts first.
-
-[Note: device activations]
-``peak_device_activations_per_rank`` counts the micro-batches whose saved
-activations are on the device, walking each rank's list in order as the
-executor does: every step changes the count by what its kind declares
-(``StepKind.resident``: ``F`` +1, ``B`` and ``W`` -1, ``SWAP_OUT`` -1 and
-``SWAP_IN`` +1, see :mod:`hp_pipeline.swap`), and the peak is the largest
-count after any step. Without swap steps it equals
-``peak_activations_per_rank`` (a rank runs its steps one after another, so
-list order is time order); with them it is the figure the executor's swap
-accounting measures, in micro-batches ([Note: activation accounting] in
-:mod:`hp_pipeline.swap`).
+Details in the [Note]s below: timing model, bubble definitions, live
+activations, device activations.
 """
 
 from __future__ import annotations
@@ -85,12 +28,69 @@ from hp_pipeline.validate import validate_order
 __all__ = ["SimulationResult", "StepCosts", "TimedStep", "simulate"]
 
 
+# [Note: timing model]
+# * Every rank starts at time 0 and runs its list in order, one step at a time.
+# * A compute step (and ``LOAD``, ``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``, and
+#   any other kind that is not a transfer) takes the cost its kind declares
+#   ([Note: step-kind registry] in :mod:`hp_pipeline.kinds`), read from
+#   :class:`StepCosts`. It starts when the rank is free and every
+#   input from another rank has arrived (see ``_deps.py`` [Note: dependency model]).
+# * An input from another rank arrives ``comm`` after it was sent. In an order with
+#   communication steps it is sent when the sender reaches the ``SEND`` step; in
+#   a compute-only order, when the producing step ends.
+# * ``SEND`` and ``RECV`` take no time on the rank: sends are issued
+#   asynchronously and receives are posted early and waited for by the step that
+#   needs the data, which is how the executor runs them. Whether an order could
+#   deadlock under blocking point-to-point is ``validate_order``'s question, not
+#   the simulator's.
+# * An ``OVERLAP_F_B`` runs as the executor runs it ([Note: running overlapped
+#   steps] in :mod:`hp_pipeline.overlap`): its forward, then its backward, each
+#   at its own cost and waiting for its own inputs; the forward's outputs leave
+#   when the forward ends. Its entry in the timeline spans both halves; its
+#   compute time is the halves' costs. With ``StepCosts.overlap_f_b`` set, the
+#   pair is instead one step of that cost (two streams on an accelerator): it
+#   starts when both halves' inputs are there and both halves end with it,
+#   which is how DualPipe's bubble formula counts.
+# * A step of a ``collective`` kind (MPipe's ``REDUCE_P``) starts on every rank
+#   when the last rank reaches it and ends after its cost ([Note: order walk]
+#   in :mod:`hp_pipeline._deps`).
+
+
 class TimedStep(NamedTuple):
     """A step and when it ran; SEND/RECV have ``start == end``."""
 
     step: MetaStep
     start: Fraction
     end: Fraction
+
+
+# [Note: bubble definitions]
+# With ``compute[r]`` the time rank ``r`` spends in ``F``/``B``/``I``/``W`` (and
+# in the steps of any kind declared ``busy``, e.g. MPipe's tower steps ``PF``/``PB``) and
+# ``idle[r] = makespan - compute[r]``:
+#
+# * ``bubble_ratio[r] = idle[r] / makespan``, the share of the step rank ``r``
+#   does no model compute. GPipe and 1F1B with ``F = B`` and ``comm = 0`` give
+#   exactly ``(p-1)/(m+p-1)``, the GPipe paper's figure.
+# * ``bubble_overhead[r] = idle[r] / compute[r]``, the bubble relative to the ideal
+#   (bubble-free) compute time, as in the Megatron-LM paper. Interleaved 1F1B with
+#   ``v`` stages per rank, ``m`` a multiple of ``p``, ``F = B`` and ``comm = 0``
+#   gives exactly ``(p-1)/(v*m)``; for GPipe and 1F1B it is ``(p-1)/m``.
+#
+# The two are related by ``ratio = overhead / (1 + overhead)``.
+
+
+# [Note: device activations]
+# ``peak_device_activations_per_rank`` counts the micro-batches whose saved
+# activations are on the device, walking each rank's list in order as the
+# executor does: every step changes the count by what its kind declares
+# (``StepKind.resident``: ``F`` +1, ``B`` and ``W`` -1, ``SWAP_OUT`` -1 and
+# ``SWAP_IN`` +1, see :mod:`hp_pipeline.swap`), and the peak is the largest
+# count after any step. Without swap steps it equals
+# ``peak_activations_per_rank`` (a rank runs its steps one after another, so
+# list order is time order); with them it is the figure the executor's swap
+# accounting measures, in micro-batches ([Note: activation accounting] in
+# :mod:`hp_pipeline.swap`).
 
 
 @dataclass(frozen=True)
@@ -302,6 +302,13 @@ def _device_peak(steps: Sequence[TimedStep], micro_bytes: int | Mapping[tuple[in
             live += delta * weight
             peak = max(peak, live)
     return peak
+
+
+# [Note: live activations]
+# A micro-batch's activations on a stage are live from the start of its ``F`` to
+# the end of its last backward step there (``B``, or ``W`` when the backward is
+# split: the weight gradient still needs the saved inputs). Where one step frees
+# and another allocates at the same instant, the free counts first.
 
 
 def _peak_activations(

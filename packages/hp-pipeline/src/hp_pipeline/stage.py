@@ -7,32 +7,8 @@ backward of the zero-bubble schedules, ``I`` (input gradient only) and ``W``
 (:mod:`hp_pipeline.executor`) moves tensors between stages and calls these
 methods in the order a schedule prescribes.
 
-[Note: tensor metadata]
-A receiving rank must allocate its buffer before the data arrives, so it has
-to know the shape and dtype of every tensor a peer will send. These are
-exchanged once, on the first step of a schedule, as small objects sent ahead
-of the tensors (:class:`TensorMeta`, one per tensor and micro-batch, so uneven
-micro-batches work), and cached on the stage. Later steps post receives
-straight into freshly allocated buffers of the cached shape; a stage whose
-output shape changes raises a clear error instead of corrupting its peer.
-
-[Note: what crosses a stage boundary]
-A stage's forward returns a tensor or a tuple/list of tensors; all of them go
-to the next stage as its positional arguments. Floating-point (and complex)
-outputs that require grad get a gradient back in the backward; every other
-tensor (token ids, integer masks, float tensors computed without parameters)
-is passed through and gets none. Both sides decide this from the metadata, so
-they always agree on how many gradients travel back.
-
-[Note: split backward]
-``I`` computes only the gradient of the stage's inputs with
-``torch.autograd.grad(..., retain_graph=True)``; ``W`` then runs
-``torch.autograd.backward(..., inputs=parameters)``, which accumulates only
-parameter gradients and frees the graph. ``W`` re-traverses the part of the
-graph that ``I`` walked; that costs some arithmetic, but it needs no
-cooperation from the modules and keeps exactly the numerics of a full
-backward, and ``I`` still comes first on the critical path, which is the point
-of the zero-bubble schedules.
+Details: [Note: tensor metadata], [Note: what crosses a stage boundary],
+[Note: split backward].
 """
 
 from __future__ import annotations
@@ -47,6 +23,15 @@ from torch import nn
 
 from hp_pipeline._torch_api import as_process_group
 from hp_pipeline.boundary import DTensorMeta, MeshFinder, dtensor_meta, is_dtensor, local_of, rebuild
+
+# [Note: what crosses a stage boundary]
+# A stage's forward returns a tensor or a tuple/list of tensors; all of them go
+# to the next stage as its positional arguments. Floating-point (and complex)
+# outputs that require grad get a gradient back in the backward; every other
+# tensor (token ids, integer masks, float tensors computed without parameters)
+# is passed through and gets none. Both sides decide this from the metadata, so
+# they always agree on how many gradients travel back.
+
 
 GetMesh = Callable[[tuple[str, ...], Any], Any]
 """torch's ``GetMeshCallback``: ``(mesh_dim_names, mesh_layout) -> DeviceMesh``."""
@@ -134,6 +119,27 @@ class _MicroState:
     output_grads: tuple[torch.Tensor | None, ...] | None = None
     input_grads: tuple[torch.Tensor | None, ...] | None = None
     roots: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # kept from I for W
+
+
+# [Note: tensor metadata]
+# A receiving rank must allocate its buffer before the data arrives, so it has
+# to know the shape and dtype of every tensor a peer will send. These are
+# exchanged once, on the first step of a schedule, as small objects sent ahead
+# of the tensors (:class:`TensorMeta`, one per tensor and micro-batch, so uneven
+# micro-batches work), and cached on the stage. Later steps post receives
+# straight into freshly allocated buffers of the cached shape; a stage whose
+# output shape changes raises a clear error instead of corrupting its peer.
+
+
+# [Note: split backward]
+# ``I`` computes only the gradient of the stage's inputs with
+# ``torch.autograd.grad(..., retain_graph=True)``; ``W`` then runs
+# ``torch.autograd.backward(..., inputs=parameters)``, which accumulates only
+# parameter gradients and frees the graph. ``W`` re-traverses the part of the
+# graph that ``I`` walked; that costs some arithmetic, but it needs no
+# cooperation from the modules and keeps exactly the numerics of a full
+# backward, and ``I`` still comes first on the critical path, which is the point
+# of the zero-bubble schedules.
 
 
 class PipelineStage:

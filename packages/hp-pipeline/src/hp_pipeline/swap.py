@@ -4,107 +4,10 @@ In 1F1B, stage ``s`` of ``p`` holds the saved activations of up to ``p - s``
 micro-batches between their forward and their backward; stage 0 holds ``p``.
 Most of that time they are idle. Swapping moves them to host memory after the
 forward and brings them back just before the backward, so the device holds
-only the micro-batches being worked on. Three parts:
-
-* :class:`SwapPolicy` (frozen): which stages swap and which micro-batches stay
-  ([Note: swap policy]), checked against the pipeline and the platform before
-  any rank communicates.
-* :func:`insert_swaps`: a pure pass over an order that adds ``SWAP_OUT`` and
-  ``SWAP_IN`` steps where the policy says ([Note: where swaps go]).
-* :class:`SwapSession`: the mechanism, on
-  :class:`torch.autograd.graph.saved_tensors_hooks`, with the executor's
-  memory accounting ([Note: what a session manages], [Note: swap streams],
-  [Note: activation accounting]).
-
-[Note: swap policy]
-``SwapPolicy(keep_newest=k, stages=None, min_bytes=1024)``: on every stage in
-``stages`` (``None``: all), a micro-batch stays on the device while it is one
-of the ``k`` newest the stage has run forward for; once ``k`` newer forwards
-of its stage have run it moves to the host, and it comes back one compute
-step before its backward. ``k = 0`` swaps a micro-batch right after its own
-forward: on stage 0 of 1F1B the device then holds two micro-batches (the one
-in flight and the one prefetched for the next backward) instead of ``p``.
-A micro-batch is swapped only when something allocates while it would be
-away: a forward (of any stage of the rank) or the swap-in of an earlier
-micro-batch (decided first: micro-batches are taken in the order of their
-forwards). A backward only frees, so a swap with nothing but backwards inside
-it lowers no peak and would only cost copies. The last stage's ``F``
-followed at once by its ``B`` never swaps, nor does stage ``p-2`` of 1F1B,
-whose only step between a micro-batch's forward and its backward is another
-micro-batch's backward; the last micro-batches of stage 0, whose backwards
-come after the last forward, do, because the swap-ins prefetched for the
-backwards before theirs would otherwise pile up on the device. ``stages=()``
-swaps nothing but still installs the session, so the accounting measures the
-activations a schedule keeps (the baseline of a comparison).
-
-[Note: where swaps go]
-Slots are the compute steps of a rank's list (``F``, ``B``, ``I``, ``W``,
-``OVERLAP_F_B``, MPipe's ``PF``/``PB``). The ``SWAP_OUT`` of stage ``s``'s
-micro-batch ``i`` goes right before the compute step that follows the forward
-which pushed ``i`` out of the ``k`` newest (its own forward when ``k = 0``);
-its ``SWAP_IN`` goes right before the compute step that precedes ``i``'s
-first backward (``B`` or ``I``), so the copy back runs while that step
-computes (prefetched one slot early). When several swaps land before the same
-step, the swap-outs come first, so the device frees before it allocates. Both
-steps sit after the communication steps in front of their compute step, so the
-sends of the step before are posted first and the copies never delay a peer.
-
-[Note: what a session manages]
-While a forward runs under :meth:`SwapSession.recording`, autograd hands every
-tensor it saves for the backward to the session's pack hook. The session
-leaves alone (returns the tensor itself) what swapping cannot free:
-
-* parameters, trainable or frozen, and views of them (``weight.t()`` saved
-  by ``linear``), and the stage's received inputs (leaves that require grad,
-  like parameters): the module and the stage hold them anyway;
-* the tensors the caller says are held elsewhere, ``recording(held=...)``:
-  the executor names the stage's inputs (stage 0's micro-batch) and outputs
-  (sent downstream and kept as the backward's roots), read when the forward
-  ends;
-* tensors under ``policy.min_bytes``: each one costs a copy and an event for
-  little memory.
-
-Everything else becomes a handle that the session owns. A tensor saved twice
-(``relu``'s result is also the next ``linear``'s input) is one handle, so it is
-copied and counted once; two different views of one storage are two handles
-(counted twice: the accounting errs high, never low).
-
-[Note: swap streams]
-``swap_out`` copies on a side stream of the platform's device handle: the side
-stream first waits for the compute stream (the forward produced the tensors
-there), the copy goes into pinned host memory when the device is an
-accelerator (``non_blocking`` needs it to be asynchronous), an event marks its
-end, and the device tensor is marked as used by the side stream
-(``record_stream``) before the session drops it, so the caching allocator does
-not hand its memory out before the copy has read it. ``swap_in`` copies back on
-the same side stream; the unpack hook makes the consuming stream wait for that
-event, so the backward never reads a buffer the copy has not filled. On the CPU
-streams and events are no-ops and the copies are synchronous; the "host" copy
-is a separate CPU tensor, so the whole path (and its accounting) runs in tests.
-
-[Note: activation accounting]
-The session counts the bytes of the saved tensors it manages that are on the
-compute device: a micro-batch's bytes join at the end of its forward, leave at
-its ``SWAP_OUT``, come back at its ``SWAP_IN`` and leave for good when the
-executor releases the micro-batch after its last backward (``B`` or ``W``).
-``peak_bytes`` is the most resident at any of those points; transient
-tensors inside a forward or backward are not activations kept between steps
-and are not counted. The simulator walks an order the same way
-(``StepKind.resident``; [Note: device activations] in
-:mod:`hp_pipeline.simulate`), so the two agree exactly:
-``simulate(order).peak_device_bytes(rank, stats.bytes_by_micro)`` equals the
-rank's measured ``peak_bytes``, and with micro-batches of equal size that is
-``peak_device_activations_per_rank[rank]`` times one micro-batch's bytes.
-
-[Note: counting without swapping]
-Wrapping a saved tensor in a handle costs a Python object at pack time and a
-lookup at unpack time, on the compute thread. A micro-batch the order never
-swaps (the last stage's, those of stage ``p-2`` of 1F1B, every one under
-``stages=()``) does
-not need one: it is recorded with ``count_only=True``, which selects the same
-tensors and counts the same bytes but hands autograd the tensors themselves.
-So the accounting covers every micro-batch while only those that move pay for
-moving.
+only the micro-batches being worked on ([Note: swap parts] names the three
+parts). Details in the [Note]s below: swap policy, where swaps go, what a
+session manages, swap streams, activation accounting, counting without
+swapping.
 """
 
 from __future__ import annotations
@@ -135,6 +38,18 @@ __all__ = [
     "insert_swaps",
 ]
 
+# [Note: swap parts]
+# * :class:`SwapPolicy` (frozen): which stages swap and which micro-batches stay
+#   ([Note: swap policy]), checked against the pipeline and the platform before
+#   any rank communicates.
+# * :func:`insert_swaps`: a pure pass over an order that adds ``SWAP_OUT`` and
+#   ``SWAP_IN`` steps where the policy says ([Note: where swaps go]).
+# * :class:`SwapSession`: the mechanism, on
+#   :class:`torch.autograd.graph.saved_tensors_hooks`, with the executor's
+#   memory accounting ([Note: what a session manages], [Note: swap streams],
+#   [Note: activation accounting]).
+
+
 MicroKey = tuple[int, int]
 """``(stage_index, micro_index)``: whose activations."""
 
@@ -150,6 +65,28 @@ class SwapError(ValueError):
 
 def _is_count(value: object) -> bool:
     return type(value) is int and value >= 0  # not bool, which is an int too
+
+
+# [Note: swap policy]
+# ``SwapPolicy(keep_newest=k, stages=None, min_bytes=1024)``: on every stage in
+# ``stages`` (``None``: all), a micro-batch stays on the device while it is one
+# of the ``k`` newest the stage has run forward for; once ``k`` newer forwards
+# of its stage have run it moves to the host, and it comes back one compute
+# step before its backward. ``k = 0`` swaps a micro-batch right after its own
+# forward: on stage 0 of 1F1B the device then holds two micro-batches (the one
+# in flight and the one prefetched for the next backward) instead of ``p``.
+# A micro-batch is swapped only when something allocates while it would be
+# away: a forward (of any stage of the rank) or the swap-in of an earlier
+# micro-batch (decided first: micro-batches are taken in the order of their
+# forwards). A backward only frees, so a swap with nothing but backwards inside
+# it lowers no peak and would only cost copies. The last stage's ``F``
+# followed at once by its ``B`` never swaps, nor does stage ``p-2`` of 1F1B,
+# whose only step between a micro-batch's forward and its backward is another
+# micro-batch's backward; the last micro-batches of stage 0, whose backwards
+# come after the last forward, do, because the swap-ins prefetched for the
+# backwards before theirs would otherwise pile up on the device. ``stages=()``
+# swaps nothing but still installs the session, so the accounting measures the
+# activations a schedule keeps (the baseline of a comparison).
 
 
 @dataclass(frozen=True)
@@ -362,6 +299,19 @@ def insert_swaps(order: Mapping[int, Sequence[MetaStep]], policy: SwapPolicy) ->
     return result
 
 
+# [Note: where swaps go]
+# Slots are the compute steps of a rank's list (``F``, ``B``, ``I``, ``W``,
+# ``OVERLAP_F_B``, MPipe's ``PF``/``PB``). The ``SWAP_OUT`` of stage ``s``'s
+# micro-batch ``i`` goes right before the compute step that follows the forward
+# which pushed ``i`` out of the ``k`` newest (its own forward when ``k = 0``);
+# its ``SWAP_IN`` goes right before the compute step that precedes ``i``'s
+# first backward (``B`` or ``I``), so the copy back runs while that step
+# computes (prefetched one slot early). When several swaps land before the same
+# step, the swap-outs come first, so the device frees before it allocates. Both
+# steps sit after the communication steps in front of their compute step, so the
+# sends of the step before are posted first and the copies never delay a peer.
+
+
 def _swapped_list(steps: list[MetaStep], policy: SwapPolicy) -> list[MetaStep]:
     """One rank's list with its swaps ([Note: where swaps go])."""
     slots = [pos for pos, step in enumerate(steps) if step.type.busy]  # F, B, I, W, pairs, PF, PB
@@ -427,6 +377,21 @@ class _Handle:
         self.where = _Where.DEVICE
 
 
+# [Note: activation accounting]
+# The session counts the bytes of the saved tensors it manages that are on the
+# compute device: a micro-batch's bytes join at the end of its forward, leave at
+# its ``SWAP_OUT``, come back at its ``SWAP_IN`` and leave for good when the
+# executor releases the micro-batch after its last backward (``B`` or ``W``).
+# ``peak_bytes`` is the most resident at any of those points; transient
+# tensors inside a forward or backward are not activations kept between steps
+# and are not counted. The simulator walks an order the same way
+# (``StepKind.resident``; [Note: device activations] in
+# :mod:`hp_pipeline.simulate`), so the two agree exactly:
+# ``simulate(order).peak_device_bytes(rank, stats.bytes_by_micro)`` equals the
+# rank's measured ``peak_bytes``, and with micro-batches of equal size that is
+# ``peak_device_activations_per_rank[rank]`` times one micro-batch's bytes.
+
+
 @dataclass(frozen=True)
 class SwapStats:
     """A snapshot of a session's accounting ([Note: activation accounting]).
@@ -468,6 +433,52 @@ def _is_parameter_like(tensor: torch.Tensor) -> bool:
     if base is not None:
         tensor = base
     return tensor.is_leaf and (tensor.requires_grad or isinstance(tensor, torch.nn.Parameter))
+
+
+# [Note: what a session manages]
+# While a forward runs under :meth:`SwapSession.recording`, autograd hands every
+# tensor it saves for the backward to the session's pack hook. The session
+# leaves alone (returns the tensor itself) what swapping cannot free:
+#
+# * parameters, trainable or frozen, and views of them (``weight.t()`` saved
+#   by ``linear``), and the stage's received inputs (leaves that require grad,
+#   like parameters): the module and the stage hold them anyway;
+# * the tensors the caller says are held elsewhere, ``recording(held=...)``:
+#   the executor names the stage's inputs (stage 0's micro-batch) and outputs
+#   (sent downstream and kept as the backward's roots), read when the forward
+#   ends;
+# * tensors under ``policy.min_bytes``: each one costs a copy and an event for
+#   little memory.
+#
+# Everything else becomes a handle that the session owns. A tensor saved twice
+# (``relu``'s result is also the next ``linear``'s input) is one handle, so it is
+# copied and counted once; two different views of one storage are two handles
+# (counted twice: the accounting errs high, never low).
+
+
+# [Note: swap streams]
+# ``swap_out`` copies on a side stream of the platform's device handle: the side
+# stream first waits for the compute stream (the forward produced the tensors
+# there), the copy goes into pinned host memory when the device is an
+# accelerator (``non_blocking`` needs it to be asynchronous), an event marks its
+# end, and the device tensor is marked as used by the side stream
+# (``record_stream``) before the session drops it, so the caching allocator does
+# not hand its memory out before the copy has read it. ``swap_in`` copies back on
+# the same side stream; the unpack hook makes the consuming stream wait for that
+# event, so the backward never reads a buffer the copy has not filled. On the CPU
+# streams and events are no-ops and the copies are synchronous; the "host" copy
+# is a separate CPU tensor, so the whole path (and its accounting) runs in tests.
+
+
+# [Note: counting without swapping]
+# Wrapping a saved tensor in a handle costs a Python object at pack time and a
+# lookup at unpack time, on the compute thread. A micro-batch the order never
+# swaps (the last stage's, those of stage ``p-2`` of 1F1B, every one under
+# ``stages=()``) does
+# not need one: it is recorded with ``count_only=True``, which selects the same
+# tensors and counts the same bytes but hands autograd the tensors themselves.
+# So the accounting covers every micro-batch while only those that move pay for
+# moving.
 
 
 class SwapSession:

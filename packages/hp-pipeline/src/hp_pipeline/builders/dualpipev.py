@@ -1,34 +1,6 @@
 """DualPipeV: the V placement with overlapped forward/backward pairs (DeepSeek-V3's DualPipe, folded).
 
-[Note: DualPipeV]
-DualPipe (DeepSeek-AI, 2024) runs two pipelines in opposite directions and
-pairs, on each rank, the forward of one micro-batch with the backward of
-another ("F&B"), so that the expensive communication of each hides behind
-the other's compute. DualPipeV is its "cut in half" form
-(github.com/deepseek-ai/DualPipe): one pipeline over ``2p`` stages in the V
-placement, rank ``r`` holding stages ``r`` (its first chunk) and ``2p-1-r``
-(its second), so a micro-batch goes down the ranks through the first chunks
-and back up through the second ones. Same phases as torch's
-``ScheduleDualPipeV``, for rank ``r`` with ``a`` its first stage and ``b``
-its second:
-
-1. ``2*(p-1-r)`` forwards of ``a`` (the deeper the rank, the fewer);
-2. ``r+1`` times: ``F`` of ``a``, ``F`` of ``b``;
-3. ``p-1-r`` times: ``I`` of ``b``, its ``W``, ``F`` of ``b`` (zero bubble);
-4. the steady phase, ``m - 2p + r + 1`` times: the pair (``F`` of ``a``,
-   ``B`` of ``b``), then the pair (``F`` of ``b``, ``B`` of ``a``); on the
-   last rank the very first of these runs as two plain steps, which starts
-   the turn of the V one step sooner;
-5. ``p-1-r`` times: ``B`` of ``b``, then the pair (``F`` of ``b``, ``B`` of ``a``);
-6. ``r+1`` times: a backward of ``b``, then of ``a``; from the middle of
-   this phase on, backwards are split (``I`` now, ``W`` later);
-7. ``p-1-r`` times: the oldest postponed ``W``, then a backward of ``a``;
-8. the ``r+1`` postponed ``W`` steps left.
-
-Every pair joins a forward with the backward of an older micro-batch, so its
-halves never wait for each other. The steady phase needs
-``m >= 2p`` micro-batches (as torch requires), which also makes the pipeline
-full before the first pair.
+Details: [Note: DualPipeV].
 """
 
 from __future__ import annotations
@@ -81,6 +53,37 @@ class _RankOrder:
         """Run the oldest postponed ``W``, if any."""
         if self._postponed:
             self.steps.append(self._postponed.popleft())
+
+
+# [Note: DualPipeV]
+# DualPipe (DeepSeek-AI, 2024) runs two pipelines in opposite directions and
+# pairs, on each rank, the forward of one micro-batch with the backward of
+# another ("F&B"), so that the expensive communication of each hides behind
+# the other's compute. DualPipeV is its "cut in half" form
+# (github.com/deepseek-ai/DualPipe): one pipeline over ``2p`` stages in the V
+# placement, rank ``r`` holding stages ``r`` (its first chunk) and ``2p-1-r``
+# (its second), so a micro-batch goes down the ranks through the first chunks
+# and back up through the second ones. Same phases as torch's
+# ``ScheduleDualPipeV``, for rank ``r`` with ``a`` its first stage and ``b``
+# its second:
+#
+# 1. ``2*(p-1-r)`` forwards of ``a`` (the deeper the rank, the fewer);
+# 2. ``r+1`` times: ``F`` of ``a``, ``F`` of ``b``;
+# 3. ``p-1-r`` times: ``I`` of ``b``, its ``W``, ``F`` of ``b`` (zero bubble);
+# 4. the steady phase, ``m - 2p + r + 1`` times: the pair (``F`` of ``a``,
+#    ``B`` of ``b``), then the pair (``F`` of ``b``, ``B`` of ``a``); on the
+#    last rank the very first of these runs as two plain steps, which starts
+#    the turn of the V one step sooner;
+# 5. ``p-1-r`` times: ``B`` of ``b``, then the pair (``F`` of ``b``, ``B`` of ``a``);
+# 6. ``r+1`` times: a backward of ``b``, then of ``a``; from the middle of
+#    this phase on, backwards are split (``I`` now, ``W`` later);
+# 7. ``p-1-r`` times: the oldest postponed ``W``, then a backward of ``a``;
+# 8. the ``r+1`` postponed ``W`` steps left.
+#
+# Every pair joins a forward with the backward of an older micro-batch, so its
+# halves never wait for each other. The steady phase needs
+# ``m >= 2p`` micro-batches (as torch requires), which also makes the pipeline
+# full before the first pair.
 
 
 def build_dualpipev_order(num_ranks: int, n_microbatches: int) -> Order:

@@ -1,22 +1,6 @@
 """Interleaved 1F1B: several stages per rank shrink the bubble by their number.
 
-[Note: interleaved rounds]
-The micro-batches are cut into rounds of ``g`` consecutive micro-batches, and a
-rank walks each round through its local stages: forwards of round 0 on local
-stage 0, then round 0 on local stage 1, ..., then round 1 on local stage 0 and
-so on; backwards do the same with the local stages reversed. Rounds must be
-equal, which is what makes the order well defined (torch's
-``ScheduleInterleaved1F1B`` uses the same rule):
-
-* ``m <= p``: one round of all ``m`` micro-batches;
-* ``m > p``: ``m // p`` rounds of ``g = m / (m // p)`` micro-batches each, so
-  ``m`` must be a multiple of ``m // p`` (every multiple of ``p`` qualifies, and
-  so does e.g. ``m = 6`` for ``p = 4``: one round of 6).
-
-Rank ``r`` warms up with ``(v-1)*g + 2*(p-1-r)`` forwards, enough for the first
-backward of its last local stage to have everything it needs, then alternates
-forward and backward, then drains the remaining backwards (Megatron-LM's
-schedule, Narayanan et al., 2021).
+Details: [Note: interleaved rounds].
 """
 
 from __future__ import annotations
@@ -27,6 +11,25 @@ from hp_pipeline.ir import MetaStep, MetaStepType, Order
 __all__ = ["build_interleaved_1f1b_order", "interleaved_round_size"]
 
 _NAME = "build_interleaved_1f1b_order"
+
+
+# [Note: interleaved rounds]
+# The micro-batches are cut into rounds of ``g`` consecutive micro-batches, and a
+# rank walks each round through its local stages: forwards of round 0 on local
+# stage 0, then round 0 on local stage 1, ..., then round 1 on local stage 0 and
+# so on; backwards do the same with the local stages reversed. Rounds must be
+# equal, which is what makes the order well defined (torch's
+# ``ScheduleInterleaved1F1B`` uses the same rule):
+#
+# * ``m <= p``: one round of all ``m`` micro-batches;
+# * ``m > p``: ``m // p`` rounds of ``g = m / (m // p)`` micro-batches each, so
+#   ``m`` must be a multiple of ``m // p`` (every multiple of ``p`` qualifies, and
+#   so does e.g. ``m = 6`` for ``p = 4``: one round of 6).
+#
+# Rank ``r`` warms up with ``(v-1)*g + 2*(p-1-r)`` forwards, enough for the first
+# backward of its last local stage to have everything it needs, then alternates
+# forward and backward, then drains the remaining backwards (Megatron-LM's
+# schedule, Narayanan et al., 2021).
 
 
 def interleaved_round_size(num_ranks: int, n_microbatches: int) -> int:

@@ -1,24 +1,6 @@
 """Interleaved zero bubble (ZB1P): interleaved 1F1B with the backward split into ``I`` and ``W``.
 
-[Note: interleaved zero bubble]
-The zero-bubble paper's ZB-1p (Qi et al., 2024) applied to the interleaved
-placement, as torch's ``ScheduleInterleavedZeroBubble`` does. Stages and
-rounds are those of interleaved 1F1B (loop placement, [Note: interleaved
-rounds]: the same ``m`` are accepted), and each rank walks its forwards and
-input-gradient backwards in the same chunk order. What changes:
-
-* the warm-up is one forward per hop shorter: rank ``r`` runs
-  ``(v-1)*g + (p-1-r)`` forwards (interleaved 1F1B needs ``2*(p-1-r)`` more,
-  because its full backward is twice as long as the ``I`` the upstream rank
-  waits for here);
-* the steady phase runs ``F`` then ``I``; rank ``r`` postpones the weight
-  gradients of its first ``r`` steady iterations and afterwards runs the
-  oldest postponed ``W`` after each ``I``, so the ``W`` steps, which nobody
-  waits for, fill the slots where interleaved 1F1B idles;
-* the cool-down runs the remaining ``I`` steps, each followed by the oldest
-  ``W`` once ``r`` of them are held back, then the ``W`` steps left.
-
-With one stage per rank this is ZB-H1's order with torch's cool-down rule.
+Details: [Note: interleaved zero bubble].
 """
 
 from __future__ import annotations
@@ -32,6 +14,27 @@ from hp_pipeline.ir import MetaStep, Order
 __all__ = ["build_interleaved_zero_bubble_order"]
 
 _NAME = "build_interleaved_zero_bubble_order"
+
+
+# [Note: interleaved zero bubble]
+# The zero-bubble paper's ZB-1p (Qi et al., 2024) applied to the interleaved
+# placement, as torch's ``ScheduleInterleavedZeroBubble`` does. Stages and
+# rounds are those of interleaved 1F1B (loop placement, [Note: interleaved
+# rounds]: the same ``m`` are accepted), and each rank walks its forwards and
+# input-gradient backwards in the same chunk order. What changes:
+#
+# * the warm-up is one forward per hop shorter: rank ``r`` runs
+#   ``(v-1)*g + (p-1-r)`` forwards (interleaved 1F1B needs ``2*(p-1-r)`` more,
+#   because its full backward is twice as long as the ``I`` the upstream rank
+#   waits for here);
+# * the steady phase runs ``F`` then ``I``; rank ``r`` postpones the weight
+#   gradients of its first ``r`` steady iterations and afterwards runs the
+#   oldest postponed ``W`` after each ``I``, so the ``W`` steps, which nobody
+#   waits for, fill the slots where interleaved 1F1B idles;
+# * the cool-down runs the remaining ``I`` steps, each followed by the oldest
+#   ``W`` once ``r`` of them are held back, then the ``W`` steps left.
+#
+# With one stage per rank this is ZB-H1's order with torch's cool-down rule.
 
 
 def build_interleaved_zero_bubble_order(

@@ -1,18 +1,6 @@
 """Looped BFS: several stages per rank, each run breadth-first over all micro-batches.
 
-[Note: looped BFS]
-Breadth-first pipeline parallelism (Lamy-Poirier, 2023) places stages like
-interleaved 1F1B (loop: stage ``s`` on rank ``s % p``) but orders them like
-GPipe: rank ``r`` runs the forward of *every* micro-batch through its first
-local stage, then through its next, and so on; then the backwards, last local
-stage first, each over the micro-batches in reverse order (the most recent
-activations first, as torch's ``ScheduleLoopedBFS``). A micro-batch's
-activation reaches the next rank while that rank is still busy with the
-previous chunk, so for ``m >= p`` the pipeline never drains between chunks
-and the bubble is interleaved 1F1B's, ``(p-1)/(v*m)`` of the ideal time with
-``F = B``; the price is GPipe's memory (every micro-batch of every local
-stage is alive at the turn), which in exchange lets FSDP gather each stage
-once and run it over all micro-batches back to back.
+Details: [Note: looped BFS].
 """
 
 from __future__ import annotations
@@ -23,6 +11,21 @@ from hp_pipeline.ir import MetaStep, Order
 __all__ = ["build_looped_bfs_order"]
 
 _NAME = "build_looped_bfs_order"
+
+
+# [Note: looped BFS]
+# Breadth-first pipeline parallelism (Lamy-Poirier, 2023) places stages like
+# interleaved 1F1B (loop: stage ``s`` on rank ``s % p``) but orders them like
+# GPipe: rank ``r`` runs the forward of *every* micro-batch through its first
+# local stage, then through its next, and so on; then the backwards, last local
+# stage first, each over the micro-batches in reverse order (the most recent
+# activations first, as torch's ``ScheduleLoopedBFS``). A micro-batch's
+# activation reaches the next rank while that rank is still busy with the
+# previous chunk, so for ``m >= p`` the pipeline never drains between chunks
+# and the bubble is interleaved 1F1B's, ``(p-1)/(v*m)`` of the ideal time with
+# ``F = B``; the price is GPipe's memory (every micro-batch of every local
+# stage is alive at the turn), which in exchange lets FSDP gather each stage
+# once and run it over all micro-batches back to back.
 
 
 def build_looped_bfs_order(num_ranks: int, n_microbatches: int, stages_per_rank: int = 2) -> Order:

@@ -5,18 +5,7 @@ this module says, for each, what the passes need to know ([Note: step-kind
 registry] in :mod:`hp_pipeline.kinds`): its code, its dependencies, its cost,
 its colour (:mod:`hp_pipeline.mpipe.runner` holds the executor handlers).
 
-[Note: MPipe dependencies]
-On top of the built-in model ([Note: dependency model] in :mod:`hp_pipeline._deps`):
-
-* ``F(0, i)`` needs ``PF(o, i)``, the tower's features of micro-batch ``i`` made
-  on its owner stage ``o`` (``SEND_P``/``RECV_P`` when ``o`` is on another
-  rank). ``PF`` declares it as a ``feeds`` rule, so the built-in ``F`` knows
-  nothing of the tower;
-* ``PF(o, i)`` needs ``LOAD(o, i)`` when the owner loads the micro-batch;
-* ``PB(s, i)`` needs the input-gradient backward of stage 0 (the gradient of
-  the features, ``SEND_PG``/``RECV_PG`` when ``s`` is on another rank) and
-  ``PF(s, i)`` when the same stage ran the tower forward;
-* ``REDUCE_P``, a collective over every rank, needs every ``PB`` of its rank.
+Details: [Note: MPipe dependencies].
 """
 
 from __future__ import annotations
@@ -33,6 +22,20 @@ if TYPE_CHECKING:
     from hp_pipeline.kinds import Problems
 
 __all__ = ["MPIPE_GROUP", "MPIPE_KINDS", "is_mpipe_kind"]
+
+# [Note: MPipe dependencies]
+# On top of the built-in model ([Note: dependency model] in :mod:`hp_pipeline._deps`):
+#
+# * ``F(0, i)`` needs ``PF(o, i)``, the tower's features of micro-batch ``i`` made
+#   on its owner stage ``o`` (``SEND_P``/``RECV_P`` when ``o`` is on another
+#   rank). ``PF`` declares it as a ``feeds`` rule, so the built-in ``F`` knows
+#   nothing of the tower;
+# * ``PF(o, i)`` needs ``LOAD(o, i)`` when the owner loads the micro-batch;
+# * ``PB(s, i)`` needs the input-gradient backward of stage 0 (the gradient of
+#   the features, ``SEND_PG``/``RECV_PG`` when ``s`` is on another rank) and
+#   ``PF(s, i)`` when the same stage ran the tower forward;
+# * ``REDUCE_P``, a collective over every rank, needs every ``PB`` of its rank.
+
 
 #: The ``group`` of MPipe's kinds (``strip_mpipe`` drops them).
 MPIPE_GROUP = "mpipe"

@@ -1,112 +1,7 @@
 """MPipe's order: the tower's steps woven into a base pipeline order (:data:`MPIPE_BASES`).
 
-[Note: MPipe steps]
-A multimodal model runs a *preprocess tower* (a vision encoder) on each
-micro-batch before the text stages. Plain pipelining puts the tower on stage
-0, which then does the tower's work for every micro-batch. MPipe gives each
-micro-batch an owner rank ([Note: MPipe ownership]) that runs the tower for it
-and ships the features to stage 0. For each micro-batch ``i`` owned by rank
-``r`` (whose first stage is ``o``; in the loop placement ``o == r``):
-
-* ``oLOADi`` (in-schedule loading only): rank ``r`` reads micro-batch ``i``;
-  the tensors stage 0 and the last stage need go to them (``SEND_D``/``RECV_D``);
-* ``oPFi``: the tower's forward, first at the start of rank ``r``'s list,
-  where the tower's work fills the warm-up bubble of the ranks below stage 0;
-  then each ``PF`` moves to the slot where it shortens the step most
-  ([Note: tower forward placement] in :mod:`hp_pipeline.mpipe.placement`):
-  stage 0's rank, for one, runs most of its own ``PF`` in its warm-up wait
-  for the first gradient instead of before its first forward;
-* ``oSEND_Pi->0`` / ``0RECV_Pi<-o``: the features, before stage 0's ``0Fi``;
-* ``oPBi``: the tower's backward. With the owner backward, stage 0 sends
-  dL/dfeatures back (``0SEND_PGi->o`` / ``oRECV_PGi<-0``) and the owner
-  backpropagates through the graph it kept. Without it, stage 0 recomputes
-  the tower from the inputs that travelled with the features: every ``PB``
-  is ``0PBi``. Each ``PB`` first goes where it is surely ready (rank 0's
-  right after its ``0Bi``, or ``0Ii`` on a zero-bubble base, see [Note:
-  MPipe bases], or after the pair that holds it on DualPipeV, see [Note:
-  MPipe over overlapped pairs]; another owner's at the end of its list), then moves to the
-  slot where it shortens the step most ([Note: tower backward placement]
-  in :mod:`hp_pipeline.mpipe.placement`): an owner's idle slot in the
-  steady state instead of a tail after its last pipeline step;
-* ``oREDUCE_P``: one per rank, last: the tower's gradients of this step are
-  summed over the pipeline group (a collective).
-
-A frozen tower has no ``PB``, ``SEND_PG``/``RECV_PG`` or ``REDUCE_P``. Removing
-the MPipe steps and the data steps (:func:`strip_mpipe`) from any rank's
-compute-only order gives the base builder's order exactly: MPipe only adds.
-Transfers are placed by :func:`~hp_pipeline.insert_comms`, so the order cannot
-deadlock, and ``validate_order`` checks the MPipe rules too.
-
-[Note: MPipe bases]
-The MPipe steps only need three things of the base order: stage 0 lives on
-rank 0, each rank has a first ("home") stage that can name the rank's tower
-steps (rank ``r``'s is stage ``r`` in the loop and in the V placement), and
-stage 0 has exactly one step that produces the gradient of its inputs for
-each micro-batch: ``B``, or ``I`` when the base splits the backward.
-dL/dfeatures is ready after that step, so the tower's backward (``PB``, or
-the ``SEND_PG`` that feeds it) hangs off stage 0's ``I``, not its ``W``: the
-tower's backward then overlaps stage 0's deferred weight gradients, like any
-other input gradient in a zero-bubble schedule. These bases have all three:
-
-====================  =================================  ===============  =========
-name                  schedule class                     stages per rank  placement
-====================  =================================  ===============  =========
-``"1f1b"``            ``Schedule1F1B``                   1                loop
-``"interleaved"``     ``ScheduleInterleaved1F1B``        ``v >= 1``       loop
-``"looped-bfs"``      ``ScheduleLoopedBFS``              ``v >= 2``       loop
-``"zb-h1"``           ``ScheduleZeroBubble``             1                loop
-``"interleaved-zb"``  ``ScheduleInterleavedZeroBubble``  ``v >= 1``       loop
-``"zbv"``             ``ScheduleZBVZeroBubble``          2                V
-``"dualpipev"``       ``ScheduleDualPipeV``              2                V
-====================  =================================  ===============  =========
-
-GPipe is not offered: it has 1F1B's bubble with ``m`` live micro-batches
-instead of ``p``, and MPipe would keep every owner's tower graphs alive just
-as long. Looped BFS with one stage per rank *is* GPipe's order, so it needs
-two stages or more; with them it keeps GPipe's memory (every owner's tower
-graph lives until the backward pass) in exchange for interleaved 1F1B's
-bubble, which is its point.
-
-[Note: MPipe over overlapped pairs]
-DualPipeV runs most backwards inside ``OVERLAP_F_B`` pairs ([Note: DualPipeV]
-in :mod:`hp_pipeline.builders.dualpipev`): on rank 0 the pair
-``(F of stage 2p-1; B of stage 0)`` holds stage 0's input-gradient step, so
-dL/dfeatures is made *inside* a pair. Nothing in the weave needs the pair
-taken apart: the dependency model already places both halves at the pair's
-position ([Note: dependency model] in :mod:`hp_pipeline._deps`), so the half
-``0Bi`` is the producer of dL/dfeatures like a plain ``0Bi``, and the tower's
-backward goes after the *pair* (``PB`` on rank 0, or ``SEND_PG``, which the
-executor keeps after the backward half because its kind says it carries the
-backward's result: [Note: running overlapped steps] in
-:mod:`hp_pipeline.overlap`). The pair itself stays whole, so its forward's
-communication still hides behind its backward. The weave only has to look
-into the halves (a pair carries its *forward's* micro-batch) and never put a
-tower step between them; the placement ([Note: tower placement over pairs]
-in :mod:`hp_pipeline.mpipe.placement`) also keeps every pair runnable with
-both halves started at once, which is what ``validate_order`` demands.
-
-[Note: MPipe receive posting]
-Every MPipe transfer into stage 0 (features and data) is sent before its
-owner's first pipeline step whose output goes to stage 0's rank: the data
-from the start of the owner's list, the features after a ``PF`` that the
-placement keeps ahead of that step ([Note: tower forward placement] in
-:mod:`hp_pipeline.mpipe.placement`). So on stage 0's rank these receives
-come before any other receive from each peer in the step, and they can all
-be posted at once, in list order, at the start of the step, and each waited
-right before the forward that needs it (never earlier than the list order
-would wait it). :func:`mpipe_receives_lead` checks this property of an
-order, and the executor batches only when it holds.
-
-This is safe on gloo, where every operation progresses on its own. Backends
-that coalesce (NCCL, HCCL) run a rank's ``batch_isend_irecv`` groups one after
-another, each until all its operations are matched ([Note: coalesced batches]
-in :mod:`hp_pipeline.executor`), so a group of receives posted first holds
-back the rank's own later sends. With in-schedule loading an owner is also a
-receiver (the last stage's rank receives its targets), and two ranks that
-each post their receives from the other ahead of their sends to it wait for
-each other forever (found with hp-testing's ``nccl-emu``). There the MPipe
-receives are posted in list order like every other transfer: the executor
-does not batch them (``ScheduleMPipe.batched`` is ``False``).
+Details in the [Note]s below: MPipe steps, MPipe bases, MPipe over overlapped
+pairs, MPipe receive posting.
 """
 
 from __future__ import annotations
@@ -153,6 +48,37 @@ _INPUT_GRAD = frozenset({"B", "I"})
 
 
 MPipeBase = Literal["1f1b", "interleaved", "looped-bfs", "zb-h1", "interleaved-zb", "zbv", "dualpipev"]
+
+
+# [Note: MPipe bases]
+# The MPipe steps only need three things of the base order: stage 0 lives on
+# rank 0, each rank has a first ("home") stage that can name the rank's tower
+# steps (rank ``r``'s is stage ``r`` in the loop and in the V placement), and
+# stage 0 has exactly one step that produces the gradient of its inputs for
+# each micro-batch: ``B``, or ``I`` when the base splits the backward.
+# dL/dfeatures is ready after that step, so the tower's backward (``PB``, or
+# the ``SEND_PG`` that feeds it) hangs off stage 0's ``I``, not its ``W``: the
+# tower's backward then overlaps stage 0's deferred weight gradients, like any
+# other input gradient in a zero-bubble schedule. These bases have all three:
+#
+# ====================  =================================  ===============  =========
+# name                  schedule class                     stages per rank  placement
+# ====================  =================================  ===============  =========
+# ``"1f1b"``            ``Schedule1F1B``                   1                loop
+# ``"interleaved"``     ``ScheduleInterleaved1F1B``        ``v >= 1``       loop
+# ``"looped-bfs"``      ``ScheduleLoopedBFS``              ``v >= 2``       loop
+# ``"zb-h1"``           ``ScheduleZeroBubble``             1                loop
+# ``"interleaved-zb"``  ``ScheduleInterleavedZeroBubble``  ``v >= 1``       loop
+# ``"zbv"``             ``ScheduleZBVZeroBubble``          2                V
+# ``"dualpipev"``       ``ScheduleDualPipeV``              2                V
+# ====================  =================================  ===============  =========
+#
+# GPipe is not offered: it has 1F1B's bubble with ``m`` live micro-batches
+# instead of ``p``, and MPipe would keep every owner's tower graphs alive just
+# as long. Looped BFS with one stage per rank *is* GPipe's order, so it needs
+# two stages or more; with them it keeps GPipe's memory (every owner's tower
+# graph lives until the backward pass) in exchange for interleaved 1F1B's
+# bubble, which is its point.
 
 
 @dataclass(frozen=True)
@@ -232,6 +158,25 @@ def mpipe_base_layout(base: str | None, stages_per_rank: int | None) -> tuple[MP
     return cast(MPipeBase, base), stages_per_rank, spec.style
 
 
+# [Note: MPipe over overlapped pairs]
+# DualPipeV runs most backwards inside ``OVERLAP_F_B`` pairs ([Note: DualPipeV]
+# in :mod:`hp_pipeline.builders.dualpipev`): on rank 0 the pair
+# ``(F of stage 2p-1; B of stage 0)`` holds stage 0's input-gradient step, so
+# dL/dfeatures is made *inside* a pair. Nothing in the weave needs the pair
+# taken apart: the dependency model already places both halves at the pair's
+# position ([Note: dependency model] in :mod:`hp_pipeline._deps`), so the half
+# ``0Bi`` is the producer of dL/dfeatures like a plain ``0Bi``, and the tower's
+# backward goes after the *pair* (``PB`` on rank 0, or ``SEND_PG``, which the
+# executor keeps after the backward half because its kind says it carries the
+# backward's result: [Note: running overlapped steps] in
+# :mod:`hp_pipeline.overlap`). The pair itself stays whole, so its forward's
+# communication still hides behind its backward. The weave only has to look
+# into the halves (a pair carries its *forward's* micro-batch) and never put a
+# tower step between them; the placement ([Note: tower placement over pairs]
+# in :mod:`hp_pipeline.mpipe.placement`) also keeps every pair runnable with
+# both halves started at once, which is what ``validate_order`` demands.
+
+
 def _input_grad_of_stage0(node: MetaStep) -> MetaStep | None:
     """Stage 0's input-gradient step in ``node`` (itself, or the backward half of a pair), else ``None``.
 
@@ -242,6 +187,44 @@ def _input_grad_of_stage0(node: MetaStep) -> MetaStep | None:
         if part.type.code in _INPUT_GRAD and part.stage_index == 0:
             return part
     return None
+
+
+# [Note: MPipe steps]
+# A multimodal model runs a *preprocess tower* (a vision encoder) on each
+# micro-batch before the text stages. Plain pipelining puts the tower on stage
+# 0, which then does the tower's work for every micro-batch. MPipe gives each
+# micro-batch an owner rank ([Note: MPipe ownership]) that runs the tower for it
+# and ships the features to stage 0. For each micro-batch ``i`` owned by rank
+# ``r`` (whose first stage is ``o``; in the loop placement ``o == r``):
+#
+# * ``oLOADi`` (in-schedule loading only): rank ``r`` reads micro-batch ``i``;
+#   the tensors stage 0 and the last stage need go to them (``SEND_D``/``RECV_D``);
+# * ``oPFi``: the tower's forward, first at the start of rank ``r``'s list,
+#   where the tower's work fills the warm-up bubble of the ranks below stage 0;
+#   then each ``PF`` moves to the slot where it shortens the step most
+#   ([Note: tower forward placement] in :mod:`hp_pipeline.mpipe.placement`):
+#   stage 0's rank, for one, runs most of its own ``PF`` in its warm-up wait
+#   for the first gradient instead of before its first forward;
+# * ``oSEND_Pi->0`` / ``0RECV_Pi<-o``: the features, before stage 0's ``0Fi``;
+# * ``oPBi``: the tower's backward. With the owner backward, stage 0 sends
+#   dL/dfeatures back (``0SEND_PGi->o`` / ``oRECV_PGi<-0``) and the owner
+#   backpropagates through the graph it kept. Without it, stage 0 recomputes
+#   the tower from the inputs that travelled with the features: every ``PB``
+#   is ``0PBi``. Each ``PB`` first goes where it is surely ready (rank 0's
+#   right after its ``0Bi``, or ``0Ii`` on a zero-bubble base, see [Note:
+#   MPipe bases], or after the pair that holds it on DualPipeV, see [Note:
+#   MPipe over overlapped pairs]; another owner's at the end of its list), then moves to the
+#   slot where it shortens the step most ([Note: tower backward placement]
+#   in :mod:`hp_pipeline.mpipe.placement`): an owner's idle slot in the
+#   steady state instead of a tail after its last pipeline step;
+# * ``oREDUCE_P``: one per rank, last: the tower's gradients of this step are
+#   summed over the pipeline group (a collective).
+#
+# A frozen tower has no ``PB``, ``SEND_PG``/``RECV_PG`` or ``REDUCE_P``. Removing
+# the MPipe steps and the data steps (:func:`strip_mpipe`) from any rank's
+# compute-only order gives the base builder's order exactly: MPipe only adds.
+# Transfers are placed by :func:`~hp_pipeline.insert_comms`, so the order cannot
+# deadlock, and ``validate_order`` checks the MPipe rules too.
 
 
 def build_mpipe_order(
@@ -355,6 +338,30 @@ def strip_mpipe(order: Mapping[int, Sequence[MetaStep]]) -> Order:
         rank: [s for s in steps if not is_mpipe_kind(s.type) and s.type.code not in _DATA]
         for rank, steps in order.items()
     }
+
+
+# [Note: MPipe receive posting]
+# Every MPipe transfer into stage 0 (features and data) is sent before its
+# owner's first pipeline step whose output goes to stage 0's rank: the data
+# from the start of the owner's list, the features after a ``PF`` that the
+# placement keeps ahead of that step ([Note: tower forward placement] in
+# :mod:`hp_pipeline.mpipe.placement`). So on stage 0's rank these receives
+# come before any other receive from each peer in the step, and they can all
+# be posted at once, in list order, at the start of the step, and each waited
+# right before the forward that needs it (never earlier than the list order
+# would wait it). :func:`mpipe_receives_lead` checks this property of an
+# order, and the executor batches only when it holds.
+#
+# This is safe on gloo, where every operation progresses on its own. Backends
+# that coalesce (NCCL, HCCL) run a rank's ``batch_isend_irecv`` groups one after
+# another, each until all its operations are matched ([Note: coalesced batches]
+# in :mod:`hp_pipeline.executor`), so a group of receives posted first holds
+# back the rank's own later sends. With in-schedule loading an owner is also a
+# receiver (the last stage's rank receives its targets), and two ranks that
+# each post their receives from the other ahead of their sends to it wait for
+# each other forever (found with hp-testing's ``nccl-emu``). There the MPipe
+# receives are posted in list order like every other transfer: the executor
+# does not batch them (``ScheduleMPipe.batched`` is ``False``).
 
 
 def mpipe_receives_lead(steps: Sequence[MetaStep], peer_of: Mapping[int, int]) -> bool:

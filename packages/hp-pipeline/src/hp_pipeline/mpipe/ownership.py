@@ -1,20 +1,6 @@
 """Which pipeline rank owns (preprocesses, and loads) which micro-batch.
 
-[Note: MPipe ownership]
-With ``P`` pipeline ranks and ``M`` micro-batches, ``NT = min(P, M)`` ranks take
-part in the tower's work; with ``M < P`` the ranks ``NT .. P-1`` own nothing.
-
-* ``"full"``: micro-batch ``k`` belongs to rank ``k % NT``. Every taking-part
-  rank owns ``M // NT`` or ``M // NT + 1`` micro-batches, the extra ones going
-  to the lowest ranks.
-* ``"min"``: the first ``NT * (M // NT)`` micro-batches go round robin
-  (``k -> k % NT``), and the ``M % NT`` left over (the *overflow*, the last
-  micro-batches) all go to rank 0. Ranks ``1 .. NT-1`` own exactly the minimum
-  ``M // NT`` each, and rank 0 absorbs the rest: ``M // NT + M % NT``.
-
-Both modes give every micro-batch exactly one owner, and agree when ``NT``
-divides ``M``. A rank's owned micro-batches are returned in increasing order;
-it preprocesses (and, with in-schedule loading, reads) them in that order.
+Details: [Note: MPipe ownership].
 """
 
 from __future__ import annotations
@@ -33,6 +19,23 @@ def _check(fn: str, pp_size: int, n_microbatches: int, mode: str) -> None:
             raise ValueError(f"{fn}: {name} must be an int >= 1, got {value!r}")
     if mode not in _MODES:
         raise ValueError(f"{fn}: mode must be 'full' or 'min', got {mode!r}")
+
+
+# [Note: MPipe ownership]
+# With ``P`` pipeline ranks and ``M`` micro-batches, ``NT = min(P, M)`` ranks take
+# part in the tower's work; with ``M < P`` the ranks ``NT .. P-1`` own nothing.
+#
+# * ``"full"``: micro-batch ``k`` belongs to rank ``k % NT``. Every taking-part
+#   rank owns ``M // NT`` or ``M // NT + 1`` micro-batches, the extra ones going
+#   to the lowest ranks.
+# * ``"min"``: the first ``NT * (M // NT)`` micro-batches go round robin
+#   (``k -> k % NT``), and the ``M % NT`` left over (the *overflow*, the last
+#   micro-batches) all go to rank 0. Ranks ``1 .. NT-1`` own exactly the minimum
+#   ``M // NT`` each, and rank 0 absorbs the rest: ``M // NT + M % NT``.
+#
+# Both modes give every micro-batch exactly one owner, and agree when ``NT``
+# divides ``M``. A rank's owned micro-batches are returned in increasing order;
+# it preprocesses (and, with in-schedule loading, reads) them in that order.
 
 
 def mpipe_owner(pp_size: int, n_microbatches: int, micro: int, mode: OverflowMode = "full") -> int:

@@ -1,82 +1,7 @@
 """Where each owner runs the tower's steps: the slot that shortens the step most.
 
-[Note: tower backward placement]
-With the owner backward, rank ``r`` can run ``PB`` of its micro-batch ``i``
-only once stage 0 has made dL/dfeatures (``0Bi`` or ``0Ii``) and sent it back.
-Putting every owner's ``PB`` at the end of its list is always valid, but then
-the owner does all its tower backwards after its last pipeline step, while
-in the steady state it had idle slots (stage 0's rank does more work per
-micro-batch, so the other ranks wait for it), and the step ends with a tail
-of ``PB`` on the owners. A ``PB`` that goes into one of those idle slots is
-free.
-
-:func:`place_tower_backward` moves the ``PB`` steps greedily: one at a time,
-in the order of the micro-batches, each to the slot of its rank's list where
-the simulated makespan is least, ties going to the earlier slot (the kept
-tower graph is freed sooner). The candidate slots come after the owner's own
-input gradient of that micro-batch (dL/dfeatures needs it first) and are
-those where the rank would otherwise wait at least as long as the step takes
-(the simulated timeline without this ``PB`` says where), the end of the
-list, and the current slot, so no move makes the simulated step longer.
-Slots that would make the order stall are skipped. Trying only the idle
-slots is 10-20 times faster than trying every slot, and on the shapes we
-measured it was never worse, sometimes better: a greedy move into an idle
-slot leaves the busy stretches for the moves after it. Waits shorter than
-the step are not tried: with transfer latency in the model nearly every
-receive is a short wait, and trying them all made the search about 4 times
-slower for no better result.
-
-[Note: tower forward placement]
-Each owner's ``PF`` first goes to the start of its list (with its ``LOAD``
-before it), which is always valid: the owners compute the features while
-stage 0's forwards have not started. But stage 0's rank owns micro-batches
-too, and doing all its ``PF`` before its first ``F`` delays the whole
-pipeline by ``m/p`` tower forwards, while later in the warm-up it waits
-idle for the first gradient to come back. :func:`place_tower_forward` moves
-each ``PF`` (after the backward pass, so it cannot undo what that gained) the
-same greedy way as the ``PB``: to the slot with the least simulated makespan
-among the waits it fits in and the latest slot it may take, ties to the
-earlier slot. A ``PF`` stays after its ``LOAD``, which does not move (the
-loader yields the micro-batches in the owner's order), and before what
-reads the tower's output on its rank: stage 0's forward of the micro-batch
-and the owner's ``PB``. On a rank other than stage 0's it also stays before
-the first pipeline step whose output goes to stage 0's rank, so stage 0's
-rank still receives every feature before anything else from that peer and
-can post those receives together ([Note: MPipe receive posting] in
-:mod:`hp_pipeline.mpipe.order`). Only ``PF`` and ``PB`` move: stripping the
-MPipe steps still gives the base order.
-
-[Note: placement costs]
-The simulation is the timing model of :func:`hp_pipeline.simulate` on the
-compute-only order (``[Note: timing model]``), with the dependencies computed
-once and integer costs, so one evaluation is a single pass over the steps.
-:data:`PLACEMENT_COSTS` assumes the tower costs what one text stage costs
-(``PF = F``, ``PB = B``), the case MPipe is for, and a transfer a tenth of a
-forward. With free transfers most ``PF`` slots tie and the search keeps the
-start of the list; a small latency tells it that a feature made just in time
-arrives late, and on device-measured costs (one CPU core per rank, tower
-about one stage, a load about 0.7 ``F``, a transfer about 0.1 ``F``) the
-step it then finds is 2-4% shorter for 1F1B at ``p=4`` (``m=32`` and
-``m=16``). Other costs can be passed.
-
-[Note: tower placement over pairs]
-On a base with ``OVERLAP_F_B`` pairs (DualPipeV, [Note: MPipe over
-overlapped pairs] in :mod:`hp_pipeline.mpipe.order`) the placement works on
-the rows in their split form, each pair as its forward half then its backward
-half, which is how the executor runs a pair and how ``simulate`` times it;
-no ``PF`` or ``PB`` may go between the halves, and the pairs are closed again
-afterwards. One more rule keeps the result valid: ``validate_order`` holds a
-pair to the strict meaning that both halves may start at once, so everything
-the backward half receives must not need the forward half's output
-([Note: running overlapped steps] in :mod:`hp_pipeline.overlap`). A ``PB``
-can break that without any stall in the split form: put on rank ``r-1``
-before the step that feeds a pair's backward on rank ``r``, it waits for
-stage 0's input gradient, which may come after the pair's forward made its
-way round the V. So the simulation *gates* each forward half on the
-backward half's inputs from other ranks: the forward may not run before they
-have run (a slot that makes them wait for the pair stalls and is skipped),
-while its start time is still its own inputs' (the gate changes what may
-run, never when something runs, so the makespan stays the split form's).
+Details in the [Note]s below: tower backward placement, tower forward
+placement, placement costs, tower placement over pairs.
 """
 
 from __future__ import annotations
@@ -92,8 +17,42 @@ from hp_pipeline.simulate import StepCosts
 
 __all__ = ["PLACEMENT_COSTS", "place_tower_backward", "place_tower_forward"]
 
+# [Note: placement costs]
+# The simulation is the timing model of :func:`hp_pipeline.simulate` on the
+# compute-only order (``[Note: timing model]``), with the dependencies computed
+# once and integer costs, so one evaluation is a single pass over the steps.
+# :data:`PLACEMENT_COSTS` assumes the tower costs what one text stage costs
+# (``PF = F``, ``PB = B``), the case MPipe is for, and a transfer a tenth of a
+# forward. With free transfers most ``PF`` slots tie and the search keeps the
+# start of the list; a small latency tells it that a feature made just in time
+# arrives late, and on device-measured costs (one CPU core per rank, tower
+# about one stage, a load about 0.7 ``F``, a transfer about 0.1 ``F``) the
+# step it then finds is 2-4% shorter for 1F1B at ``p=4`` (``m=32`` and
+# ``m=16``). Other costs can be passed.
+
+
 T = MetaStepType
 _INPUT_GRAD = ("B", "I")  # codes: the kinds need not be registered at import
+
+
+# [Note: tower placement over pairs]
+# On a base with ``OVERLAP_F_B`` pairs (DualPipeV, [Note: MPipe over
+# overlapped pairs] in :mod:`hp_pipeline.mpipe.order`) the placement works on
+# the rows in their split form, each pair as its forward half then its backward
+# half, which is how the executor runs a pair and how ``simulate`` times it;
+# no ``PF`` or ``PB`` may go between the halves, and the pairs are closed again
+# afterwards. One more rule keeps the result valid: ``validate_order`` holds a
+# pair to the strict meaning that both halves may start at once, so everything
+# the backward half receives must not need the forward half's output
+# ([Note: running overlapped steps] in :mod:`hp_pipeline.overlap`). A ``PB``
+# can break that without any stall in the split form: put on rank ``r-1``
+# before the step that feeds a pair's backward on rank ``r``, it waits for
+# stage 0's input gradient, which may come after the pair's forward made its
+# way round the V. So the simulation *gates* each forward half on the
+# backward half's inputs from other ranks: the forward may not run before they
+# have run (a slot that makes them wait for the pair stalls and is skipped),
+# while its start time is still its own inputs' (the gate changes what may
+# run, never when something runs, so the makespan stays the split form's).
 
 
 class _Timer:
@@ -194,6 +153,27 @@ PLACEMENT_COSTS = StepCosts(
 )
 
 
+# [Note: tower forward placement]
+# Each owner's ``PF`` first goes to the start of its list (with its ``LOAD``
+# before it), which is always valid: the owners compute the features while
+# stage 0's forwards have not started. But stage 0's rank owns micro-batches
+# too, and doing all its ``PF`` before its first ``F`` delays the whole
+# pipeline by ``m/p`` tower forwards, while later in the warm-up it waits
+# idle for the first gradient to come back. :func:`place_tower_forward` moves
+# each ``PF`` (after the backward pass, so it cannot undo what that gained) the
+# same greedy way as the ``PB``: to the slot with the least simulated makespan
+# among the waits it fits in and the latest slot it may take, ties to the
+# earlier slot. A ``PF`` stays after its ``LOAD``, which does not move (the
+# loader yields the micro-batches in the owner's order), and before what
+# reads the tower's output on its rank: stage 0's forward of the micro-batch
+# and the owner's ``PB``. On a rank other than stage 0's it also stays before
+# the first pipeline step whose output goes to stage 0's rank, so stage 0's
+# rank still receives every feature before anything else from that peer and
+# can post those receives together ([Note: MPipe receive posting] in
+# :mod:`hp_pipeline.mpipe.order`). Only ``PF`` and ``PB`` move: stripping the
+# MPipe steps still gives the base order.
+
+
 def place_tower_forward(order: Order, costs: StepCosts | None = None) -> Order:
     """``order`` with each owner's ``PF`` moved to its best slot ([Note: tower forward placement]).
 
@@ -202,6 +182,33 @@ def place_tower_forward(order: Order, costs: StepCosts | None = None) -> Order:
     ``costs`` defaults to :data:`PLACEMENT_COSTS`.
     """
     return _placed(order, costs, T.PREPROCESS_FWD)
+
+
+# [Note: tower backward placement]
+# With the owner backward, rank ``r`` can run ``PB`` of its micro-batch ``i``
+# only once stage 0 has made dL/dfeatures (``0Bi`` or ``0Ii``) and sent it back.
+# Putting every owner's ``PB`` at the end of its list is always valid, but then
+# the owner does all its tower backwards after its last pipeline step, while
+# in the steady state it had idle slots (stage 0's rank does more work per
+# micro-batch, so the other ranks wait for it), and the step ends with a tail
+# of ``PB`` on the owners. A ``PB`` that goes into one of those idle slots is
+# free.
+#
+# :func:`place_tower_backward` moves the ``PB`` steps greedily: one at a time,
+# in the order of the micro-batches, each to the slot of its rank's list where
+# the simulated makespan is least, ties going to the earlier slot (the kept
+# tower graph is freed sooner). The candidate slots come after the owner's own
+# input gradient of that micro-batch (dL/dfeatures needs it first) and are
+# those where the rank would otherwise wait at least as long as the step takes
+# (the simulated timeline without this ``PB`` says where), the end of the
+# list, and the current slot, so no move makes the simulated step longer.
+# Slots that would make the order stall are skipped. Trying only the idle
+# slots is 10-20 times faster than trying every slot, and on the shapes we
+# measured it was never worse, sometimes better: a greedy move into an idle
+# slot leaves the busy stretches for the moves after it. Waits shorter than
+# the step are not tried: with transfer latency in the model nearly every
+# receive is a short wait, and trying them all made the search about 4 times
+# slower for no better result.
 
 
 def place_tower_backward(order: Order, costs: StepCosts | None = None) -> Order:

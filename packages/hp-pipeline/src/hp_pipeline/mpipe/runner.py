@@ -7,71 +7,9 @@ for its own runs and uses the runner's public hooks (``begin_step``,
 ``forward_inputs``, ``target_of``, ``set_early_receives``); posting,
 first-step headers and failure draining are the base executor's ([Note:
 posting and waiting] and [Note: failures] in :mod:`hp_pipeline.executor`).
-The steps:
-
-* ``LOAD``: take this rank's next owned micro-batch (a mapping of tensors)
-  from the data iterator; ``SEND_D``/``RECV_D`` carry only the tensors the
-  receiving stage needs: ``input_keys`` to stage 0, ``target_key`` to the last
-  stage ([Note: data keys]);
-* ``PF``: run the tower on the micro-batch; ``SEND_P``/``RECV_P`` carry its
-  outputs (plus, without the owner backward, the tower's inputs) to stage 0;
-* stage 0's forward is called as ``module(*text_args, *features, **kwargs)``,
-  the features being leaves that collect dL/dfeatures in stage 0's backward;
-* ``PB``: backward through the tower, on the owner (with the gradient
-  ``SEND_PG``/``RECV_PG`` brought back) or recomputed on stage 0
-  ([Note: feature gradients]);
-* ``REDUCE_P``: sum this step's tower-gradient contribution over the pipeline
-  group ([Note: tower gradient reduction], posted early where the backend
-  allows: [Note: early tower reduction]).
-
-[Note: feature gradients]
-Stage 0's features are leaves; their gradient is dL/dfeatures, which the
-tower's backward needs. A full backward (``B``) accumulates it into
-``leaf.grad``, but a split one (``I`` of a zero-bubble base) computes input
-gradients with ``torch.autograd.grad``, which fills no ``.grad``, and a
-first stage keeps no input gradient of its own. So every feature leaf that
-requires grad gets a tensor hook that records the gradient as autograd
-computes it: the hook fires for ``B`` and ``I`` alike, once per backward (a
-leaf used twice gets the sum), and not for ``W``, which asks for parameter
-gradients only. ``SEND_PG`` and the recompute ``PB`` read the recorded value.
-
-On the first step every MPipe transfer carries one header object (the list of
-:class:`~hp_pipeline.stage.TensorMeta` of all its tensors: one metadata
-message per micro-batch, not one per tensor); later steps reuse it. A loaded
-micro-batch or a tower output whose shape changes after the first step fails
-in its compute step (``LOAD`` / ``PF``), so the failure drains like any other.
-
-[Note: data keys]
-A loaded micro-batch is a mapping; the owner keeps it whole (its tower reads
-``preprocess_keys``) and sends each other stage only what it reads: stage 0
-gets ``input_keys`` (its positional text inputs), the last stage
-``target_key``. A stage on the owner's rank reads the owner's copy.
-
-[Note: early tower reduction]
-Once a rank has run its last ``PB``, its contribution to the tower's
-gradients is final, so on gloo the sum is posted there, asynchronously, and
-``REDUCE_P`` only waits for it: the transfer overlaps the rank's remaining
-pipeline steps (rank 0's last ``PB`` usually comes well before its last
-``B``), and a rank that reaches ``REDUCE_P`` late finds the other ranks'
-parts already there. Every rank still posts exactly one sum per dtype, in
-the same order; a rank that fails before its last ``PB`` posts zeros at
-``REDUCE_P`` like before. Backends that run a rank's operations in one queue
-(NCCL, HCCL) are excluded: there a collective posted before a send that a
-peer must receive first, while that peer posts the same collective after
-the receive, would wait for each other forever; they reduce at ``REDUCE_P``.
-
-[Note: tower gradient reduction]
-Each rank backpropagates only its own micro-batches through its replica of the
-tower, so its gradients hold part of the step's gradient (with ``dp_group``
-the sum is then averaged over the data-parallel replicas, see [Note: MPipe
-with data parallelism] in :mod:`hp_pipeline.mpipe.schedule`). ``REDUCE_P`` sums,
-over the pipeline group, each parameter's *contribution of this step*
-(``grad - grad_at_step_start``) and adds the sum back to the value at the
-start of the step. Gradients accumulated over earlier steps (which every
-replica already holds identically) are thus not counted ``p`` times. All
-parameters go in one flat buffer per dtype, with one flag per parameter that
-says whether any rank produced a gradient, so a parameter no micro-batch
-reached keeps ``grad = None`` like in single-process training.
+[Note: MPipe runner steps] lists the steps; the other [Note]s below:
+feature gradients, data keys, early tower reduction, tower gradient
+reduction.
 """
 
 from __future__ import annotations
@@ -91,6 +29,37 @@ from hp_pipeline.stage import PipelineStage, TensorMeta
 
 __all__ = ["MPIPE_HANDLERS"]
 
+# [Note: MPipe runner steps]
+# * ``LOAD``: take this rank's next owned micro-batch (a mapping of tensors)
+#   from the data iterator; ``SEND_D``/``RECV_D`` carry only the tensors the
+#   receiving stage needs: ``input_keys`` to stage 0, ``target_key`` to the last
+#   stage ([Note: data keys]);
+# * ``PF``: run the tower on the micro-batch; ``SEND_P``/``RECV_P`` carry its
+#   outputs (plus, without the owner backward, the tower's inputs) to stage 0;
+# * stage 0's forward is called as ``module(*text_args, *features, **kwargs)``,
+#   the features being leaves that collect dL/dfeatures in stage 0's backward;
+# * ``PB``: backward through the tower, on the owner (with the gradient
+#   ``SEND_PG``/``RECV_PG`` brought back) or recomputed on stage 0
+#   ([Note: feature gradients]);
+# * ``REDUCE_P``: sum this step's tower-gradient contribution over the pipeline
+#   group ([Note: tower gradient reduction], posted early where the backend
+#   allows: [Note: early tower reduction]).
+
+
+# [Note: tower gradient reduction]
+# Each rank backpropagates only its own micro-batches through its replica of the
+# tower, so its gradients hold part of the step's gradient (with ``dp_group``
+# the sum is then averaged over the data-parallel replicas, see [Note: MPipe
+# with data parallelism] in :mod:`hp_pipeline.mpipe.schedule`). ``REDUCE_P`` sums,
+# over the pipeline group, each parameter's *contribution of this step*
+# (``grad - grad_at_step_start``) and adds the sum back to the value at the
+# start of the step. Gradients accumulated over earlier steps (which every
+# replica already holds identically) are thus not counted ``p`` times. All
+# parameters go in one flat buffer per dtype, with one flag per parameter that
+# says whether any rank produced a gradient, so a parameter no micro-batch
+# reached keeps ``grad = None`` like in single-process training.
+
+
 T = MetaStepType
 
 
@@ -108,6 +77,45 @@ def flatten_tower_output(out: Any) -> tuple[torch.Tensor, ...]:
 
 def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
+
+
+# [Note: feature gradients]
+# Stage 0's features are leaves; their gradient is dL/dfeatures, which the
+# tower's backward needs. A full backward (``B``) accumulates it into
+# ``leaf.grad``, but a split one (``I`` of a zero-bubble base) computes input
+# gradients with ``torch.autograd.grad``, which fills no ``.grad``, and a
+# first stage keeps no input gradient of its own. So every feature leaf that
+# requires grad gets a tensor hook that records the gradient as autograd
+# computes it: the hook fires for ``B`` and ``I`` alike, once per backward (a
+# leaf used twice gets the sum), and not for ``W``, which asks for parameter
+# gradients only. ``SEND_PG`` and the recompute ``PB`` read the recorded value.
+#
+# On the first step every MPipe transfer carries one header object (the list of
+# :class:`~hp_pipeline.stage.TensorMeta` of all its tensors: one metadata
+# message per micro-batch, not one per tensor); later steps reuse it. A loaded
+# micro-batch or a tower output whose shape changes after the first step fails
+# in its compute step (``LOAD`` / ``PF``), so the failure drains like any other.
+
+
+# [Note: data keys]
+# A loaded micro-batch is a mapping; the owner keeps it whole (its tower reads
+# ``preprocess_keys``) and sends each other stage only what it reads: stage 0
+# gets ``input_keys`` (its positional text inputs), the last stage
+# ``target_key``. A stage on the owner's rank reads the owner's copy.
+
+
+# [Note: early tower reduction]
+# Once a rank has run its last ``PB``, its contribution to the tower's
+# gradients is final, so on gloo the sum is posted there, asynchronously, and
+# ``REDUCE_P`` only waits for it: the transfer overlaps the rank's remaining
+# pipeline steps (rank 0's last ``PB`` usually comes well before its last
+# ``B``), and a rank that reaches ``REDUCE_P`` late finds the other ranks'
+# parts already there. Every rank still posts exactly one sum per dtype, in
+# the same order; a rank that fails before its last ``PB`` posts zeros at
+# ``REDUCE_P`` like before. Backends that run a rank's operations in one queue
+# (NCCL, HCCL) are excluded: there a collective posted before a send that a
+# peer must receive first, while that peer posts the same collective after
+# the receive, would wait for each other forever; they reduce at ``REDUCE_P``.
 
 
 class MPipeRunner(StepRunner):

@@ -1,22 +1,6 @@
 """``PPRankOwnedSampler``: each pipeline rank reads only the micro-batches it owns.
 
-[Note: owned sampling]
-Every rank of the pipeline wraps the *same* base sampler (same order: e.g. a
-``SequentialSampler``, or a seeded / ``set_epoch``-driven sampler built the
-same way on every rank). The base order is cut into steps of
-``n_microbatches * micro_batch_size`` indices; micro-batch ``k`` of a step is
-the ``k``-th slice of ``micro_batch_size`` indices. A rank yields, step after
-step, the indices of its owned micro-batches in increasing micro order, so a
-``DataLoader(dataset, batch_size=micro_batch_size, sampler=...)`` hands it
-exactly the micro-batches ``ScheduleMPipe(in_schedule_loading=True)`` asks for,
-and over all ranks every index of an epoch's full steps is read exactly once.
-A trailing partial step is dropped (like ``drop_last``).
-
-``state_dict()`` records the epoch and how many indices this epoch already
-yielded; after ``load_state_dict`` the next iteration skips them, so training
-resumes exactly where it stopped (the base sampler must give the same order
-again for that epoch). With a multi-worker ``DataLoader`` the sampler runs
-ahead of training; take the position from the loader then.
+Details: [Note: owned sampling].
 """
 
 from __future__ import annotations
@@ -27,6 +11,25 @@ from typing import Any
 from torch.utils.data import Sampler
 
 __all__ = ["PPRankOwnedSampler"]
+
+
+# [Note: owned sampling]
+# Every rank of the pipeline wraps the *same* base sampler (same order: e.g. a
+# ``SequentialSampler``, or a seeded / ``set_epoch``-driven sampler built the
+# same way on every rank). The base order is cut into steps of
+# ``n_microbatches * micro_batch_size`` indices; micro-batch ``k`` of a step is
+# the ``k``-th slice of ``micro_batch_size`` indices. A rank yields, step after
+# step, the indices of its owned micro-batches in increasing micro order, so a
+# ``DataLoader(dataset, batch_size=micro_batch_size, sampler=...)`` hands it
+# exactly the micro-batches ``ScheduleMPipe(in_schedule_loading=True)`` asks for,
+# and over all ranks every index of an epoch's full steps is read exactly once.
+# A trailing partial step is dropped (like ``drop_last``).
+#
+# ``state_dict()`` records the epoch and how many indices this epoch already
+# yielded; after ``load_state_dict`` the next iteration skips them, so training
+# resumes exactly where it stopped (the base sampler must give the same order
+# again for that epoch). With a multi-worker ``DataLoader`` the sampler runs
+# ahead of training; take the position from the loader then.
 
 
 class PPRankOwnedSampler(Sampler[int]):

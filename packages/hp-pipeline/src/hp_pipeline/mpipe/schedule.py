@@ -3,34 +3,7 @@
 See [Note: MPipe steps] (:mod:`hp_pipeline.mpipe.order`) for the order and
 :mod:`hp_pipeline.mpipe.runner` for how each step runs.
 
-[Note: MPipe with data parallelism]
-With a ``(pp, dp)`` mesh every dp replica runs its own MPipe pipeline on its
-share of the global batch; the text stages are typically wrapped with
-``fully_shard`` on the dp submesh and take part through the FSDP steps
-([Note: FSDP protocol] in :mod:`hp_pipeline.fsdp`), whose gradient reduction
-*averages* over dp. The tower is a plain replica on every rank of the mesh, so
-``dp_group=`` makes the schedule treat it the same way: ``REDUCE_P`` sums this
-step's tower gradients over the pipeline group, then averages the sum over
-``dp_group``; the construction broadcast and the sync check cover the dp
-group too. With ``normalize_by_tokens`` the token count is summed over both
-groups (``N``) and each replica divides by ``N / dp``, so that the dp average
-of the gradients is the gradient of ``sum(token losses) / N`` over the whole
-global batch; reported losses are divided the same way, so the dp *mean* of
-each replica's ``sum(losses)`` is the global loss. This assumes the stages'
-dp reduction averages (hp-fsdp's default).
-
-[Note: token-normalised loss]
-A language-model loss is a mean over the *valid* tokens of the whole batch
-(``labels != ignore_index``), not a mean of per-micro-batch means. With
-``normalize_by_tokens=True`` the ``loss_fn`` returns the *sum* of the token
-losses of its micro-batch; every backward is seeded with 1; after the step the
-count of valid tokens is all-reduced over the pipeline group (with in-schedule
-loading each owner counts the micro-batches it read; otherwise the last
-stage's rank counts its targets) and this step's contribution to every
-gradient (stages and tower) is divided by it, and so is each reported
-micro-batch loss. The gradients then equal single-process training of
-``sum(token losses) / count`` on the whole batch, and ``sum(losses)`` is its
-loss. Gradients accumulated over earlier steps are left as they were.
+Details: [Note: MPipe with data parallelism], [Note: token-normalised loss].
 """
 
 from __future__ import annotations
@@ -139,6 +112,37 @@ def _base_name(base: str | type | None) -> str | None:
         f"ScheduleMPipe cannot build on {name}{why}; base= takes one of "
         f"{[c.__name__ for c in by_class]} or a name in {list(MPIPE_BASES)}"
     )
+
+
+# [Note: MPipe with data parallelism]
+# With a ``(pp, dp)`` mesh every dp replica runs its own MPipe pipeline on its
+# share of the global batch; the text stages are typically wrapped with
+# ``fully_shard`` on the dp submesh and take part through the FSDP steps
+# ([Note: FSDP protocol] in :mod:`hp_pipeline.fsdp`), whose gradient reduction
+# *averages* over dp. The tower is a plain replica on every rank of the mesh, so
+# ``dp_group=`` makes the schedule treat it the same way: ``REDUCE_P`` sums this
+# step's tower gradients over the pipeline group, then averages the sum over
+# ``dp_group``; the construction broadcast and the sync check cover the dp
+# group too. With ``normalize_by_tokens`` the token count is summed over both
+# groups (``N``) and each replica divides by ``N / dp``, so that the dp average
+# of the gradients is the gradient of ``sum(token losses) / N`` over the whole
+# global batch; reported losses are divided the same way, so the dp *mean* of
+# each replica's ``sum(losses)`` is the global loss. This assumes the stages'
+# dp reduction averages (hp-fsdp's default).
+
+
+# [Note: token-normalised loss]
+# A language-model loss is a mean over the *valid* tokens of the whole batch
+# (``labels != ignore_index``), not a mean of per-micro-batch means. With
+# ``normalize_by_tokens=True`` the ``loss_fn`` returns the *sum* of the token
+# losses of its micro-batch; every backward is seeded with 1; after the step the
+# count of valid tokens is all-reduced over the pipeline group (with in-schedule
+# loading each owner counts the micro-batches it read; otherwise the last
+# stage's rank counts its targets) and this step's contribution to every
+# gradient (stages and tower) is divided by it, and so is each reported
+# micro-batch loss. The gradients then equal single-process training of
+# ``sum(token losses) / count`` on the whole batch, and ``sum(losses)`` is its
+# loss. Gradients accumulated over earlier steps are left as they were.
 
 
 class ScheduleMPipe(PipelineSchedule):
