@@ -1,4 +1,4 @@
-"""Fused optimizer kernels (``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_``) on DTensor parameters.
+"""Fused optimizer kernels (Adam, AdamW, SGD, Adagrad; in place and functional) on DTensor parameters.
 
 ``torch.optim.AdamW(params, fused=True)`` (torchtitan's default) steps every
 parameter of a device and dtype in one kernel call: ``_fused_adamw_(params,
@@ -15,6 +15,14 @@ over every element's local tensor, whatever mesh each lives on.
 
 The step counters, ``lr``, ``grad_scale`` and ``found_inf`` are scalars each
 rank holds whole: plain tensors, or DTensors taken whole (replicated).
+
+The functional kernels (``_fused_adam``, ``_fused_adamw``, ``_fused_sgd``,
+``_fused_adagrad``: what functionalization turns the in-place ones into under
+``torch.compile``) leave their arguments alone and return new lists in the
+order of the arguments. The same per-element moves apply, but to copies (the
+caller's gradient and states keep their placements), and output list ``k``
+element ``i`` takes argument ``k`` element ``i``'s place: the parameter's
+layout for the parameter-shaped lists, the step counter's own for the steps.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 import torch
 
 from hp_dtensor.dtensor import DTensor
+from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import SPECIAL
 from hp_dtensor.ops.meshes import on_mesh
 from hp_dtensor.placements import Partial, Replicate
@@ -36,7 +45,8 @@ aten = torch.ops.aten
 # Per op: the positional lists that follow the parameter's placements, and those of scalars.
 _ADAM = (range(1, 5), (5,))
 _SGD = (range(1, 3), ())
-_LISTS = {"_fused_adam_": _ADAM, "_fused_adamw_": _ADAM, "_fused_sgd_": _SGD}
+_ADAGRAD = (range(1, 3), (3,))
+_LISTS = {"_fused_adam": _ADAM, "_fused_adamw": _ADAM, "_fused_sgd": _SGD, "_fused_adagrad": _ADAGRAD}
 
 
 def _whole(value: Any) -> Any:
@@ -47,20 +57,50 @@ def _whole(value: Any) -> Any:
     return value
 
 
-def _follow(dt: DTensor, param: DTensor, func: Any) -> torch.Tensor:
-    """``dt`` moved (itself) to ``param``'s mesh and placements; its local tensor."""
+def _follow(dt: DTensor, param: DTensor, func: Any, in_place: bool) -> torch.Tensor:
+    """``dt``'s local tensor on ``param``'s mesh and placements; ``in_place``: ``dt`` itself is moved."""
     layout = param._layout
-    if dt._layout.mesh is not layout.mesh and dt._layout.mesh != layout.mesh:
+    local, current = dt._local, dt._layout
+    if current.mesh is not layout.mesh and current.mesh != layout.mesh:
         moved = on_mesh(dt, layout.mesh, func)
-        dt._local, dt._layout = moved._local, moved._layout
-    if dt._layout.placements != layout.placements:
-        dt._local, dt._layout = redistribute_local(dt._local, dt._layout, layout.placements)
-    return dt._local
+        local, current = moved._local, moved._layout
+    if current.placements != layout.placements:
+        local, current = redistribute_local(local, current, layout.placements)
+    if in_place:
+        dt._local, dt._layout = local, current
+    return local
 
 
-def fused_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Run a fused optimizer kernel over DTensor parameters in place (see the module docstring)."""
-    following, scalars = _LISTS[func._schema.name.split("::")[-1]]
+def _wrap_outputs(
+    result: Any, args: tuple[Any, ...], params: list[DTensor], following: range
+) -> tuple[list[Any], ...]:
+    """A functional kernel's output lists, each element placed like its argument (see the docstring)."""
+    wrapped: list[list[Any]] = []
+    for k, values in enumerate(result):
+        out: list[Any] = []
+        for i, value in enumerate(values):
+            source = args[k][i]
+            if k == 0 or (k in following and isinstance(source, DTensor)):
+                out.append(DTensor(value, params[i]._layout))
+            elif isinstance(source, DTensor):  # a step counter: whole on its own mesh
+                mesh = source._layout.mesh
+                whole = (Replicate(),) * mesh.ndim
+                out.append(DTensor(value, Layout(mesh, whole, tuple(value.shape), value.stride())))
+            else:
+                out.append(value)
+        wrapped.append(out)
+    return tuple(wrapped)
+
+
+def fused_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run a fused optimizer kernel over DTensor parameters (see the module docstring).
+
+    In place for ``_fused_*_`` (returns ``None``); the functional kernels
+    return their output lists as DTensors placed like their arguments.
+    """
+    name = func._schema.name.split("::")[-1]
+    functional = not name.endswith("_")
+    following, scalars = _LISTS[name.rstrip("_")]
     params = list(args[0])
     local_lists: list[list[Any]] = [[] for _ in args]
     for i, param in enumerate(params):
@@ -82,21 +122,27 @@ def fused_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None
             if len(values) == 0:  # max_exp_avg_sqs without amsgrad
                 continue
             value = values[i]
-            local_lists[index].append(_follow(value, param, func) if isinstance(value, DTensor) else value)
+            if isinstance(value, DTensor):
+                value = _follow(value, param, func, in_place=not functional)
+            local_lists[index].append(value)
         for index in scalars:
             local_lists[index].append(_whole(args[index][i]))
     local_args = tuple(local_lists[i] if isinstance(a, (list, tuple)) else a for i, a in enumerate(args))
     local_kwargs = {k: _whole(v) for k, v in kwargs.items()}
-    func(*local_args, **local_kwargs)
+    result = func(*local_args, **local_kwargs)
+    if functional:
+        return _wrap_outputs(result, args, params, following)
     return None
 
 
 def _register() -> None:
-    for name in _LISTS:
+    for name in [n + "_" for n in _LISTS if "adagrad" not in n]:
         packet = getattr(aten, name, None)
         if packet is None:  # an older torch without this kernel
             continue
         for overload in packet.overloads():
+            if overload.endswith("out"):  # the .out variants write caller-given lists: not handled here
+                continue
             op = getattr(packet, overload)
             # mypy cannot type a lambda with a bound default against SPECIAL's two-argument Callable.
             SPECIAL[op] = lambda args, kwargs, op=op: fused_step(op, args, kwargs)  # type: ignore[misc]
