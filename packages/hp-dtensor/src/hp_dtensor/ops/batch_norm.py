@@ -16,17 +16,30 @@ values afterwards (torch's DTensor updates a temporary cut copy instead and
 skips that exchange, leaving the module's running statistics stale).
 
 [Note: distributed batch norm]
-With the batch (or a spatial dim) cut, the training forward computes, per
-channel, the sum of the local piece and ``all_reduce(sum)`` gives the mean
-(the count is known from the global shape, uneven cuts included); the sum of
-squared deviations from that mean, all-reduced the same way, gives the
-biased variance for normalising and the unbiased one for the running
-variance. Every rank then holds the same statistics and updates its
+With the batch (or a spatial dim) cut, the training forward needs, per
+channel, the mean and the sum of squared deviations from it over the whole
+batch: one ``all_gather`` of each rank's count, mean and sum of squared
+deviations gives them (see [Note: one exchange for the batch statistics]);
+the sum over the global count (known from the global shape, uneven cuts
+included) is the biased variance for normalising, over the count less one
+the unbiased one for the running variance. Every rank then holds the same statistics and updates its
 replicated running statistics identically. The training backward needs, per
 channel, ``sum(dy)`` and ``sum(dy * xhat)`` over the whole batch: one
 ``all_reduce`` of both stacked; they are also the bias and weight gradients,
 replicated. Evaluation's backward is local with weight and bias gradients
 ``Partial("sum")`` over the batch cut.
+
+[Note: one exchange for the batch statistics]
+A mean and a variance over pieces need not take two all-reduces (the sum,
+then the squared deviations from the global mean). Each rank sends its
+piece's count ``n_r``, mean ``m_r`` and sum of squared deviations ``M_r``
+(``3 C`` numbers, in float64); every rank then combines them as the parallel
+form of Welford's algorithm does: ``n = sum n_r``, ``m = sum n_r m_r / n``,
+``M = sum (M_r + n_r (m_r - m)^2)``. That is one collective where the
+two-pass form took two, it is as stable as the two-pass form (no ``E[x^2] -
+E[x]^2`` cancellation), and an empty piece (``n_r = 0``) adds nothing. A
+batch cut over two mesh dims combines over one, then the other. torch's
+DTensor gathers the input instead (one collective of the whole tensor).
 """
 
 from __future__ import annotations
@@ -126,6 +139,33 @@ def _channel_sums(values: list[torch.Tensor], dims: list[int], groups: list[Any]
     return list(stacked.unbind(0))
 
 
+def _batch_moments(
+    work: torch.Tensor, dims: list[int], layout: Layout, batch: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and sum of squared deviations over the whole batch: one all_gather per group.
+
+    See [Note: one exchange for the batch statistics].
+    """
+    channels = work.shape[1]
+    count = work.numel() // channels if channels else 0
+    stats = torch.zeros(3, channels, dtype=torch.float64, device=work.device)
+    if count:
+        local = work.to(torch.float64)
+        local_mean = local.mean(dims)
+        stats[0] = count
+        stats[1] = local_mean
+        stats[2] = (local - local_mean.view(_broadcast_shape(work))).square().sum(dims)
+    for m in batch:
+        gathered = stats.new_empty((layout.mesh.shape[m], 3, channels))
+        hc.all_gather_into_tensor(gathered, stats.contiguous(), mesh_group(layout.mesh, m))
+        counts, means, m2s = gathered.unbind(1)
+        total = counts.sum(0)
+        mean = (counts * means).sum(0) / total.clamp(min=1)
+        m2 = (m2s + counts * (means - mean).square()).sum(0)
+        stats = torch.stack([total, mean, m2])
+    return stats[1].to(work.dtype), stats[2].to(work.dtype)
+
+
 def _broadcast_shape(x: torch.Tensor) -> list[int]:
     return [1, x.shape[1]] + [1] * (x.dim() - 2)
 
@@ -197,14 +237,11 @@ def _train_forward(
     x: torch.Tensor, vectors: dict[str, Any], spec: _Args, layout: Layout, batch: list[int]
 ) -> tuple[torch.Tensor, ...]:
     """See [Note: distributed batch norm]."""
-    groups = [mesh_group(layout.mesh, m) for m in batch]
     dims = [0, *range(2, x.dim())]
     count = math.prod(layout.shape[d] for d in dims)
     work = x.float() if x.dtype in _LOW_PRECISION else x
-    (total,) = _channel_sums([work], dims, groups)
-    mean = total / count
+    mean, m2 = _batch_moments(work, dims, layout, batch)
     centred = work - mean.view(_broadcast_shape(x))
-    (m2,) = _channel_sums([centred * centred], dims, groups)
     var = m2 / count
     invstd = (var + spec.eps).rsqrt()
     out = centred * invstd.view(_broadcast_shape(x))
