@@ -35,8 +35,8 @@ _log = get_logger("hp_core")
 # So these calls first compare a description of their arguments across ranks,
 # *before* any local check, and raise the same error on every rank.
 #
-# The comparison costs one tensor ``all_gather`` of a fixed-size int64
-# vector per group (per mesh dim on a mesh: a slice has no single group, and a
+# The comparison costs one tensor ``all_gather`` of eight int64s (64 bytes
+# per rank) per group (per mesh dim on a mesh: a slice has no single group, and a
 # new flattened group would be created collectively over the whole world):
 # a 128-bit digest of the description's text, plus up to ``_INLINE`` small
 # ints a caller needs from every rank anyway (``from_local``'s local shapes),
@@ -47,7 +47,7 @@ _log = get_logger("hp_core")
 # exchange goes to torch.distributed directly, not through hp_core's
 # collectives: it is a check, not the library's traffic, so
 # ``hp_testing.record_collectives`` does not count it. Everything here runs at
-# every debug level ([Note: debug levels] in hp_core.debug): 16 bytes per rank
+# every debug level ([Note: debug levels] in hp_core.debug): 64 bytes per rank
 # per call that communicates anyway, or once per mesh, root or schedule.
 #
 # A description must be built from values whose ``repr`` is the same on every
@@ -88,7 +88,6 @@ def verify_across_ranks(
     groups, ranks = _groups_and_ranks(group)
     text = _ADDRESS.sub("", repr(value))
     mine = list(extra) if extra is not None else []
-    level = get_debug_level()
     if len(ranks) == 1:
         return [tuple(mine)] if extra is not None else None
     digest = hashlib.blake2b(f"{len(mine)}|{text}".encode(), digest_size=16).digest()
@@ -102,10 +101,9 @@ def verify_across_ranks(
         values = _gather_objects(value, groups)
         details = (explain or _differences)(values, ranks)
         raise ValueError(f"{what}: {details}; {fix}")
-    if level >= DebugLevel.INFO:
-        _log.debug("agreed across %d ranks: %s", len(ranks), what)
-        if level >= DebugLevel.DETAIL:
-            _log.debug("agreed across %d ranks: %s: %s", len(ranks), what, text)
+    _log.debug("agreed across %d ranks: %s", len(ranks), what)
+    if get_debug_level() >= DebugLevel.DETAIL:
+        _log.debug("agreed across %d ranks: %s: %s", len(ranks), what, text)
     if extra is None:
         return None
     if len(mine) <= _INLINE:

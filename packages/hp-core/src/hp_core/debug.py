@@ -32,7 +32,7 @@ ENV = "HP_DISTRIBUTED_DEBUG"
 #
 # No check is switched off at OFF. The cross-rank agreements
 # ([Note: cross-rank agreement] in hp_core.agreement) are the only checks
-# that need communication, and they exchange a 16-byte digest once per mesh,
+# that need communication, and they exchange a 64-byte digest once per mesh,
 # root, schedule or communicating call; that is cheap enough to always run,
 # and a mismatch they miss is a hang or silently wrong data. Level checks
 # cost one comparison, so a hot path pays nothing when a line is not made.

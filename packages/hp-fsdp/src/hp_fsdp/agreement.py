@@ -57,7 +57,7 @@ class Unit(Protocol):
 # the units' facts (per parameter its name, global shape, dtype, shard dim,
 # replicate and requires_grad; per unit the mesh shape,
 # ``reshard_after_forward``, ``mp_policy``, ``comm_fusion`` and the explicit
-# prefetch lists), once per root: a 16-byte digest per mesh dim (shard, then
+# prefetch lists), once per root: a 64-byte digest per mesh dim (shard, then
 # replicate: a flattened group would be created collectively over the whole
 # world and, inside a pipeline stage's first forward, wait for stages blocked
 # receiving from it). Only on a mismatch are the facts exchanged, to name the
@@ -153,7 +153,7 @@ def check_agreement(names: dict[int, str], check: Sequence[Unit]) -> None:
     ``names`` holds a name, the same on every rank, for every unit of the
     tree by ``id`` (to name the units and their prefetch targets); ``check``
     are the units not compared yet; they are marked agreed on success.
-    One 16-byte digest exchange per mesh dim, over the mesh of the first
+    One 64-byte digest exchange per mesh dim, over the mesh of the first
     unit that has parameters; nothing when no unit communicates.
     """
     meshes = [s.group.mesh for s in check if s.group is not None]

@@ -172,7 +172,7 @@ def check_costs(where: str, costs: object) -> None:
 # downstream neighbour, and with different orders the first transfer two ranks
 # meet may already differ. So the first step starts with hp_core's agreement
 # ([Note: cross-rank agreement] in hp_core.agreement) over the pipeline group,
-# before any transfer: a 16-byte digest of ``fingerprint()``, once per schedule
+# before any transfer: a 64-byte digest of ``fingerprint()``, once per schedule
 # (``_agreed``); every rank's settings are exchanged only when they differ, and
 # then every rank raises the same error before computing or sending anything.
 # ``ScheduleMPipe``, whose construction broadcasts the tower, agrees there,
