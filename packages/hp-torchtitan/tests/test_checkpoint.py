@@ -61,9 +61,25 @@ def _assert_same(ours: dict[str, Any], theirs: dict[str, Any], what: str) -> Non
 # DTensor)`` on torch's class), so torch's run saves each of them whole, once. An hp DTensor
 # skips that branch: the hook's reshape and slices run on the FSDP shard (the cut is along KV
 # groups, which the hook's own reshape keeps whole), so hp saves each rank's rows, with no
-# all-gather. Same global tensors, other boxes; DCP reads across any boxes, as the loads show.
+# all-gather (counted in _check_split_qkv_communication). Same global tensors, other boxes; DCP
+# reads across any boxes, as the loads show. Under TP hp's reshape of the 2-D sharded weight
+# gathers too, and both save each of them whole.
 def _split_qkv(key: str) -> bool:
     return key.rsplit(".", 2)[-2] in ("wq", "wk", "wv")
+
+
+def _check_split_qkv_communication(side: str, model: Any) -> None:
+    """Under FSDP hp's ``state_dict()`` communicates nothing; torch's all-gathers each fused QKV weight."""
+    from hp_testing import record_collectives
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with record_collectives() as log, CommDebugMode() as torch_comm:
+        model.state_dict()
+    if side == "hp":
+        assert log.count() == 0, log.counts()
+    else:
+        gathers = torch_comm.get_comm_counts()[torch.ops.c10d_functional.all_gather_into_tensor]
+        assert gathers == len(model.layers), torch_comm.get_comm_counts()
 
 
 def _check_layouts(torch_dir: Path, hp_dir: Path) -> None:
@@ -115,6 +131,8 @@ def _check_resume_across(
         run = TrainingRun.build(specs[side], weights, config, local_batch=batches[0])
         for _ in range(SAVE_AT):
             run.step(batches)
+        if config.tp == 1:
+            _check_split_qkv_communication(side, run.model)
         manager = run.checkpointer(folder / side)
         assert manager.save(curr_step=SAVE_AT)
         manager.close()
