@@ -138,6 +138,11 @@ class LocalGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        """c10d's name of the group (it names the groups it wraps, not a ProcessGroup it is given)."""
+        return self._name
+
     # -- collectives: meet, agree, compute -----------------------------------------------------------
 
     def _meet(

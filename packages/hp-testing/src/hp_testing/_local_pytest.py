@@ -23,8 +23,13 @@ __all__ = ["MODES", "run_local_test"]
 MODES = ("process", "local")
 
 
-def run_local_test(item: pytest.Function, world_size: int) -> Outcome:
-    """Run ``item``'s body on ``world_size`` local ranks; one :class:`TaskResult` per rank."""
+def run_local_test(item: pytest.Function, world_size: int, backend: str = "gloo") -> Outcome:
+    """Run ``item``'s body on ``world_size`` local ranks; one :class:`TaskResult` per rank.
+
+    ``backend`` is the marker's: ``"nccl-emu"`` / ``"hccl-emu"`` run it under
+    ``emulate="nccl"`` / ``"hccl"`` (see :mod:`hp_testing._local_emulation`).
+    """
+    emulate = None if backend == "gloo" else backend.removesuffix("-emu")
     shared = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
     blobs = {name: pickle.dumps(value) for name, value in shared.items() if name not in RANK_LOCAL_FIXTURES}
     function = item.obj
@@ -44,7 +49,7 @@ def run_local_test(item: pytest.Function, world_size: int) -> Outcome:
                 patch.undo()
 
     outcome = Outcome(world_size)
-    for ranked in run_local_outcomes(body, world_size):
+    for ranked in run_local_outcomes(body, world_size, emulate=emulate):
         outcome.results[ranked.rank] = TaskResult(
             rank=ranked.rank, ok=ranked.ok, error=ranked.error, stdout=ranked.stdout, stderr=ranked.stderr
         )

@@ -39,8 +39,12 @@ def _emit(text: str, rank: int, sink: IO[str]) -> None:
         sink.write(f"[rank{rank}]: {line}\n")
 
 
-def run_script(target: str, module: bool, script_args: Sequence[str], nproc: int) -> int:
-    """Run ``target`` on ``nproc`` local ranks; 0, or the first failing rank's exit code."""
+def run_script(
+    target: str, module: bool, script_args: Sequence[str], nproc: int, emulate: str | None = None
+) -> int:
+    """Run ``target`` on ``nproc`` local ranks; 0, or the first failing rank's exit code.
+
+    ``emulate`` (``"nccl"``, ``"hccl"``) is :func:`hp_testing.run_local`'s."""
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     # runpy swaps sys.modules["__main__"] for the script's module and restores the one it saw; with
     # ranks taking turns inside their runs, a rank can "restore" another rank's script module, which
@@ -57,7 +61,7 @@ def run_script(target: str, module: bool, script_args: Sequence[str], nproc: int
             runpy.run_path(target, run_name="__main__")
 
     try:
-        outcomes = run_local_outcomes(body, nproc)
+        outcomes = run_local_outcomes(body, nproc, emulate=emulate)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
         if saved_main is not None:

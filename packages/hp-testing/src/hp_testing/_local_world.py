@@ -73,6 +73,7 @@ class World:
 
     size: int
     slots: Slots
+    p2p_tags: bool = True  # receives match sends by tag (gloo); False: in issue order (NCCL, HCCL)
     baton: threading.Condition = field(default_factory=threading.Condition)
     states: dict[int, RankState] = field(default_factory=dict)
     running: int | None = None
@@ -80,7 +81,6 @@ class World:
     ended: dict[int, str] = field(default_factory=dict)  # rank -> "returned" / "raised X"
     waiting: dict[int, _Wait] = field(default_factory=dict)
     stalled: str | None = None
-    p2p_tags: bool = True  # receives match sends by tag (gloo); False: in issue order (NCCL, HCCL)
     # Shared by the backend's groups: rendezvous of collectives and p2p channels.
     pending: dict[Any, Any] = field(default_factory=dict)
     channels: dict[Any, Any] = field(default_factory=dict)

@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hp_testing._local_backend import BACKEND, register
+from hp_testing._local_emulation import emulated
 from hp_testing._local_state import Slots
 from hp_testing._local_world import LocalHangError, RankOutcome, World
 
@@ -92,7 +93,11 @@ def _import_state_modules(packages: Sequence[str]) -> None:
 
 
 def run_local_outcomes(
-    fn: Callable[[int], Any], world_size: int, *, state_packages: Sequence[str] = ()
+    fn: Callable[[int], Any],
+    world_size: int,
+    *,
+    state_packages: Sequence[str] = (),
+    emulate: str | None = None,
 ) -> list[RankOutcome]:
     """Run ``fn(rank)`` on ``world_size`` local ranks; every rank's outcome, failures included.
 
@@ -101,6 +106,9 @@ def run_local_outcomes(
     ``state_packages`` names your own top-level packages whose module globals
     hold per-process state (a cache of groups, a rank): each rank then gets
     its own copy, as hp's packages do (see [Note: one process, many ranks' state]).
+    ``emulate="nccl"`` / ``"hccl"`` applies that backend's contract as
+    ``backend="nccl-emu"`` / ``"hccl-emu"`` does in the multi-process mode,
+    but for the checks that need concurrency (see :mod:`hp_testing._local_emulation`).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"run_local: world_size must be an int >= 1, got {world_size!r}")
@@ -114,24 +122,31 @@ def run_local_outcomes(
     _import_state_modules(state_packages)
     from hp_core import set_backend_semantics
 
-    previous = set_backend_semantics(BACKEND, "gloo")  # hp_core judges the ranks' groups as gloo's
-    world = World(world_size, Slots(state_packages))
-
     def body(rank: int) -> Any:
         dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
         return fn(rank)
 
-    isolate = _thread_isolation(True)
-    try:
-        return world.run(body, _torchrun_env(world_size))
-    finally:
-        _thread_isolation(isolate)
-        set_backend_semantics(BACKEND, previous)
+    with emulated(emulate) as profile:
+        # hp_core judges the ranks' groups as the profile's backend (gloo unless emulating)
+        previous = set_backend_semantics(BACKEND, profile.backend)
+        world = World(world_size, Slots(state_packages), p2p_tags=profile.p2p_tags)
+        isolate = _thread_isolation(True)
+        try:
+            return world.run(body, _torchrun_env(world_size))
+        finally:
+            _thread_isolation(isolate)
+            set_backend_semantics(BACKEND, previous)
 
 
-def run_local(fn: Callable[[int], Any], world_size: int, *, state_packages: Sequence[str] = ()) -> list[Any]:
+def run_local(
+    fn: Callable[[int], Any],
+    world_size: int,
+    *,
+    state_packages: Sequence[str] = (),
+    emulate: str | None = None,
+) -> list[Any]:
     """``[fn(0), ..., fn(world_size - 1)]``, each run as its own rank; raises if any rank raised."""
-    outcomes = run_local_outcomes(fn, world_size, state_packages=state_packages)
+    outcomes = run_local_outcomes(fn, world_size, state_packages=state_packages, emulate=emulate)
     failed = [o for o in outcomes if not o.ok]
     if failed:
         parts = [f"{'-' * 20} rank {o.rank} failed {'-' * 20}\n{o.error.rstrip()}" for o in failed]
