@@ -18,9 +18,11 @@ P(op)          R                       P(op)            reads of each term; P(su
 =============  ======================  ===============  =======================================
 
 The cheapest applicable row wins (``indexing.cheapest``); the last resort
-gathers that mesh dim only. A boolean mask (``x[x > 0] = v`` with one value
-for every selected element) is a ``where``: the mask is cut like ``x`` and
-nothing moves. A read with a boolean mask has a data-dependent shape and
+gathers that mesh dim only. A boolean mask whose values do not depend on
+the number of selected elements (``x[x > 0] = v`` with one value, or
+``x[row_mask] = row`` with values along the dims after the mask) is a
+``where``: the mask is cut like ``x``, the values like the dims after the
+mask, and nothing moves. A read with a boolean mask has a data-dependent shape and
 stays on the replicated fallback.
 """
 
@@ -128,6 +130,19 @@ def _values_dim(ix: _Indexing, result_dim: int, values: Layout | None) -> Placem
     return Shard(own) if own >= 0 and values.shape[own] > 1 else R
 
 
+def _mask_values_fit(ix: _Indexing, value_shape: tuple[int, ...]) -> bool:
+    """Whether ``x[mask] = values`` is a ``where``: values do not depend on how many elements are selected.
+
+    ``x[mask]`` has one dim for the selected elements, then the dims after the
+    mask; values broadcast to it from the right. A single value, or values
+    with no more dims than those after the mask, are the same for every
+    selected element (``x[rows] = row_values``), so each rank writes its own
+    piece; values with one entry per selected element need the whole mask.
+    """
+    after = ix.ndim - ix.indexed[0] - ix.tensors[0].dim()
+    return math.prod(value_shape) == 1 or len(value_shape) <= after
+
+
 def _masked_put_kernel(call: LocalCall) -> torch.Tensor:
     """``index_put`` of this rank's positions only, on every sharded indexed dim (spare slots)."""
     x = call.args[0]
@@ -165,7 +180,8 @@ def index_put_rule(call: OpCall) -> Decision | None:
     inplace = is_inplace(call.func)
     if not ix.tensors:
         return None
-    mask_like = ix.boolean and len(ix.tensors) == 1 and (values is None or math.prod(values.shape) == 1)
+    value_shape = tuple(value_arg.shape) if isinstance(value_arg, torch.Tensor) else ()
+    mask_like = ix.boolean and len(ix.tensors) == 1 and _mask_values_fit(ix, value_shape)
     if ix.boolean and not mask_like:
         ix.tensors = []  # a mask with one value per selected element: every mesh dim gathered below
     none = [R] * len(ix.tensors)
@@ -191,7 +207,11 @@ def index_put_rule(call: OpCall) -> Decision | None:
             for d in range(x.ndim):
                 inside = start <= d < start + span
                 cut = Shard(d - start) if inside else R
-                options.append((Shard(d), cut, R, Shard(d)))
+                own = d - (x.ndim - len(value_shape))  # the values' dim lined up with d, if any
+                value_cut: Placement = Shard(own) if not inside and own >= 0 and value_shape[own] > 1 else R
+                if value_cut != R and values is None:
+                    continue  # a plain values tensor cannot be cut
+                options.append((Shard(d), cut, value_cut, Shard(d)))
         else:
             for d in range(x.ndim):
                 if d not in ix.indexed:
