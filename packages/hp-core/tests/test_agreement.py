@@ -166,3 +166,16 @@ def test_debug_level_reads_the_environment_and_configures_the_loggers(
         logger.setLevel(logging.NOTSET)
         hp_core.set_debug_level(before)
     assert DebugLevel.OFF < DebugLevel.INFO < DebugLevel.DETAIL
+
+
+@pytest.mark.distributed(world_size=2, backend="nccl-emu")
+def test_under_nccl_rules(rank: int) -> None:
+    """The digest exchange uses what NCCL takes (int64, the list all_gather), so it runs on a cluster."""
+    assert verify_across_ranks("x", what="w", fix="f", extra=[rank]) == [(0,), (1,)]
+    with pytest.raises(ValueError, match=r"rank 0: 0; rank 1: 1"):
+        verify_across_ranks(rank, what="w", fix="f")
+
+
+@pytest.mark.distributed(world_size=2, backend="hccl-emu")
+def test_under_hccl_rules(rank: int) -> None:
+    assert verify_across_ranks("x", what="w", fix="f", extra=[rank]) == [(0,), (1,)]

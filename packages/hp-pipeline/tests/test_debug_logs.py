@@ -53,7 +53,7 @@ def _train_one_step(rank: int) -> tuple[Schedule1F1B, list[torch.Tensor]]:
     ref_losses = [
         nn.functional.mse_loss(reference(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True)
     ]
-    (sum(ref_losses) / 2).backward()
+    torch.stack(ref_losses).mean().backward()
     if rank == 1:
         torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses).detach())
     for got, want in zip(blocks[rank].parameters(), reference[rank].parameters(), strict=True):

@@ -117,6 +117,7 @@ def _groups_and_ranks(group: Any) -> tuple[list[dist.ProcessGroup], list[int]]:
         groups = [group.get_group(dim) for dim in reversed(range(group.ndim))]
         return groups, [int(r) for r in group.mesh.flatten().tolist()]
     pg = dist.group.WORLD if group is None else group
+    assert pg is not None, "verify_across_ranks needs an initialised default process group"
     return [pg], dist.get_process_group_ranks(pg)
 
 
