@@ -9,6 +9,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (regis
     along_dims,
     attention,
     batch_norm,
+    batched_linalg,
     complex_views,
     distances,
     embedding,

@@ -1,4 +1,4 @@
-"""Ops that move elements only along the dims they name: flip, roll, rot90, pad, slice/select scatter.
+"""Ops that move elements only along the dims they name: flip, roll, rot90, pad, slice/select scatter, cross.
 
 Each of these reads and writes along a few named dims and treats every
 other index independently, so a shard of any other dim is the answer for
@@ -13,6 +13,7 @@ import torch
 
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
+from hp_dtensor.ops.pointwise import pointwise_rule
 from hp_dtensor.ops.views import covers, map_dims
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
@@ -134,3 +135,35 @@ def scatter_rule(call: OpCall) -> Decision:
     if src_layout is not None:
         inputs[call.position_of(src)] = tuple(src_targets)
     return Decision(inputs=inputs, outputs=[tuple(targets)])
+
+
+@register(aten.linalg_cross.default)
+def cross_rule(call: OpCall) -> Decision:
+    """``linalg_cross(a, b, dim)``: pointwise (broadcast) but along ``dim``, which must be whole.
+
+    Each output vector reads the two input vectors at its own index of the
+    other dims, so their shards pass as for a pointwise op; a mesh dim that
+    would cut the 3-vectors themselves is gathered.
+    """
+    ndim = max(call.layout(p).ndim for p in call.positions)
+    dim = int(_arg(call, 2, "dim", -1)) % max(ndim, 1)  # type: ignore[call-overload]
+
+    def cuts_vectors(position: int) -> int:
+        layout = call.layout(position)
+        return sum(isinstance(p, Shard) and p.dim + ndim - layout.ndim == dim for p in layout.placements)
+
+    # pointwise_rule follows the first operand with a shard: let one that keeps the vectors whole lead
+    decision = pointwise_rule(call, sorted(call.positions, key=cuts_vectors), inplace=False)
+    out = decision.outputs[0]
+    assert out is not None
+    gathered = {m for m, p in enumerate(out) if isinstance(p, Shard) and p.dim == dim}
+    if not gathered:
+        return decision
+
+    def replicate(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        return tuple(Replicate() if m in gathered else p for m, p in enumerate(placements))
+
+    return Decision(
+        inputs={p: replicate(t) for p, t in decision.inputs.items()},
+        outputs=[replicate(out)],
+    )

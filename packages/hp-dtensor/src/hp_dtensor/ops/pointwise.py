@@ -34,6 +34,7 @@ from hp_dtensor.ops.dispatch import (
     SCALAR_BLIND,
     SPECIAL,
     Decision,
+    LocalCall,
     OpCall,
     register,
 )
@@ -212,8 +213,49 @@ def like_rule(call: OpCall) -> Decision:
     aten.new_empty_strided.default,
 )
 def new_factory_rule(call: OpCall) -> Decision:
-    """``new_*`` factories take the global size, so each rank builds the whole (replicated) tensor."""
-    return Decision(outputs=[(Replicate(),) * call.layout(call.positions[0]).mesh.ndim])
+    """``new_*`` factories: cut like ``self`` when they have its shape, else whole on every rank.
+
+    A new tensor of ``self``'s global shape takes ``self``'s shards (each rank
+    builds only its piece, from the local size), as torch's DTensor does:
+    autograd fills such a tensor at once with a cut source (``new_empty_strided``
+    then ``copy_``, in the backward of ``matrix_exp`` and many others), and a
+    replicated destination would gather that source. Any other size, and a
+    partial ``self``, give a replicated tensor built whole.
+    """
+    layout = call.layout(call.positions[0])
+    whole = (Replicate(),) * layout.mesh.ndim
+    size = _arg(call, 1, "size", None)
+    if not isinstance(size, (list, tuple)) or tuple(int(s) for s in size) != layout.shape:
+        return Decision(outputs=[whole])
+    out = tuple(p if isinstance(p, Shard) else Replicate() for p in layout.placements)
+    if out == whole:
+        return Decision(outputs=[whole])
+    if call.func is aten.new_empty_strided.default:
+        return Decision(outputs=[out], kernel=_new_empty_strided_piece(out))
+    return Decision(outputs=[out], size_arg=1)
+
+
+def _arg(call: OpCall, index: int, name: str, default: Any) -> Any:
+    if len(call.args) > index:
+        return call.args[index]
+    return call.kwargs.get(name, default)
+
+
+def _new_empty_strided_piece(placements: tuple[Placement, ...]) -> Any:
+    """``new_empty_strided`` of this rank's piece: the local size, strides in the global dims' order."""
+
+    def run(call: LocalCall) -> torch.Tensor:
+        self, size, stride = call.args[:3]
+        local = Layout(call.mesh, placements, tuple(size)).local_shape()
+        order = sorted(range(len(local)), key=lambda d: (stride[d], local[d]))  # innermost first
+        local_stride = [0] * len(local)
+        step = 1
+        for d in order:
+            local_stride[d] = step
+            step *= max(local[d], 1)
+        return call.func(self, list(local), local_stride, *call.args[3:], **call.kwargs)
+
+    return run
 
 
 def _random_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -230,3 +272,60 @@ def _random_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     func(full, *rest, **kwargs)
     target._local.copy_(slice_for_layout(full, layout))
     return target
+
+
+# Elementwise ops that torch does not tag ``pointwise`` (so resolve_by_tag misses them): each output
+# element reads the inputs' elements at its own (broadcast) index. prelu's kernel takes the weight
+# already viewed to broadcast against the channel dim, so a cut channel dim cuts the weight alike;
+# its backward returns the input's gradient and the weight's unreduced one, both of the broadcast
+# shape (the sum to the weight's shape follows as its own op).
+_UNTAGGED_POINTWISE = (
+    aten.hardswish.default,
+    aten.hardswish_backward.default,
+    aten.floor_divide.default,
+    aten.floor_divide.Scalar,
+    aten.rsub.Tensor,
+    aten._prelu_kernel.default,
+    aten._prelu_kernel_backward.default,
+)
+register(*_UNTAGGED_POINTWISE)(lambda call: pointwise_rule(call, inplace=False))
+register(aten.hardswish_.default, aten.floor_divide_.Tensor, aten.floor_divide_.Scalar, keeps_layout=True)(
+    lambda call: pointwise_rule(call, inplace=True)
+)
+
+
+@register(aten.fill.Scalar, aten.fill.Tensor, keeps_layout=True)
+def fill_rule(call: OpCall) -> Decision:
+    """``fill(x, v)``: ``x``'s cut, no communication; its values are never read, so a partial is not summed.
+
+    A partial ``x`` gives a replicated result (every rank writes the whole
+    value). A tensor ``v`` (0-d) must be whole: a partial one is summed.
+    """
+    position = call.positions[0]
+    layout = call.layout(position)
+    out = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
+    inputs = {p: (Replicate(),) * layout.mesh.ndim for p in call.positions[1:]}
+    return Decision(inputs=inputs, outputs=[out])
+
+
+@register(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor)
+def isin_rule(call: OpCall) -> Decision:
+    """``isin(elements, test_elements)``: each element is tested on its own, against the whole test set.
+
+    The elements keep their shards (a partial is summed: membership of a sum
+    is not a sum of memberships); the test set is gathered whole. A scalar
+    element gives a replicated 0-d result.
+    """
+    elements = call.args[0]
+    test = call.args[1]  # both operands are positional in every overload
+    mesh = call.layout(call.positions[0]).mesh
+    whole = (Replicate(),) * mesh.ndim
+    inputs: dict[int, tuple[Placement, ...]] = {}
+    out = whole
+    if isinstance(elements, DTensor):
+        position = call.position_of(elements)
+        out = tuple(Replicate() if isinstance(p, Partial) else p for p in call.layout(position).placements)
+        inputs[position] = out
+    if isinstance(test, DTensor):
+        inputs[call.position_of(test)] = whole
+    return Decision(inputs=inputs, outputs=[out])
