@@ -110,33 +110,25 @@ def test_one_rank_communicates_nothing(rank: int) -> None:
     assert not counts
 
 
-class _Lines(logging.Handler):
-    """The messages logged to one logger (caplog cannot travel to the ranks of a distributed test)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @pytest.mark.distributed(world_size=2)
 def test_detail_logs_the_agreement_and_the_values(rank: int) -> None:
-    logger, lines = logging.getLogger("hp_core"), _Lines()
-    logger.addHandler(lines)
     previous = hp_core.set_debug_level("DETAIL")
     try:
-        verify_across_ranks({"k": 1}, what="thing", fix="f")
+        with hp_core.collect_log_lines("hp_core") as lines:
+            verify_across_ranks({"k": 1}, what="thing", fix="f")
         hp_core.set_debug_level("OFF")
-        verify_across_ranks({"k": 1}, what="quiet", fix="f")
+        with hp_core.collect_log_lines("hp_core") as off:
+            verify_across_ranks({"k": 1}, what="quiet", fix="f")
+        with hp_core.collect_log_lines("hp_core", logging.INFO) as above:
+            verify_across_ranks({"k": 1}, what="above debug", fix="f")
     finally:
         hp_core.set_debug_level(previous)
-        logger.removeHandler(lines)
-    assert lines.lines == [
+    assert lines == [
         f"[rank {rank}/2] agreed across 2 ranks: thing",
         f"[rank {rank}/2] agreed across 2 ranks: thing: {{'k': 1}}",
     ]
+    assert off == [f"[rank {rank}/2] agreed across 2 ranks: quiet"]  # the values are DETAIL's
+    assert above == []
 
 
 def test_debug_level_reads_the_environment_and_configures_the_loggers(

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import hp_core
 import pytest
 import torch
 from hp_dtensor import Replicate, Shard, distribute_tensor, fallback_policy
@@ -23,30 +24,15 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0])
 
 
-class _Lines(logging.Handler):
-    """The messages of one logger (caplog cannot travel to the ranks of a distributed test)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @contextmanager
 def dtensor_log(level: int) -> Iterator[list[str]]:
-    logger, handler = logging.getLogger("hp_dtensor"), _Lines()
-    before = logger.level
-    logger.setLevel(level)
-    logger.addHandler(handler)
-    D.clear_caches()  # decisions and plans are logged when made: start from none
+    """hp_dtensor's lines at ``level``, from no cached decision or plan (they are logged when made)."""
+    D.clear_caches()
     R._PROGRAMS.clear()
     try:
-        yield handler.lines
+        with hp_core.collect_log_lines("hp_dtensor", level) as lines:
+            yield lines
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(before)
         D.clear_caches()
 
 

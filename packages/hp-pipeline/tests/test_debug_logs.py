@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,30 +13,14 @@ from hp_pipeline import PipelineStage, Schedule1F1B
 from torch import nn
 
 
-class _Lines(logging.Handler):
-    """The messages of one logger (caplog cannot travel to the ranks of a distributed test)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @contextmanager
 def pipeline_log(level: str) -> Iterator[list[str]]:
     """The ``hp_pipeline`` logger's lines at DEBUG, under ``HP_DISTRIBUTED_DEBUG=level``."""
-    logger, handler = logging.getLogger("hp_pipeline"), _Lines()
-    before = logger.level
     previous = hp_core.set_debug_level(level)
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
     try:
-        yield handler.lines
+        with hp_core.collect_log_lines("hp_pipeline") as lines:
+            yield lines
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(before)
         hp_core.set_debug_level(previous)
 
 

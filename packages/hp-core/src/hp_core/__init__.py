@@ -28,7 +28,13 @@ from hp_core.collectives import (
     broadcast_object,
     reduce_scatter_tensor,
 )
-from hp_core.debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
+from hp_core.debug import (
+    DebugLevel,
+    collect_log_lines,
+    get_debug_level,
+    set_debug_level,
+    set_debug_level_from_env,
+)
 from hp_core.device import CpuEvent, CpuStream, DeviceHandle, EventLike, StreamLike
 from hp_core.distributed import (
     destroy_distributed,
@@ -84,6 +90,7 @@ __all__ = [
     "broadcast_object",
     "capabilities_for",
     "clear_group_cache",
+    "collect_log_lines",
     "destroy_distributed",
     "detect_device_type",
     "get_capabilities",

@@ -11,8 +11,16 @@ import enum
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"]
+__all__ = [
+    "DebugLevel",
+    "collect_log_lines",
+    "get_debug_level",
+    "set_debug_level",
+    "set_debug_level_from_env",
+]
 
 ENV = "HP_DISTRIBUTED_DEBUG"
 
@@ -114,3 +122,31 @@ def _configure(logger: logging.Logger, level: DebugLevel) -> None:
         logger.setLevel(logging.NOTSET)
         logger.removeHandler(_HANDLER)
         _configured.discard(logger.name)
+
+
+class _Lines(logging.Handler):
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextmanager
+def collect_log_lines(name: str, level: int = logging.DEBUG) -> Iterator[list[str]]:
+    """The messages logger ``name`` (and its children) emits inside the block, at ``level`` and up.
+
+    pytest's ``caplog`` lives in the pytest process and cannot reach the ranks
+    of a multi-process test; this works on every rank, under any launcher.
+    The logger's own level is set to ``level`` for the block and restored.
+    """
+    logger, handler = logging.getLogger(name), _Lines(level)
+    before = logger.level
+    logger.setLevel(level)
+    logger.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)
