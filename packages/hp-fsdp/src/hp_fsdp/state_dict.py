@@ -37,26 +37,28 @@ def _listed(problems: list[str], cap: int) -> str:
     return "; ".join(problems[:cap]) + more
 
 
-def check_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, strict: bool) -> None:
+def check_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
     """Check ``module``'s entries of a state dict before ``load_state_dict`` copies any of them.
 
-    nn.Module reports a missing or unexpected key only after it copied the
-    others, and a wrong shape of a DTensor on another mesh only after
-    gathering it; and it casts an integer tensor into a float parameter
+    nn.Module reports a wrong shape of a DTensor on another mesh only after
+    gathering it, and it casts an integer tensor into a float parameter
     without a word. Here, in the pre-hook of the outermost unit reached,
-    every parameter of the unit's subtree is checked at once: present (when
-    ``strict``), a tensor, its global shape, and a dtype of the same kind
+    every parameter of the unit's subtree that the state dict holds is
+    checked at once: a tensor, its global shape, and a dtype of the same kind
     (floating point stays floating point; precision may change, as when a
     float32 checkpoint is loaded into a bfloat16 model).
+
+    Missing and unexpected keys are left to nn.Module, as in FSDP2: the hook
+    cannot tell them apart from right ones. nn.Module hands every pre-hook
+    ``strict=True`` whatever the caller passed, so a check here would refuse
+    ``load_state_dict(..., strict=False)``; and a submodule's own pre-hook
+    may still rename keys after this one ran (torchtitan's fused QKV merges
+    ``wq`` / ``wk`` / ``wv`` into ``wqkv``).
     """
     problems: list[str] = []
-    expected: set[str] = set()
     for name, param in module.named_parameters(remove_duplicate=False):
         key = prefix + name
-        expected.add(key)
         if key not in state_dict:
-            if strict:
-                problems.append(f"{key!r} is missing")
             continue
         value = state_dict[key]
         if not isinstance(value, torch.Tensor):
@@ -70,22 +72,11 @@ def check_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                 f"{str(param.dtype).removeprefix('torch.')} "
                 f"({_dtype_kind(value.dtype)} into {_dtype_kind(param.dtype)})"
             )
-    if strict:
-        for sub_name, sub in module.named_modules(remove_duplicate=False):
-            base = prefix + (f"{sub_name}." if sub_name else "")
-            for buffer_name, buffer in sub._buffers.items():
-                if buffer is not None and buffer_name not in sub._non_persistent_buffers_set:
-                    expected.add(base + buffer_name)
-            if type(sub).set_extra_state is not nn.Module.set_extra_state:
-                expected.add(base + "_extra_state")
-        unexpected = sorted(k for k in state_dict if k.startswith(prefix) and k not in expected)
-        problems.extend(f"{key!r} is not in the model" for key in unexpected[:5])
     if problems:
         raise RuntimeError(
             f"load_state_dict into {type(module).__name__}: {_listed(problems, 8)}. Nothing of it was "
             "loaded. Pass the state dict of this model (the keys of model.state_dict(), full tensors or "
-            "DTensors of the same global shape, cast with .to(dtype) where the kind differs), or "
-            "strict=False to load a subset."
+            "DTensors of the same global shape, cast with .to(dtype) where the kind differs)."
         )
 
 
@@ -182,7 +173,7 @@ def _register_load_hooks(group: FSDPParamGroup | None, modules: Sequence[nn.Modu
             *args: Any,
             _m: nn.Module = module,
         ) -> None:
-            check_state_dict(_m, state_dict, prefix, strict)
+            check_state_dict(_m, state_dict, prefix)
             states = states_below([_m])
             if _assigning(local_metadata):
                 _check_assign(_m, states, state_dict, prefix)
