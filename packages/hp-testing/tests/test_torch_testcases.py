@@ -24,6 +24,11 @@ import torch.testing._internal.common_distributed
 import torch.testing._internal.distributed._tensor.common_dtensor  # noqa: F401
 
 HEADER = """
+import sys
+
+# True in a rank forked from a forkserver that preloaded torch's harness (before this module imports it).
+PRELOADED = "torch.testing._internal.common_distributed" in sys.modules
+
 import os
 import torch
 import torch.distributed as dist
@@ -39,7 +44,7 @@ PIDS = {pids!r}
 
 def record(test, rank):
     with open(PIDS, "a") as f:
-        f.write(f"{{test}} {{rank}} {{os.getpid()}}\\n")
+        f.write(f"{{test}} {{rank}} {{os.getpid()}} {{PRELOADED}}\\n")
 """
 
 SPAWNED = """
@@ -90,6 +95,9 @@ class Spawned(MultiProcessTestCase):
     def test_needs_two_gpus(self):
         raise AssertionError("runs only with 2 GPUs")
 
+    def test_asks_for_nccl(self):
+        dist.init_process_group("nccl", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2)
+
     @parametrize("k", [1, 3])
     def test_parametrized(self, k):
         self._init()
@@ -118,6 +126,17 @@ class Continuous(MultiProcContinuousTest):
         dist.all_reduce(t)
         self.assertEqual(t.item(), 3.0)
         self.assertIs(self.pg, dist.distributed_c10d._get_default_group())
+
+
+class NcclContinuous(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "nccl"
+
+    def test_skipped_without_nccl(self):
+        raise AssertionError("needs NCCL")
 """
 
 DTENSOR = """
@@ -200,12 +219,15 @@ def pytest_collection_modifyitems(items):
 """
 
 
-def _pids(path: Path) -> dict[str, dict[int, int]]:
+def _pids(path: Path) -> tuple[dict[str, dict[int, int]], set[str]]:
+    """test -> rank -> pid, and whether each rank found torch's harness preloaded."""
     seen: dict[str, dict[int, int]] = {}
+    preloaded = set()
     for line in path.read_text().splitlines():
-        test, rank, pid = line.split()
+        test, rank, pid, loaded = line.split()
         seen.setdefault(test, {})[int(rank)] = int(pid)
-    return seen
+        preloaded.add(loaded)
+    return seen, preloaded
 
 
 def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, tmp_path: Path) -> None:
@@ -217,16 +239,29 @@ def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, 
     )
     pytester.makeconftest(HAZARD_CONFTEST)
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
-    result.assert_outcomes(passed=7, failed=2, skipped=1)
+    result.assert_outcomes(passed=7, failed=3, skipped=2)
     out = result.stdout.str()
 
-    # Pooled: every test ran on the same two rank processes, none of them the pytest process.
-    seen = _pids(pids)
+    # Pooled: every test ran on the same two rank processes, forked with torch's harness imported.
+    seen, preloaded = _pids(pids)
     assert set(seen) == {"all_reduce", "subtests", "continuous", "dtensor"}
     assert all(sorted(ranks) == [0, 1] for ranks in seen.values())
     for rank in (0, 1):
         assert len({ranks[rank] for ranks in seen.values()}) == 1, seen
-    result.stdout.fnmatch_lines(["*hp-testing: 5 torch test class(es) ran on pooled ranks*"])
+    assert preloaded == {"True"}
+    result.stdout.fnmatch_lines(["*hp-testing: 6 torch test class(es) ran on pooled ranks*"])
+
+    # Joining a group the pool cannot serve says so, with the way out; a class whose backend
+    # is missing is skipped as torch skips it, with the emulation that would run it.
+    result.stdout.fnmatch_lines(
+        [
+            "*init_process_group(backend='nccl') in a test pooled by hp-testing: its ranks run gloo*"
+            "HP_TEST_BACKEND=nccl-emu runs it over emulated NCCL on CPU*",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        ["SKIPPED*Backend 'nccl' is not available (HP_TEST_BACKEND=nccl-emu runs it on CPU)*"]
+    )
 
     # A failing assertion names its rank, with the rank's traceback and message.
     result.stdout.fnmatch_lines(
@@ -255,6 +290,7 @@ def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, 
 
 UNPOOLABLE = """
 import os
+import pytest
 import torch
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 
@@ -278,6 +314,12 @@ class ExitCodes(MultiProcessTestCase):
         pass
 
 
+@pytest.mark.torch_harness  # kept on torch's harness: the plugin says nothing about it
+class Marked(MultiProcessTestCase):
+    def test_torch_way(self):
+        raise AssertionError("torch runs no rank: setUp never spawns")
+
+
 class NoSpawn(MultiProcessTestCase):
     # setUp never spawns: torch runs no rank and passes; the pool does the same and says so.
     @property
@@ -294,7 +336,8 @@ def test_classes_the_pool_cannot_run_say_why_and_run_the_torch_way(pytester: pyt
 
     pytester.makepyfile(test_unpoolable=UNPOOLABLE.format(pytest_pid=os.getpid()))
     result = pytester.runpytest("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
+    assert "Marked" not in result.stdout.str()
     result.stdout.fnmatch_lines(
         [
             "*hp-testing runs test_unpoolable.InProcess with torch's own harness: InProcess overrides "
@@ -308,5 +351,5 @@ def test_classes_the_pool_cannot_run_say_why_and_run_the_torch_way(pytester: pyt
 
     # Turned off: every class runs with torch's harness and the plugin says nothing about them.
     off = pytester.runpytest("-p", "no:cacheprovider", "--hp-torch-testcases=torch")
-    off.assert_outcomes(passed=3)
+    off.assert_outcomes(passed=4)
     assert "hp-testing runs" not in off.stdout.str() and "pooled ranks" not in off.stdout.str()

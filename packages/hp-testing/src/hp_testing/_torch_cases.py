@@ -48,6 +48,8 @@ import pytest
 from hp_testing._torch_rank import CONTINUOUS, SPAWN
 
 COMMON = "torch.testing._internal.common_distributed"
+#: torch's harness modules worth importing once in the forkserver ([Note: preloading torch's harness]).
+_HARNESS_MODULES = (COMMON, "torch.testing._internal.distributed._tensor.common_dtensor")
 
 #: The methods the plugin replaces or relies on being torch's, per family.
 _SPAWN_HOOKS = (
@@ -95,6 +97,7 @@ def classify(cls: type) -> TorchCase | None:
     common = sys.modules.get(COMMON)
     if common is None or not isinstance(cls, type):
         return None  # nothing imported torch's harness, so no class derives from it
+    hooks: tuple[str, ...]
     if issubclass(cls, common.MultiProcessTestCase):
         family, base, hooks = SPAWN, common.MultiProcessTestCase, _SPAWN_HOOKS
     elif issubclass(cls, common.MultiProcContinuousTest):
@@ -135,12 +138,18 @@ def classify(cls: type) -> TorchCase | None:
     return TorchCase(family, None)
 
 
+def harness_modules() -> list[str]:
+    """The harness modules this pytest process imported for its test classes."""
+    return [name for name in _HARNESS_MODULES if name in sys.modules]
+
+
 def world_size_of(cls: type, instance: Any) -> int:
     """The number of ranks torch would start for this class (``world_size`` property or attribute)."""
     case = classify(cls)
     if case is not None and case.family == CONTINUOUS:
         static = inspect.getattr_static(cls, "world_size", None)
-        world = static.fget(instance) if isinstance(static, property) else cls.world_size  # type: ignore[attr-defined]
+        read: Any = static.fget if isinstance(static, property) else None
+        world = read(instance) if read is not None else cls.world_size  # type: ignore[attr-defined]
         if world == -2:  # unset: torch uses the device count
             world = cls._get_world_size(_continuous_device_type(cls))  # type: ignore[attr-defined]
         return int(world)

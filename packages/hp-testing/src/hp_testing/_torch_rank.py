@@ -167,11 +167,15 @@ def _skips_as_torch_sees_them() -> Iterator[None]:
         raise RankSkip(message) from None
 
 
-def _class(module: Any, qualname: str) -> type:
+def _class(module: Any, qualname: str) -> Any:
+    """The class by its qualified name; generated classes (``instantiate_device_type_tests``) by name."""
     obj: Any = module
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
+    try:
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        obj = getattr(module, qualname.rsplit(".", 1)[-1])
+    return obj
 
 
 def rank_body(task: Any, module: Any, rank: int, world_size: int, profile: str) -> Callable[[], None]:

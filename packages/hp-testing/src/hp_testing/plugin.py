@@ -34,11 +34,18 @@ from typing import Any
 
 import pytest
 
-from hp_testing._torch_cases import TorchCase, bare_instance, classify, take_over, world_size_of
+from hp_testing._torch_cases import (
+    TorchCase,
+    bare_instance,
+    classify,
+    harness_modules,
+    take_over,
+    world_size_of,
+)
 from hp_testing._worker import RANK_LOCAL_FIXTURES, RunOptions, Task
 from hp_testing.faults import Fault
 from hp_testing.fixtures import DeviceMeshFactory, make_device_mesh_factory
-from hp_testing.pool import Outcome, WorkerPool
+from hp_testing.pool import Outcome, WorkerPool, preload
 
 MARKER = "distributed"
 BACKENDS = ("gloo", "nccl-emu", "hccl-emu")
@@ -278,9 +285,11 @@ class HarnessSession:
         if _inline() or self.config.getoption("forked", False):
             return
         needed: set[tuple[int, str]] = set()
+        torch_cases = False
         for item in session.items:
             case = _torch_case(item, self.config)
             if case is not None and case.reason is None:
+                torch_cases = True
                 try:
                     world = world_size_of(item.cls, bare_instance(item.cls))  # type: ignore[attr-defined]
                     needed.add((world, _options(item, _torch_marker(item, world), self.config)[1]))
@@ -296,6 +305,8 @@ class HarnessSession:
                 except MarkerError:
                     continue  # reported when the test runs
                 needed.add((world, backend))
+        if torch_cases:
+            preload(harness_modules())  # [Note: preloading torch's harness]
         for world, backend in sorted(needed, reverse=True):
             self.pool(world, backend)
 

@@ -49,6 +49,51 @@ def _context() -> Any:
     return _CTX
 
 
+_LIVE_POOLS: set[int] = set()  # id() of pools whose ranks are forked and not shut down
+
+
+def preload(modules: list[str]) -> bool:
+    """Restart the forkserver with ``modules`` imported too, while no pool of ours has ranks.
+
+    [Note: preloading torch's harness]
+    A torch test class's module imports ``torch.testing._internal.common_distributed``
+    (and ``common_dtensor``), which costs about 1.6 s of CPU on top of torch's own
+    import, in every rank that loads the module: 9.6 s for the 2- and 4-rank pools of a
+    small session on a 2-core machine. Imported once in the forkserver, every rank forked
+    from it has them for free; the restart costs one import of torch and them. Called
+    after collection, before the first pool forks, by the plugin when torch classes are
+    pooled. A forkserver this process did not start (pytest-forked's child) or one with
+    live ranks (they die with it) is left alone. Returns whether it restarted.
+    """
+    global _CTX
+    from multiprocessing import forkserver
+
+    from hp_testing import _prestart
+
+    server: Any = forkserver._forkserver
+    if not modules or _LIVE_POOLS:
+        return False
+    if server._forkserver_pid is not None and _prestart._started_by != os.getpid():
+        return False
+    wanted = [*_prestart.PRELOAD, *modules]
+    if getattr(server, "_preload_modules", None) == wanted and server._forkserver_pid is not None:
+        return False  # already running with them
+    ctx = forkserver_context()
+    if server._forkserver_pid is not None:
+        server._stop()
+    ctx.set_forkserver_preload(wanted)  # type: ignore[attr-defined]
+    saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # as _prestart.start_forkserver does
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+    _prestart._started_by = os.getpid()
+    _CTX = ctx
+    return True
+
+
 def _store() -> Any:
     """One TCPStore server per pytest process; every pool uses its own key prefix.
 
@@ -141,6 +186,7 @@ class WorkerPool:
         """Fork the ranks; they join the group in the background (see ``wait_ready``)."""
         ctx = _context()
         store = _store()
+        _LIVE_POOLS.add(id(self))
         self._generation += 1
         self._procs, self._conns = [], []
         for rank in range(self.world_size):
@@ -243,6 +289,7 @@ class WorkerPool:
         for proc in self._procs:
             proc.join(max(deadline - time.monotonic(), 0))
         self._kill()
+        _LIVE_POOLS.discard(id(self))
         with contextlib.suppress(OSError):
             for name in os.listdir(self._stack_dir):
                 os.unlink(os.path.join(self._stack_dir, name))
