@@ -199,3 +199,19 @@ def test_grid_sample_keeps_batch_channel_and_point_cuts(rank, device_mesh_factor
     check(lambda g: F.grid_sample(x, g, align_corners=False), [grid], [S0], mesh, local=False)
     # a cut input spatial dim is gathered (the points may fall anywhere)
     check(F.grid_sample, [x, grid], [S2, R], mesh, local=False)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_empty_pieces_where_the_cpu_kernels_differ_from_meta(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """One row over 2 ranks: rank 1 holds nothing ([Note: empty pieces] in ops/holding.py)."""
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    # pixel_(un)shuffle returns an empty input unchanged on CPU (the wrong shape): gathered
+    check(lambda x: F.pixel_unshuffle(x, 3), [_x(1, 1, 6, 6)], [S0], mesh, local=False, expect=[R])
+    check(lambda x: F.pixel_shuffle(x, 3), [_x(1, 9, 2, 2)], [S0], mesh, local=False, expect=[R])
+    # upsampling refuses a piece with no channel on CPU (its meta kernel does not): gathered
+    bilinear = lambda x: F.interpolate(x, scale_factor=2, mode="bilinear")  # noqa: E731
+    check(bilinear, [_x(2, 1, 3, 3)], [S1], mesh, local=False, expect=[R])
+    # but takes an empty batch: the batch cut stays
+    check(bilinear, [_x(1, 2, 3, 3)], [S0], mesh, expect=[S0])
+    check(lambda x: F.max_pool2d(x, 2), [_x(1, 2, 4, 4)], [S0], mesh, expect=[S0])

@@ -161,3 +161,39 @@ def test_new_factories_of_self_shape_follow_the_cut(rank, device_mesh_factory) -
     ones = partial.new_ones(5, 3, 4)
     assert ones.placements == (R,)
     torch.testing.assert_close(ones.full_tensor(), torch.ones_like(x))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_activation_backward_ops_keep_cuts(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """The backward ops of these activations are not tagged pointwise in torch: they used to fall back."""
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    x = _x(5, 3) * 3
+    activations = [
+        F.hardsigmoid,
+        F.relu6,
+        lambda t: F.hardtanh(t, -0.5, 2.0),
+        F.mish,
+        F.elu,
+        F.selu,
+        F.celu,
+        lambda t: F.leaky_relu(t, 0.2),
+        lambda t: F.softplus(t, beta=2.0, threshold=1.0),
+        F.softshrink,
+        F.hardshrink,
+    ]
+    for fn in activations:
+        for cut in (S0, S1):
+            check(fn, [x], [cut], mesh, expect=[cut])
+
+
+@pytest.mark.distributed(world_size=2)
+def test_glu_is_local_off_its_dim(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    x = _x(5, 6, 3)
+    check(lambda t: F.glu(t, 1), [x], [S0], mesh, expect=[S0])
+    check(lambda t: F.glu(t, 1), [x], [S2], mesh, expect=[S2])
+    check(F.glu, [x.mT], [S1], mesh, expect=[S1])
+    # the halved dim itself cut: gathered
+    check(lambda t: F.glu(t, 1), [x], [S1], mesh, local=False, expect=[R])

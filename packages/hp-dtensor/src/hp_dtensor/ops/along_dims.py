@@ -1,4 +1,4 @@
-"""Ops that move elements only along the dims they name: flip, roll, rot90, pad, slice/select scatter, cross.
+"""Ops that move elements only along the dims they name: flip, roll, pad, scatters, cross, glu.
 
 Each of these reads and writes along a few named dims and treats every
 other index independently, so a shard of any other dim is the answer for
@@ -167,3 +167,26 @@ def cross_rule(call: OpCall) -> Decision:
         inputs={p: replicate(t) for p, t in decision.inputs.items()},
         outputs=[replicate(out)],
     )
+
+
+@register(aten.glu.default, aten.glu_backward.default)
+def glu_rule(call: OpCall) -> Decision:
+    """``glu(x, dim)`` pairs the two halves of ``dim``: only ``dim`` must be whole.
+
+    ``glu_backward(grad_output, self, dim)`` takes the gradient of the halved
+    output and the input: both keep a shard of any other dim, cut alike.
+    """
+    backward = call.func is aten.glu_backward.default
+    layouts = [call.layout(p) for p in call.positions]
+    ndim = layouts[-1].ndim
+    dim = int(_arg(call, 2 if backward else 1, "dim", -1)) % max(ndim, 1)  # type: ignore[call-overload]
+    targets: list[Placement] = []
+    for m in range(layouts[0].mesh.ndim):
+        cut = next((lay.placements[m] for lay in layouts if _cuts_other(lay.placements[m], dim)), None)
+        targets.append(cut if cut is not None else Replicate())
+    placements = tuple(targets)
+    return Decision(inputs={p: placements for p in call.positions}, outputs=[placements])
+
+
+def _cuts_other(placement: Placement, dim: int) -> bool:
+    return isinstance(placement, Shard) and placement.dim != dim

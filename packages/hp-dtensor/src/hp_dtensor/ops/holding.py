@@ -11,14 +11,27 @@ a rule built on :func:`first_that_holds` asks the same check first and gives
 up one mesh dim's shards at a time (those mesh dims are gathered, the others
 stay cut), so a shape that does not divide costs a redistribution of the
 mesh dims that need it instead of a gather of everything.
+
+[Note: empty pieces]
+The every-rank check runs the op on meta tensors, and some CPU kernels
+treat an empty piece differently from their meta kernel: ``pixel_shuffle``
+returns an empty input unchanged (the wrong shape), ``upsample_bilinear2d``
+refuses a piece with no channels that its meta kernel accepts, and the meta
+``upsample_nearest2d`` refuses an empty batch the CPU kernel accepts. Rules
+for such ops pass ``nonempty=True``: a cut that leaves some rank nothing of
+a dim is gathered (it is small: fewer rows than ranks), except the batch
+dim of ops whose CPU kernels take an empty batch (``empty_batch_ok``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
+from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import Decision, OpCall
 from hp_dtensor.ops.everywhere import decision_problem, to_meta
 from hp_dtensor.placements import Shard
@@ -33,13 +46,21 @@ def _sharded_mesh_dims(decision: Decision) -> list[int]:
     return sorted(dims)
 
 
-def first_that_holds(call: OpCall, build: Callable[[frozenset[int]], Decision]) -> Decision:
+def first_that_holds(
+    call: OpCall,
+    build: Callable[[frozenset[int]], Decision],
+    *,
+    nonempty: bool = False,
+    empty_batch_ok: bool = False,
+) -> Decision:
     """``build(gathered)`` for the fewest ``gathered`` mesh dims whose decision holds on every rank.
 
     ``build`` must replicate every input and output on the mesh dims in
     ``gathered``. The mesh dims are given up from the last to the first; the
     decision with all of them gathered runs the op on whole tensors and is
-    returned unchecked.
+    returned unchecked. With ``nonempty``, a decision that cuts some dim of a
+    tensor to nothing on some rank (the dim itself not empty) does not hold
+    either, except dim 0 when ``empty_batch_ok`` (see [Note: empty pieces]).
     """
     decision = build(frozenset())
     candidates = _sharded_mesh_dims(decision)
@@ -51,8 +72,28 @@ def first_that_holds(call: OpCall, build: Callable[[frozenset[int]], Decision]) 
     mesh = call.layout(call.positions[0]).mesh
     gathered: set[int] = set()
     while True:
-        problem = decision_problem(call.func, call.flat, spec, call.positions, decision, mesh, meta)
+        problem = _empty_piece(call, decision, meta, 1 if empty_batch_ok else 0) if nonempty else None
+        if problem is None:
+            problem = decision_problem(call.func, call.flat, spec, call.positions, decision, mesh, meta)
         if problem is None or not candidates:
             return decision
         gathered.add(candidates.pop())
         decision = build(frozenset(gathered))
+
+
+def _empty_piece(call: OpCall, decision: Decision, meta: Any, first: int) -> str | None:
+    """An input or output whose dim ``first`` or later some rank would hold none of (the dim not empty)."""
+    layouts: list[Layout] = []
+    for p in call.positions:
+        layout = call.layout(p)
+        target = decision.inputs.get(p)
+        layouts.append(layout if target is None else layout.with_placements(target))
+    results = [m for m in pytree.tree_leaves(meta) if isinstance(m, torch.Tensor)]
+    for m, placements in zip(results, decision.outputs, strict=False):
+        if placements is not None:
+            layouts.append(Layout(layouts[0].mesh, placements, tuple(m.shape)))
+    for layout in layouts:
+        for shape in layout.table():
+            if any(shape[d] == 0 < layout.shape[d] for d in range(first, layout.ndim)):
+                return f"a rank would hold an empty piece {shape} of {layout}"
+    return None

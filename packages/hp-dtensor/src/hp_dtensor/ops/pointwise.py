@@ -287,6 +287,15 @@ _UNTAGGED_POINTWISE = (
     aten.rsub.Tensor,
     aten._prelu_kernel.default,
     aten._prelu_kernel_backward.default,
+    # activation backward ops (grad_output, self or result, scalars): the gradient at each element
+    aten.hardsigmoid_backward.default,
+    aten.hardtanh_backward.default,
+    aten.mish_backward.default,
+    aten.elu_backward.default,
+    aten.leaky_relu_backward.default,
+    aten.softplus_backward.default,
+    aten.softshrink_backward.default,
+    aten.hardshrink_backward.default,
 )
 register(*_UNTAGGED_POINTWISE)(lambda call: pointwise_rule(call, inplace=False))
 register(aten.hardswish_.default, aten.floor_divide_.Tensor, aten.floor_divide_.Scalar, keeps_layout=True)(

@@ -159,10 +159,11 @@ def plane_rule(call: OpCall) -> Decision:
             inputs={p: placements for p in positions}, outputs=[placements] * returns, size_arg=size_arg
         )
 
-    return first_that_holds(call, build)
+    # see [Note: empty pieces]: no channel is refused on CPU, no batch only by some meta kernels
+    return first_that_holds(call, build, nonempty=True, empty_batch_ok=lead >= 2)
 
 
-def _keep_shards_but(call: OpCall, whole: set[int]) -> Decision:
+def _keep_shards_but(call: OpCall, whole: set[int], nonempty: bool) -> Decision:
     """The input's shards pass to the output, but dims in ``whole``, and cuts that do not hold."""
     position = call.positions[0]
     layout = call.layout(position)
@@ -174,19 +175,19 @@ def _keep_shards_but(call: OpCall, whole: set[int]) -> Decision:
         )
         return Decision(inputs={position: placements}, outputs=[placements])
 
-    return first_that_holds(call, build)
+    return first_that_holds(call, build, nonempty=nonempty)
 
 
 @register(aten.pixel_shuffle.default, aten.pixel_unshuffle.default)
 def shuffle_rule(call: OpCall) -> Decision:
     """Every dim keeps its shard where each rank's piece holds whole ``r x r`` blocks."""
-    return _keep_shards_but(call, set())
+    return _keep_shards_but(call, set(), nonempty=True)  # see [Note: empty pieces]
 
 
 @register(aten.channel_shuffle.default, aten.native_channel_shuffle.default)
 def channel_shuffle_rule(call: OpCall) -> Decision:
     """Channels are permuted: only dim 1 must be whole."""
-    return _keep_shards_but(call, {1})
+    return _keep_shards_but(call, {1}, nonempty=False)
 
 
 def _grid_cut(inp: Layout, grid: Layout, m: int) -> str | None:
