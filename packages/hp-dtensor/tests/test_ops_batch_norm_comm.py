@@ -87,3 +87,26 @@ def test_batch_cut_over_two_mesh_dims(rank, device_mesh_factory) -> None:  # typ
         log = _train_step(x, grid, cut)
         assert log.count("all_gather_into_tensor") >= gathers, f"{cut}: {dict(log.counts())}"
         assert log.count("all_reduce") == 0, f"{cut}: {dict(log.counts())}"
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_channel_cut_with_an_empty_piece(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """One channel over 2 ranks: rank 1 holds none, and still joins the running statistics' exchange.
+
+    (torch's kernels refuse an empty input; rank 1 used to raise while rank 0
+    waited in the all-gather.)
+    """
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    for shape in ((3, 1), (4, 1, 3)):
+        log = _train_step(torch.randn(*shape, dtype=torch.float64), mesh, [Shard(1)])
+        assert dict(log.counts()) == {"all_gather_into_tensor": 1}, f"{shape}: {dict(log.counts())}"
+    x = torch.randn(4, 1, 3, dtype=torch.float64)
+    rm, rv = torch.randn(1, dtype=torch.float64), torch.rand(1, dtype=torch.float64) + 0.5
+    ref = F.batch_norm(x, rm, rv, training=False)
+    whole = [distribute_tensor(t, mesh, [R]) for t in (rm, rv)]
+    cut = distribute_tensor(x, mesh, [Shard(1)])
+    with record_collectives() as log:
+        out = F.batch_norm(cut, *whole, training=False)
+    assert len(log) == 0
+    torch.testing.assert_close(out.full_tensor(), ref)

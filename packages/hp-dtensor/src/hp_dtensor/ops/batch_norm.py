@@ -201,7 +201,9 @@ def _forward_kernel(call: LocalCall) -> Any:
         value = call.args[index] if index is not None else None
         vectors[name] = _narrow(value, call.layouts[index] if index is not None else None, x_layout)
     batch = _batch_mesh_dims(target)
-    if not spec.training or not batch:
+    if x.numel() == 0 and not (spec.training and batch):  # an empty piece with no exchange to join
+        result = _empty_forward(x, spec)  # (torch's kernels refuse it; there is nothing to normalise)
+    elif not spec.training or not batch:
         args = list(call.args)
         for name, value in vectors.items():
             index = getattr(spec, name)
@@ -219,6 +221,16 @@ def _forward_kernel(call: LocalCall) -> Any:
         if full:
             _sync_full(full, x_layout)
     return result
+
+
+def _empty_forward(x: torch.Tensor, spec: _Args) -> tuple[torch.Tensor, ...]:
+    """The outputs for an empty piece: the (empty) input's shape, statistics of its channels."""
+    stat_dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    stats = (x.new_zeros(x.shape[1], dtype=stat_dtype), x.new_zeros(x.shape[1], dtype=stat_dtype))
+    results: tuple[torch.Tensor, ...] = (x.clone(), *stats)
+    if spec.outputs == 4:
+        results += (torch.empty(0, dtype=torch.uint8, device=x.device),)
+    return results
 
 
 def _saved_like_meta(result: tuple[torch.Tensor, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -313,6 +325,11 @@ def _backward_kernel(call: LocalCall) -> Any:
         if args[index] is not None and args[index].numel() > 0:
             args[index] = _narrow(args[index], call.layouts[index], x_layout)
     batch = _batch_mesh_dims(x_layout.placements)
+    if x.numel() == 0 and not (bool(args[train_i]) and batch):  # an empty piece with no exchange to join
+        mask = list(args[mask_i])
+        dtype = x.dtype if args[w_i] is None else args[w_i].dtype
+        zeros = [x.new_zeros(x.shape[1], dtype=dtype) if mask[i] else None for i in (1, 2)]
+        return (torch.zeros_like(x) if mask[0] else None), *zeros
     if not bool(args[train_i]) or not batch:
         return call.func(*args, **call.kwargs)
     mask = list(args[mask_i])
