@@ -295,14 +295,18 @@ def test_p2p_receives_match_by_tag_as_on_gloo(world: int, rank: int) -> None:
     # hp_pipeline's failure vote posts its receives early on a tag of its own (gloo semantics)
     peer = rank ^ 1
     if rank % 2 == 0:
-        first = dist.isend(torch.full((2,), 1.0), peer, tag=7)
-        second = dist.isend(torch.full((3,), 2.0), peer, tag=0)
-        first.wait()
-        second.wait()
+        sent = [
+            dist.isend(torch.full((2,), 1.0), peer, tag=7),
+            dist.isend(torch.full((3,), 2.0), peer, tag=0),
+        ]
+        for work in sent:
+            assert work is not None
+            work.wait()
     else:
         late, early = torch.empty(2), torch.empty(3)
         works = [dist.irecv(early, peer, tag=0), dist.irecv(late, peer, tag=7)]
         for work in works:
+            assert work is not None
             work.wait()
         torch.testing.assert_close(early, torch.full((3,), 2.0), rtol=0, atol=0)
         torch.testing.assert_close(late, torch.full((2,), 1.0), rtol=0, atol=0)

@@ -73,6 +73,7 @@ def test_fully_shard_step_same_in_both_modes(
     opt.step()
     ref_opt.step()
     for (name, p), r in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert isinstance(p, DTensor), name
         torch.testing.assert_close(p.full_tensor(), r.detach(), msg=name)
 
 

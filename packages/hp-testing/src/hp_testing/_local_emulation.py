@@ -68,11 +68,11 @@ def emulated(emulate: str | None) -> Iterator[Profile]:
         )
     from hp_testing.emulation import active_layer, install, uninstall
 
-    if active_layer() is not None:
+    present = active_layer()
+    if present is not None:
         raise RuntimeError(
             "run_local: this process already runs under the emulation layer "
-            f"(profile {active_layer().profile.name!r}); start local mode from a plain python or pytest "
-            "process"
+            f"(profile {present.profile.name!r}); start local mode from a plain python or pytest process"
         )
     layer = install("gloo" if emulate is None else EMULATE[emulate], checks=False)
     saved = {name: getattr(dist, name) for name in _GROUP_FACTORIES}
