@@ -136,7 +136,7 @@ def fused_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _register() -> None:
-    for name in [n + "_" for n in _LISTS if "adagrad" not in n]:
+    for name in [n + suffix for n in _LISTS for suffix in ("", "_")]:
         packet = getattr(aten, name, None)
         if packet is None:  # an older torch without this kernel
             continue

@@ -295,6 +295,6 @@ def _foreach_powsum(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     )
 
 
-pass
-pass
+SPECIAL[aten._foreach_max.default] = _foreach_max
+SPECIAL[aten._foreach_powsum.Scalar] = _foreach_powsum
 SPECIAL[aten._foreach_norm.Scalar] = _foreach_norm
