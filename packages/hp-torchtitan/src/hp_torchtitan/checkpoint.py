@@ -71,23 +71,6 @@ def _storage_of(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
-def _model_entries(model: nn.Module, flat: Mapping[str, Any]) -> dict[str, Any]:
-    """``model``'s entries of a flattened checkpoint dict, with torchtitan's fused QKV keys merged first.
-
-    See [Note: ModelWrapper and hp_fsdp's load check]: the merge is torchtitan's
-    own ``FusedQKVLinear._merge_qkv_on_load``, called here before
-    ``load_state_dict`` instead of from inside it.
-    """
-    from torchtitan.models.common.attention import FusedQKVLinear
-
-    merged = dict(flat)
-    for name, module in model.named_modules():
-        if isinstance(module, FusedQKVLinear):
-            FusedQKVLinear._merge_qkv_on_load(module, merged, f"{name}." if name else "")
-    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    return {key: value for key, value in merged.items() if key in names}
-
-
 class StorageStableModelWrapper(ModelWrapper):
     """torchtitan's ``ModelWrapper``, made to work on hp's parameters; the same for torch's.
 
@@ -101,20 +84,6 @@ class StorageStableModelWrapper(ModelWrapper):
     invalid python storage" at the second ``state_dict()``: the first
     ``CheckpointManager.save``. This wrapper does the same caching and
     compares the local pieces of both DTensor types.
-
-    [Note: ModelWrapper and hp_fsdp's load check]
-    ``ModelWrapper.load_state_dict`` passes the whole flattened checkpoint
-    (optimizer, schedulers, data loader beside the model's keys) to
-    ``model.load_state_dict(..., strict=False)``, and the checkpoint holds
-    torchtitan's split ``wq`` / ``wk`` / ``wv`` keys, which
-    ``FusedQKVLinear``'s own load pre-hook merges into ``wqkv``. hp_fsdp
-    checks a unit's whole subtree in the unit's pre-hook, which runs before
-    the ``FusedQKVLinear`` pre-hooks below it, and always as if strict
-    (torch passes ``strict=True`` to every ``_load_from_state_dict``
-    whatever the caller asked), so it refuses the split keys and the
-    non-model ones. This wrapper merges the split keys with torchtitan's own
-    hook function and passes the model's keys only; that is what torch's
-    FSDP2 ends up loading too.
     """
 
     def state_dict(self) -> dict[str, Any]:
@@ -126,11 +95,6 @@ class StorageStableModelWrapper(ModelWrapper):
             elif _storage_of(kept) != _storage_of(value):
                 kept.copy_(value)
         return cache
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for model in self.model:
-            model.load_state_dict(_model_entries(model, state_dict))
-        self.cached_state_dict = self._get_state_dict()
 
 
 @dataclass
