@@ -67,8 +67,14 @@ def _check_parity(rank: int, world: int, param_atol: float = 1e-6, **layout: Any
     else:  # torchtitan's trainer logs -1 per rank without the last stage, summed over dp
         assert torch_losses == [-float(dp_degree)] * STEPS, torch_losses
     torch.testing.assert_close(
-        torch.tensor(hp_losses), torch.tensor(torch_losses), rtol=0, atol=1e-5, msg=f"{hp_losses}"
+        torch.tensor(hp_losses),
+        torch.tensor(torch_losses),
+        rtol=0,
+        atol=1e-5,
+        msg=f"hp {hp_losses} torch {torch_losses}",
     )
+    if config.pp > 1:  # torchtitan keeps blocks gathered after forward under PP ("default" policy)
+        assert all(not block.reshard_after_forward for part in hp_parts for block in part.layers.values())
     hp_params = {name: p for part in hp_parts for name, p in part.named_parameters()}
     torch_params = {name: p for part in torch_parts for name, p in part.named_parameters()}
     assert sorted(hp_params) == sorted(torch_params)  # the same stages on this rank
@@ -100,10 +106,17 @@ def test_hp_llama3_pipeline_matches_torchtitan(rank) -> None:  # type: ignore[no
 FOUR_RANK_LAYOUTS: dict[str, dict[str, Any]] = {
     "hsdp_2x2": {"dp_replicate": 2},
     "fsdp_x_tp_2x2": {"tp": 2, "param_atol": 1e-5},
-    "pp_x_fsdp_2x2": {"pp": 2, "pp_schedule": "Interleaved1F1B"},
 }
-EIGHT_RANK_LAYOUTS: dict[str, dict[str, Any]] = {
-    "pp_x_fsdp_x_tp_2x2x2": {"pp": 2, "tp": 2, "pp_schedule": "Interleaved1F1B", "param_atol": 1e-5},
+# [Note: PP layouts without the harness's cross-rank checks]
+# hp-testing's cross-rank checks (on by default) corrupt torch 2.13's own pipelining when
+# torch's FSDP2 shares the ranks: torch's ScheduleInterleaved1F1B + fully_shard on a (pp=2,
+# dp=2) mesh gets wrong or NaN gradients with the checks on and matches one process with
+# HP_TEST_CHECKS=0 or under torchrun (test_pipeline_harness_repro.py, HP_REPRO=1). So the
+# layouts that mix PP with data parallelism run with checks=False: the torch reference is then
+# what torchrun computes. hp's side gives the same numbers either way.
+PP_LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "pp_x_fsdp_2x2": (4, {"pp": 2, "pp_schedule": "Interleaved1F1B"}),
+    "pp_x_fsdp_x_tp_2x2x2": (8, {"pp": 2, "tp": 2, "pp_schedule": "Interleaved1F1B", "param_atol": 1e-5}),
 }
 FULL = os.environ.get("HP_COMPOSITION") == "full"
 
@@ -115,7 +128,12 @@ if FULL:  # defined only then: the default suite neither runs nor skips them
     def test_hp_llama3_four_ranks_match_torchtitan(rank, layout: str) -> None:  # type: ignore[no-untyped-def]
         _check_parity(rank, 4, **FOUR_RANK_LAYOUTS[layout])
 
-    @pytest.mark.parametrize("layout", sorted(EIGHT_RANK_LAYOUTS))
-    @pytest.mark.distributed(world_size=8, timeout=600)
-    def test_hp_llama3_eight_ranks_match_torchtitan(rank, layout: str) -> None:  # type: ignore[no-untyped-def]
-        _check_parity(rank, 8, **EIGHT_RANK_LAYOUTS[layout])
+    @pytest.mark.distributed(world_size=4, timeout=360, checks=False)
+    def test_hp_llama3_pp_x_fsdp_matches_torchtitan(rank) -> None:  # type: ignore[no-untyped-def]
+        world, layout = PP_LAYOUTS["pp_x_fsdp_2x2"]
+        _check_parity(rank, world, **layout)
+
+    @pytest.mark.distributed(world_size=8, timeout=600, checks=False)
+    def test_hp_llama3_pp_x_fsdp_x_tp_matches_torchtitan(rank) -> None:  # type: ignore[no-untyped-def]
+        world, layout = PP_LAYOUTS["pp_x_fsdp_x_tp_2x2x2"]
+        _check_parity(rank, world, **layout)

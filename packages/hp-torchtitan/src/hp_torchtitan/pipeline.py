@@ -204,12 +204,12 @@ def pipeline_decoder(
             parallelism.pipeline_parallel_first_stage_less_layers,
             parallelism.pipeline_parallel_last_stage_less_layers,
         )
-    pp_mesh = parallel_dims.get_mesh("pp")
     num_stages = len(fqns)
-    style = "v" if schedule_class in _V_SCHEDULES else "loop"
-    per_rank, rest = divmod(num_stages, pp_mesh.size())
+    per_rank, rest = divmod(num_stages, parallel_dims.pp)
     if rest:
-        _fail(f"{num_stages} model parts for pp={pp_mesh.size()}; give a multiple of {pp_mesh.size()}")
+        _fail(f"{num_stages} model parts for pp={parallel_dims.pp}; give a multiple of {parallel_dims.pp}")
+    pp_mesh = parallel_dims.get_mesh("pp")
+    style = "v" if schedule_class in _V_SCHEDULES else "loop"
     indices = hp_pipeline.stages_on_rank(pp_mesh.get_local_rank(), pp_mesh.size(), per_rank, style=style)
 
     root = hp_dense_root(parallel_dims)
