@@ -1,4 +1,8 @@
-"""verify_across_ranks: one digest exchange when the ranks agree, every rank's value when they do not."""
+"""verify_across_ranks: one digest exchange when the ranks agree, every rank's value when they do not.
+
+The tests count calls into torch.distributed or read process-wide loggers, so their ranks
+run as processes (``mode="process"``), not as threads of one process.
+"""
 
 from __future__ import annotations
 
@@ -38,14 +42,14 @@ def torch_collectives() -> Iterator[Counter[str]]:
             setattr(dist, name, fn)
 
 
-@pytest.mark.distributed(world_size=2)
+@pytest.mark.distributed(world_size=2, mode="process")
 def test_agreeing_ranks_cost_one_tensor_all_gather(rank: int) -> None:
     with torch_collectives() as counts:
         assert verify_across_ranks({"a": 1, "b": (2, 3)}, what="t", fix="f") is None
     assert counts == Counter({"all_gather": 1})  # no object collective
 
 
-@pytest.mark.distributed(world_size=2)
+@pytest.mark.distributed(world_size=2, mode="process")
 def test_extra_ints_ride_along_and_come_back_per_rank(rank: int) -> None:
     with torch_collectives() as counts:
         got = verify_across_ranks("same", what="t", fix="f", extra=[rank, 10 + rank, -5])
@@ -58,7 +62,7 @@ def test_extra_ints_ride_along_and_come_back_per_rank(rank: int) -> None:
     assert counts == Counter({"all_gather": 2})
 
 
-@pytest.mark.distributed(world_size=2)
+@pytest.mark.distributed(world_size=2, mode="process")
 def test_a_mismatch_raises_on_every_rank_naming_each_value(rank: int) -> None:
     with torch_collectives() as counts, pytest.raises(ValueError) as info:
         verify_across_ranks(
@@ -74,7 +78,7 @@ def test_a_mismatch_raises_on_every_rank_naming_each_value(rank: int) -> None:
         verify_across_ranks("x" if rank == 0 else "y", what="w", fix="f", extra=[0] * (3 + 5 * rank))
 
 
-@pytest.mark.distributed(world_size=2)
+@pytest.mark.distributed(world_size=2, mode="process")
 def test_custom_explanation_gets_values_and_global_ranks(rank: int) -> None:
     def explain(values: list[Any], ranks: list[int]) -> str:
         return "|".join(f"{r}={v}" for r, v in zip(ranks, values, strict=True))
@@ -83,12 +87,12 @@ def test_custom_explanation_gets_values_and_global_ranks(rank: int) -> None:
         verify_across_ranks("ab"[rank], what="w", fix="fix", explain=explain)
 
 
-@pytest.mark.distributed(world_size=2)
+@pytest.mark.distributed(world_size=2, mode="process")
 def test_addresses_in_reprs_do_not_make_equal_calls_disagree(rank: int) -> None:
     verify_across_ranks({"fn": repr(object())}, what="w", fix="f")
 
 
-@pytest.mark.distributed(world_size=4)
+@pytest.mark.distributed(world_size=4, mode="process")
 def test_over_a_two_dim_mesh_one_exchange_per_dim_in_row_major_order(rank: int) -> None:
     mesh = hp_core.init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     with torch_collectives() as counts:
@@ -103,14 +107,14 @@ def test_over_a_two_dim_mesh_one_exchange_per_dim_in_row_major_order(rank: int) 
         verify_across_ranks(rank % 2, row, what="w", fix="f")
 
 
-@pytest.mark.distributed(world_size=1)
+@pytest.mark.distributed(world_size=1, mode="process")
 def test_one_rank_communicates_nothing(rank: int) -> None:
     with torch_collectives() as counts:
         assert verify_across_ranks("x", what="w", fix="f", extra=[3]) == [(3,)]
     assert not counts
 
 
-@pytest.mark.distributed(world_size=2)
+@pytest.mark.distributed(world_size=2, mode="process")
 def test_detail_logs_the_agreement_and_the_values(rank: int) -> None:
     previous = hp_core.set_debug_level("DETAIL")
     try:
@@ -160,7 +164,7 @@ def test_debug_level_reads_the_environment_and_configures_the_loggers(
     assert DebugLevel.OFF < DebugLevel.INFO < DebugLevel.DETAIL
 
 
-@pytest.mark.distributed(world_size=2, backend="nccl-emu")
+@pytest.mark.distributed(world_size=2, backend="nccl-emu", mode="process")
 def test_under_nccl_rules(rank: int) -> None:
     """The digest exchange uses what NCCL takes (int64, the list all_gather), so it runs on a cluster."""
     assert verify_across_ranks("x", what="w", fix="f", extra=[rank]) == [(0,), (1,)]
@@ -168,6 +172,6 @@ def test_under_nccl_rules(rank: int) -> None:
         verify_across_ranks(rank, what="w", fix="f")
 
 
-@pytest.mark.distributed(world_size=2, backend="hccl-emu")
+@pytest.mark.distributed(world_size=2, backend="hccl-emu", mode="process")
 def test_under_hccl_rules(rank: int) -> None:
     assert verify_across_ranks("x", what="w", fix="f", extra=[rank]) == [(0,), (1,)]

@@ -1,4 +1,8 @@
-"""Debug logs: one line per redistribution plan built, op rule chosen and fallback taken; none when off."""
+"""Debug logs: one line per redistribution plan built, op rule chosen and fallback taken; none when off.
+
+The tests count calls into torch.distributed or read process-wide loggers, so their ranks
+run as processes (``mode="process"``), not as threads of one process.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ def _work(mesh):  # type: ignore[no-untyped-def]
     assert xd.redistribute(placements=[Replicate()]).placements == (Replicate(),)
 
 
-@pytest.mark.distributed(world_size=2)
+@pytest.mark.distributed(world_size=2, mode="process")
 def test_debug_lines_name_plans_rules_and_fallbacks(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     with dtensor_log(logging.DEBUG) as lines:
@@ -62,7 +66,7 @@ def test_debug_lines_name_plans_rules_and_fallbacks(rank, device_mesh_factory) -
     )
 
 
-@pytest.mark.distributed(world_size=2)
+@pytest.mark.distributed(world_size=2, mode="process")
 def test_nothing_is_logged_above_debug(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     with dtensor_log(logging.INFO) as lines:

@@ -748,7 +748,7 @@ def test_mpipe_ranks_that_disagree_raise_when_built(rank: int, world_size: int) 
     assert _same(before, _fingerprint(tower))  # not broadcast: nothing changed
 
 
-@pytest.mark.distributed(world_size=2, timeout=60)
+@pytest.mark.distributed(world_size=2, timeout=60, mode="process")  # it patches torch.distributed
 def test_agreeing_ranks_step_after_the_check(rank: int, world_size: int) -> None:
     """The check is one digest exchange at the first step, none after; no object collective at all."""
     import torch.distributed as dist

@@ -1,4 +1,8 @@
-"""Debug logs of a schedule: order built, comms inserted, runner made; each step's action at DETAIL only."""
+"""Debug logs of a schedule: order built, comms inserted, runner made; each step's action at DETAIL only.
+
+The tests count calls into torch.distributed or read process-wide loggers, so their ranks
+run as processes (``mode="process"``), not as threads of one process.
+"""
 
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ def _train_one_step(rank: int) -> tuple[Schedule1F1B, list[torch.Tensor]]:
     return schedule, losses
 
 
-@pytest.mark.distributed(world_size=2, timeout=60)
+@pytest.mark.distributed(world_size=2, timeout=60, mode="process")
 def test_info_logs_the_schedule_decisions(rank: int, world_size: int) -> None:
     with pipeline_log("INFO") as lines:
         schedule, _ = _train_one_step(rank)
@@ -58,7 +62,7 @@ def test_info_logs_the_schedule_decisions(rank: int, world_size: int) -> None:
     assert not [line for line in lines if "PP step" in line], "each step's action is DETAIL's"
 
 
-@pytest.mark.distributed(world_size=2, timeout=60)
+@pytest.mark.distributed(world_size=2, timeout=60, mode="process")
 def test_detail_logs_each_steps_action(rank: int, world_size: int) -> None:
     with pipeline_log("DETAIL") as lines:
         schedule, _ = _train_one_step(rank)
