@@ -195,8 +195,10 @@ def test_grid_sample_keeps_batch_channel_and_point_cuts(rank, device_mesh_factor
     check(fn3, [x3, grid3], [S0, S0], mesh, expect=[S0])
     check(fn3, [x3, grid3], [S1, R], mesh, expect=[S1])
     check(fn3, [x3, grid3], [R, S3], mesh, expect=[Shard(4)])
-    # only the grid learns (a spatial transformer's data input): the batch cut stays local
-    check(lambda g: F.grid_sample(x, g, align_corners=False), [grid], [S0], mesh, local=False)
+    # only the grid learns (a spatial transformer's data input): the cuts stay local
+    data = lambda t: t.detach()  # noqa: E731
+    check(lambda x, g: F.grid_sample(data(x), g, align_corners=False), [x, grid], [S0, S0], mesh)
+    check(lambda x, g: F.grid_sample(data(x), g, align_corners=False), [x, grid], [S1, R], mesh)
     # a cut input spatial dim is gathered (the points may fall anywhere)
     check(F.grid_sample, [x, grid], [S2, R], mesh, local=False)
 
