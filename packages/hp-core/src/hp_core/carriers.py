@@ -185,9 +185,9 @@ def _reduce_carrier(fn: str, rules: DtypeRules, dtype: torch.dtype, op: str) -> 
     elif _integral(dtype):
         width = _width(dtype)
         if op in ("sum", "product"):  # modular arithmetic: either signedness of the same width
-            for candidate in (_SIGNED_OF_WIDTH.get(width), _UNSIGNED_OF_WIDTH.get(width)):
-                if candidate is not None and rules.reduces(candidate, op):
-                    return Carrier(candidate)
+            for same_width in (_SIGNED_OF_WIDTH.get(width), _UNSIGNED_OF_WIDTH.get(width)):
+                if same_width is not None and rules.reduces(same_width, op):
+                    return Carrier(same_width)
         unsigned = dtype in _UNSIGNED
         for wider in (2, 4, 8):
             if wider <= width:
