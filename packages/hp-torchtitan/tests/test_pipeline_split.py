@@ -146,3 +146,12 @@ def test_hp_spec_pipelines_with_hp_pipeline() -> None:
     spec = hp_torchtitan.hp_llama3_spec("debugmodel")
     assert spec.pipelining_fn is hp_torchtitan.pipeline_decoder
     assert spec.parallelize_fn is hp_torchtitan.parallelize_decoder
+
+
+def test_train_losses_points_pipelined_runs_to_train_model_parts() -> None:
+    from hp_torchtitan.driver import RunConfig, train_losses
+
+    with pytest.raises(
+        ValueError, match=r"config.pp=2 gives each rank its stages' model parts.*train_model_parts"
+    ):
+        train_losses(object(), [], {}, RunConfig(pp=2))
