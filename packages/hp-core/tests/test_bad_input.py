@@ -6,7 +6,7 @@ observed value and the fix, that every rank raised the same kind of error
 and that nothing changed: no process group was created and the tensors
 handed in are untouched. Cases whose arguments differ between ranks are the
 ones that used to build inconsistent meshes silently or hang; they are caught
-by the agreement gather of [Note: cross-rank agreement] in ``hp_core._checks``.
+by the agreement gather of [Note: cross-rank agreement] in ``hp_core.agreement``.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ a collective), and that nothing changed: the module handed in keeps its plain
 parameters and has no hooks, the tensor handed in is untouched. The cases
 whose arguments differ between ranks used to corrupt data (a longer tensor
 broadcast into a shorter one), abort the process (a dtype mismatch) or hang
-(a plan applied on one rank only); [Note: agreement before validation] in
-``hp_dtensor._agree`` catches them.
+(a plan applied on one rank only); [Note: cross-rank agreement] in
+``hp_core.agreement`` catches them.
 """
 
 from __future__ import annotations

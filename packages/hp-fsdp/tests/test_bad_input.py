@@ -8,7 +8,7 @@ body on each rank and fail if any rank does not raise), and nothing changed
 (the module has no hooks, no hp_fsdp state and plain parameters; a setter
 left every unit's flags as they were; a rejected load left every shard's
 values). Cases that need other ranks' arguments raise at the first
-communication instead ([Note: cross-rank agreement] in agreement.py): those
+communication instead ([Note: fully_shard agreement] in agreement.py): those
 tests check that no all-gather was issued and the units were not initialised.
 """
 
@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import hp_core.collectives as hc
 import pytest
 import torch
+import torch.distributed as dist
 from hp_dtensor import DTensor, Replicate, Shard
 from hp_fsdp import CPUOffloadPolicy, HSDPModule, MixedPrecisionPolicy, fully_shard
 from hp_fsdp.state import STATE_ATTR, get_state
@@ -472,7 +472,7 @@ def test_missing_and_unexpected_keys_follow_nn_module(rank: int, world_size: int
     state_dict = dict(donor.state_dict())
     state_dict.pop("emb.weight")
     state_dict["nope"] = torch.zeros(1)
-    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*emb\.weight.*Unexpected key\(s\).*nope"):
+    with pytest.raises(RuntimeError, match=r"(?s)Missing key\(s\).*emb\.weight.*Unexpected key\(s\).*nope"):
         model.load_state_dict(state_dict)
     result = model.load_state_dict(state_dict, strict=False)
     assert (result.missing_keys, result.unexpected_keys) == (["emb.weight"], ["nope"])
@@ -492,15 +492,26 @@ def test_state_dict_of_another_precision_loads(rank: int, world_size: int) -> No
 # -- cross-rank agreement: every rank raises at the first communication ------------------------
 
 
-def _count_object_gathers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    original = hc.all_gather_object
+def _count_object_gathers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The agreement's exchanges ([Note: cross-rank agreement] in hp_core.agreement) in order:
 
-    def counted(obj: Any, group: Any = None) -> list[Any]:
-        calls.append(1)
-        return original(obj, group)
+    "digest" for each all_gather of its int64 digest (the units' own gathers move
+    floating-point data), "facts" for each all_gather_object on a mismatch.
+    """
+    calls: list[str] = []
+    gather, gather_object = dist.all_gather, dist.all_gather_object
 
-    monkeypatch.setattr(hc, "all_gather_object", counted)
+    def counted(parts: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.dtype == torch.int64:
+            calls.append("digest")
+        return gather(parts, tensor, *args, **kwargs)
+
+    def counted_object(*args: Any, **kwargs: Any) -> Any:
+        calls.append("facts")
+        return gather_object(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_gather", counted)
+    monkeypatch.setattr(dist, "all_gather_object", counted_object)
     return calls
 
 
@@ -575,7 +586,7 @@ def test_arguments_that_differ_across_ranks(
         ):
             model(torch.randint(0, 13, (2, 4)))
     assert len(log) == 0, "no unit gathered"
-    assert len(gathers) == 2, "one digest exchange, then the facts"
+    assert gathers == ["digest", "facts"], "one digest exchange, then the facts"
     states = [get_state(m) for m in model.modules() if get_state(m) is not None]
     assert all(s.context is None and s.is_root is None for s in states), "the lazy init did not commit"
     assert not any(s.group is not None and s.group.is_unsharded for s in states), "nothing gathered"
@@ -599,7 +610,7 @@ def test_hsdp_difference_on_one_rank_is_seen_by_all(
         ):
             model(torch.randint(0, 13, (2, 4)))
     assert len(log) == 0
-    assert len(gathers) == 4, "digests over shard then replicate dim, then the facts the same way"
+    assert gathers == ["digest"] * 2 + ["facts"] * 2, "digests over shard then replicate dim, then the facts"
 
 
 @pytest.mark.distributed(world_size=2)
@@ -631,11 +642,11 @@ def test_agreement_costs_one_exchange_per_mesh_dim_once(
     gathers = _count_object_gathers(monkeypatch)
     tokens = torch.randint(0, 13, (2, 4))
     model(tokens).sum().backward()
-    assert len(gathers) == len(mesh_shape)
+    assert gathers == ["digest"] * len(mesh_shape)
     model(tokens).sum().backward()
     model.unshard()
     model.reshard()
-    assert len(gathers) == len(mesh_shape), "checked once"
+    assert gathers == ["digest"] * len(mesh_shape), "checked once"
 
 
 def test_messages_name_the_fix_without_a_process_group() -> None:

@@ -183,7 +183,7 @@ def _agree_then_check_device_type(what: str, fix: str, device_type: Any, **argum
     Groups are created collectively, so the agreement comes before any local
     check: one rank's bad argument then raises on every rank instead of
     leaving the others in a group creation (see [Note: cross-rank agreement]
-    in hp_core._checks). Before the default group exists there is nothing to
+    in hp_core.agreement). Before the default group exists there is nothing to
     agree over, and the local checks run alone.
     """
     if dist.is_available() and dist.is_initialized():

@@ -408,7 +408,7 @@ def parallelize_module(
     The whole plan is checked before any submodule changes, so a bad plan
     leaves the module as it was; the ranks agree on the plan and the module
     first (sharding broadcasts the parameters, so the call communicates
-    anyway: [Note: agreement before validation] in ``hp_dtensor._agree``).
+    anyway: [Note: cross-rank agreement] in ``hp_core.agreement``).
     """
     what = "parallelize_module"
     if not isinstance(module, nn.Module):

@@ -44,7 +44,7 @@ def _default_mesh() -> DeviceMesh:
     Building a mesh may communicate (hp_core checks that every rank passed the
     same arguments), so a mesh built per call would make every ``fully_shard``
     a synchronisation point that all ranks must reach equally often, which
-    they need not ([Note: cross-rank agreement] in :mod:`hp_fsdp.agreement`).
+    they need not ([Note: fully_shard agreement] in :mod:`hp_fsdp.agreement`).
     A mesh whose groups were released is built again.
     """
     key = (get_platform().device_type, get_world_size())
@@ -195,7 +195,7 @@ class HSDPModule:
     # -- communication control ----------------------------------------------------------------
 
     def _hp_agree(self) -> None:
-        """Before this tree's first collective outside a forward: [Note: cross-rank agreement].
+        """Before this tree's first collective outside a forward: [Note: fully_shard agreement].
 
         Units are built bottom-up and compared whole trees at a time, so an
         agreed unit has agreed units below it: the common case costs one flag read.

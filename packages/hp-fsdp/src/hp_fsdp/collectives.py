@@ -309,7 +309,7 @@ class ReduceHandle:
 # rank is legitimate, and a rank cannot tell the two apart by itself.) So
 # every reduction also carries the unit's tag, 16 elements of +1 or -1
 # spelling a hash of the unit's name, which is the same on every rank (the
-# names are compared by [Note: cross-rank agreement] in agreement.py). After
+# names are compared by [Note: fully_shard agreement] in agreement.py). After
 # the reduction an element is +-1 times the op's scale exactly when every rank
 # put the same sign there; a rank that sent another unit's tag pulls it
 # towards zero by 2/W of it, on every rank of the collective, so every rank

@@ -80,7 +80,7 @@ def _unit_paths(roots: Sequence[nn.Module], states: Sequence[FSDPState]) -> dict
 def agree(roots: Sequence[nn.Module], states: Sequence[FSDPState]) -> None:
     """Compare the units of ``states`` not compared yet with the other ranks, and name them.
 
-    See [Note: cross-rank agreement] in :mod:`hp_fsdp.agreement`. Every unit
+    See [Note: fully_shard agreement] in :mod:`hp_fsdp.agreement`. Every unit
     under ``roots`` gets its FSDP2-style ``fqn`` for profiler labels and logs
     (the paths of its modules under the root, ``""`` for the root itself, as
     FSDP2's ``_init_fqns``); a unit compared now also gets ``unit_name``, its
@@ -321,7 +321,7 @@ class FSDPState:
         # what the user asked for: None follows FSDP2 (True for every unit but the root); an int N
         # reshards to groups of N ranks ([Note: reshard to groups of N ranks] in post_forward.py)
         self.reshard_after_forward: bool | int | None = None
-        self.agreed = False  # compared with the other ranks: see [Note: cross-rank agreement]
+        self.agreed = False  # compared with the other ranks: see [Note: fully_shard agreement]
         # the FQN under the root, FSDP2's format ("" for the root), and the name logs show: set by agree
         self.fqn = ""
         self.log_name = f"<{type(self.modules[0]).__name__}>"
