@@ -110,3 +110,13 @@ def test_a_channel_cut_with_an_empty_piece(rank, device_mesh_factory) -> None:  
         out = F.batch_norm(cut, *whole, training=False)
     assert len(log) == 0
     torch.testing.assert_close(out.full_tensor(), ref)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_many_channels_keep_two_all_reduces(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """Past 64 KiB of gathered statistics the gather would cost bytes, not latency: two all-reduces."""
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    x = torch.randn(3, 1400, dtype=torch.float64)  # 2 ranks x 3 x 1400 channels x 8 bytes > 64 KiB
+    log = _train_step(x, mesh, [Shard(0)])
+    assert dict(log.counts()) == {"all_reduce": 2}, dict(log.counts())

@@ -38,8 +38,12 @@ form of Welford's algorithm does: ``n = sum n_r``, ``m = sum n_r m_r / n``,
 ``M = sum (M_r + n_r (m_r - m)^2)``. That is one collective where the
 two-pass form took two, it is as stable as the two-pass form (no ``E[x^2] -
 E[x]^2`` cancellation), and an empty piece (``n_r = 0``) adds nothing. A
-batch cut over two mesh dims combines over one, then the other. torch's
-DTensor gathers the input instead (one collective of the whole tensor).
+batch cut over two mesh dims combines over one, then the other. The gather
+moves ``W`` times ``3 C`` numbers where the two all-reduces move about
+``2 C`` each, so it is used while its payload is at most 64 KiB, where a
+collective costs its latency rather than its bytes; past that (thousands of
+channels, or many ranks) the two all-reduces are kept. torch's DTensor
+gathers the whole input instead.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ __all__ = ["batch_norm_backward_rule", "batch_norm_rule"]
 
 aten = torch.ops.aten
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_GATHER_BYTES = 64 * 1024  # the statistics' gather while it is latency-bound (see the note)
 
 
 class _Args(NamedTuple):
@@ -142,11 +147,19 @@ def _channel_sums(values: list[torch.Tensor], dims: list[int], groups: list[Any]
 def _batch_moments(
     work: torch.Tensor, dims: list[int], layout: Layout, batch: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and sum of squared deviations over the whole batch: one all_gather per group.
+    """Per-channel mean and sum of squared deviations over the whole batch.
 
-    See [Note: one exchange for the batch statistics].
+    One all_gather per batch mesh dim while the statistics are small, else
+    two all-reduces: see [Note: one exchange for the batch statistics].
     """
     channels = work.shape[1]
+    if math.prod(layout.mesh.shape[m] for m in batch) * 3 * channels * 8 > _GATHER_BYTES:
+        groups = [mesh_group(layout.mesh, m) for m in batch]
+        (total,) = _channel_sums([work], dims, groups)
+        mean = total / math.prod(layout.shape[d] for d in dims)
+        centred = work - mean.view(_broadcast_shape(work))
+        (m2,) = _channel_sums([centred * centred], dims, groups)
+        return mean, m2
     count = work.numel() // channels if channels else 0
     stats = torch.zeros(3, channels, dtype=torch.float64, device=work.device)
     if count:
