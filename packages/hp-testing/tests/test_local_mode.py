@@ -393,10 +393,34 @@ def test_hp_run_local_runs_a_script_on_every_rank(tmp_path: Path, capsys: pytest
     assert sys.modules["__main__"] is main_before
 
 
-@pytest.mark.parametrize(
-    ("flags", "named"),
-    [(["--strict"], "--strict (async hazards)"), (["--emulate", "nccl"], "--emulate nccl (its rules")],
-)
+PLANTED_BAND = """
+import hp_core
+import torch
+import torch.distributed as dist
+
+hp_core.init_distributed()
+t = torch.ones(2, dtype=torch.int32)
+dist.all_reduce(t, op=dist.ReduceOp.BAND)  # gloo has it; NCCL does not
+print("ok")
+"""
+
+
+def test_hp_run_local_emulate_applies_the_backends_rules(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hp-run --local --emulate nccl``: NCCL's rules hold in local mode too; gloo's plain run passes."""
+    from hp_testing.launcher import main
+
+    script = tmp_path / "band.py"
+    script.write_text(PLANTED_BAND)
+    assert main(["--local", "-n", "4", str(script)]) == 0
+    capsys.readouterr()
+    assert main(["--local", "-n", "4", "--emulate", "nccl", str(script)]) != 0
+    err = capsys.readouterr().err
+    assert "BAND" in err or "band" in err, err
+
+
+@pytest.mark.parametrize(("flags", "named"), [(["--strict"], "--strict (async hazards)")])
 def test_hp_run_local_refuses_concurrency_features_naming_the_process_mode(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
 ) -> None:

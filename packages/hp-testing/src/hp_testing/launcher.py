@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         "--local",
         action="store_true",
         help="run every rank as a thread of this process over an in-memory backend (for world sizes "
-        "too large to fork); no async-hazard checks (--strict), no --emulate",
+        "too large to fork); --emulate applies its backend's rules, --strict (async hazards) is refused",
     )
     parser.add_argument("script", help="the script (or module with -m) to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -192,23 +192,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_local(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``--local``: refuse what needs concurrent ranks, then run the script on in-process ranks."""
+    """``--local``: refuse what needs concurrent ranks, then run the script on in-process ranks.
+
+    ``--emulate`` applies the backend's rules there too; ``--strict`` (async
+    hazards) needs ranks that really run at once.
+    """
     from hp_testing._local_run import run_script
     from hp_testing.local import ConcurrencyNeededError, refuse_concurrency
 
-    flags, why = [], []
-    if args.emulate is not None:
-        flags.append(f"--emulate {args.emulate}")
-        why.append(f"--emulate {args.emulate} (its rules and async-hazard checks)")
-    if _strict(args.strict, None, parser):
-        flags.append("--strict")
-        why.append("--strict (async hazards)")
-    if flags:
+    if _strict(args.strict, None, parser):  # asked for explicitly: not on by default here
+        emulate = f" --emulate {args.emulate}" if args.emulate else ""
         try:
-            refuse_concurrency(" and ".join(why), f"hp-run -n {args.nproc} {' '.join(flags)} {args.script}")
+            refuse_concurrency(
+                "--strict (async hazards)", f"hp-run -n {args.nproc}{emulate} --strict {args.script}"
+            )
         except ConcurrencyNeededError as exc:
             parser.error(f"--local: {exc}")
-    return run_script(args.script, args.module, args.script_args, args.nproc)
+    return run_script(args.script, args.module, args.script_args, args.nproc, emulate=args.emulate)
 
 
 # [Note: a rank that exits early]
