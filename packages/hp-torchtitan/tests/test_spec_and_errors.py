@@ -39,14 +39,14 @@ def test_spec_is_torchtitans_llama3_with_hp_parallelize() -> None:
     theirs = model_registry("debugmodel")
     assert spec.name == "hp_llama3" and spec.flavor == "debugmodel"
     assert spec.parallelize_fn is hp_torchtitan.parallelize_decoder
-    assert spec.pipelining_fn is None
+    assert spec.pipelining_fn is hp_torchtitan.pipeline_decoder
     assert spec.state_dict_adapter is theirs.state_dict_adapter
     assert spec.model.dim == theirs.model.dim and len(spec.model.layers) == len(theirs.model.layers)
     with pytest.raises(ValueError, match=r"unknown Llama 3 flavor 'tiny'.*debugmodel"):
         hp_torchtitan.hp_llama3_spec("tiny")
 
 
-@pytest.mark.parametrize("dim", ["cp", "pp", "ep"])
+@pytest.mark.parametrize("dim", ["cp", "ep"])
 def test_other_parallelisms_are_refused_by_name(dim: str) -> None:
     with pytest.raises(NotImplementedError, match=rf"{dim}=2 is not supported yet; set parallelism's {dim}"):
         _call(_dims(**{dim: 2}))
