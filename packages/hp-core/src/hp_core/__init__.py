@@ -18,6 +18,7 @@ from hp_core.capabilities import (
     set_backend_semantics,
     use_capabilities,
 )
+from hp_core.carriers import DtypeRules, carrier_for, register_dtype_rules
 from hp_core.collectives import (
     all_gather_into_tensor,
     all_gather_object,
@@ -70,6 +71,7 @@ __all__ = [
     "DebugLevel",
     "DeviceHandle",
     "DeviceMesh",
+    "DtypeRules",
     "EventLike",
     "NotInitializedError",
     "P2POp",
@@ -89,6 +91,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "capabilities_for",
+    "carrier_for",
     "clear_group_cache",
     "collect_log_lines",
     "destroy_distributed",
@@ -109,6 +112,7 @@ __all__ = [
     "recv_object",
     "reduce_scatter_tensor",
     "register_capabilities",
+    "register_dtype_rules",
     "send",
     "send_object",
     "set_backend_semantics",
