@@ -155,12 +155,26 @@ def test_new_factories_of_self_shape_follow_the_cut(rank, device_mesh_factory) -
         torch.testing.assert_close(zeros.full_tensor(), torch.zeros_like(x))
         torch.testing.assert_close(full.full_tensor(), torch.full_like(x, 2.0))
         torch.testing.assert_close(empty.full_tensor(), x)
+        # a size sharing the cut dim's size: cut alike (a constant may be cut any way)
+        column = dt.new_ones(5, 3, 1)
+        assert column.placements == (cut,)
+        torch.testing.assert_close(column.full_tensor(), torch.ones(5, 3, 1, dtype=x.dtype))
         # another size, or a partial self: built whole on every rank
         assert dt.new_ones(2, 3).placements == (R,)
+        assert dt.new_ones(2, 2, 4).placements == (R,)
     partial = DTensor.from_local(x.clone(), mesh, [Partial("sum")])
     ones = partial.new_ones(5, 3, 4)
     assert ones.placements == (R,)
     torch.testing.assert_close(ones.full_tensor(), torch.ones_like(x))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_vander_keeps_the_cut(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """``linalg.vander`` cats a column of ones (``new_ones``) beside the powers: both cut alike."""
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    check(lambda v: torch.linalg.vander(v, N=4), [_x(5)], [S0], mesh, expect=[S0])
+    check(torch.linalg.vander, [_x(3, 5)], [S0], mesh, expect=[S0])
 
 
 @pytest.mark.distributed(world_size=2)

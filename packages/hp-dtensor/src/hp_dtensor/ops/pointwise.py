@@ -213,21 +213,28 @@ def like_rule(call: OpCall) -> Decision:
     aten.new_empty_strided.default,
 )
 def new_factory_rule(call: OpCall) -> Decision:
-    """``new_*`` factories: cut like ``self`` when they have its shape, else whole on every rank.
+    """``new_*`` factories: cut like ``self`` on the dims they share with it, else whole on every rank.
 
-    A new tensor of ``self``'s global shape takes ``self``'s shards (each rank
-    builds only its piece, from the local size), as torch's DTensor does:
-    autograd fills such a tensor at once with a cut source (``new_empty_strided``
-    then ``copy_``, in the backward of ``matrix_exp`` and many others), and a
-    replicated destination would gather that source. Any other size, and a
-    partial ``self``, give a replicated tensor built whole.
+    A new tensor with ``self``'s number of dims takes ``self``'s shard of
+    every dim whose size it shares (each rank builds only its piece, from the
+    local size): as in torch's DTensor for a tensor of ``self``'s shape,
+    which autograd fills at once with a cut source (``new_empty_strided``
+    then ``copy_``, in the backward of ``matrix_exp`` and many others), where
+    a replicated destination would gather that source. A constant may be cut
+    any way, so a column of ones beside a cut matrix (``linalg.vander``'s
+    ``cat``) is cut like it too. Other sizes, and a partial ``self``, give a
+    replicated tensor built whole.
     """
     layout = call.layout(call.positions[0])
     whole = (Replicate(),) * layout.mesh.ndim
     size = _arg(call, 1, "size", None)
-    if not isinstance(size, (list, tuple)) or tuple(int(s) for s in size) != layout.shape:
+    if not isinstance(size, (list, tuple)) or len(size) != layout.ndim:
         return Decision(outputs=[whole])
-    out = tuple(p if isinstance(p, Shard) else Replicate() for p in layout.placements)
+    sizes = tuple(int(s) for s in size)
+    out = tuple(
+        p if isinstance(p, Shard) and sizes[p.dim] == layout.shape[p.dim] else Replicate()
+        for p in layout.placements
+    )
     if out == whole:
         return Decision(outputs=[whole])
     if call.func is aten.new_empty_strided.default:
