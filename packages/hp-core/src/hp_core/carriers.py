@@ -9,37 +9,8 @@ reduce ``uint8``. A user holding such a tensor expects the collective to
 work as it does for ``float32``, so :mod:`hp_core.collectives` asks this
 module for a *carrier* before issuing anything.
 
-[Note: dtype carriers]
-A carrier is the dtype that travels in place of the tensor's own, chosen so
-the result is bit-for-bit what a backend supporting the dtype would give:
-
-* Moving data never looks at values, so any dtype of the same width carries
-  it as a *view* of the same memory: no copy, no conversion (``int16`` moves
-  on gloo as ``float16`` bits).
-* A sum or product of integers is arithmetic modulo ``2**bits``, which a
-  same-width integer of the other signedness computes identically (a view),
-  and which a wider integer computes modulo a multiple of ``2**bits``, so the
-  cast back truncates to the same value (a widened copy). ``max`` / ``min``
-  need the order kept: a wider integer that holds every value (a copy), or,
-  for the widest unsigned type, the signed type of the same width with the
-  sign bit flipped, which maps unsigned order onto signed order.
-* Floats a backend cannot reduce (float8, HCCL's ``bfloat16`` product) are
-  reduced in ``float32`` and rounded once on the way back.
-* A ``bool`` sum is a logical or (as ``a + b`` is for bool tensors), so it
-  runs as ``max``: gloo's own bool sum stores the byte 2 in a bool.
-* Complex tensors reach the backend as their real view (torch does that
-  itself); only sum-like reductions are defined on them.
-
-A dtype a backend carries natively gets no carrier: nothing is viewed or
-copied. Backends missing from the table (out-of-tree ones) are assumed to
-carry everything; :func:`register_dtype_rules` adds their rules.
-
-Sources: gloo measured on torch 2.13 (2 ranks, every collective x dtype);
-NCCL from ``ncclDataType_t`` and ProcessGroupNCCL ("Float8 dtypes are not
-currently supported for NCCL reductions"); HCCL from ``HcclDataType`` and
-the HcclAllReduce reference (no ``uint8`` reduction, no ``int16`` or
-``bfloat16`` product). These are the rules hp-testing's ``nccl-emu`` and
-``hccl-emu`` enforce.
+How a carrier is chosen: [Note: dtype carriers] (above :class:`Carrier`);
+where the tables come from: [Note: backend dtype tables].
 """
 
 from __future__ import annotations
@@ -93,6 +64,13 @@ class DtypeRules:
         return dtype not in self.no_reduce_for.get(op, frozenset())
 
 
+# [Note: backend dtype tables]
+# Sources: gloo measured on torch 2.13 (2 ranks, every collective x dtype);
+# NCCL from ``ncclDataType_t`` and ProcessGroupNCCL ("Float8 dtypes are not
+# currently supported for NCCL reductions"); HCCL from ``HcclDataType`` and
+# the HcclAllReduce reference (no ``uint8`` reduction, no ``int16`` or
+# ``bfloat16`` product). These are the rules hp-testing's ``nccl-emu`` and
+# ``hccl-emu`` enforce.
 _GLOO = frozenset({*_BASIC_INTS, *_FLOATS, torch.bool})
 _NCCL_MOVE = frozenset({*_BASIC_INTS, *_FLOATS, torch.bool, *_FP8})
 _HCCL_MOVE = frozenset({*_BASIC_INTS, torch.int16, *_FLOATS, torch.bool})
@@ -125,6 +103,30 @@ def register_dtype_rules(rules: DtypeRules) -> DtypeRules | None:
     return previous
 
 
+# [Note: dtype carriers]
+# A carrier is the dtype that travels in place of the tensor's own, chosen so
+# the result is bit-for-bit what a backend supporting the dtype would give:
+#
+# * Moving data never looks at values, so any dtype of the same width carries
+#   it as a *view* of the same memory: no copy, no conversion (``int16`` moves
+#   on gloo as ``float16`` bits).
+# * A sum or product of integers is arithmetic modulo ``2**bits``, which a
+#   same-width integer of the other signedness computes identically (a view),
+#   and which a wider integer computes modulo a multiple of ``2**bits``, so the
+#   cast back truncates to the same value (a widened copy). ``max`` / ``min``
+#   need the order kept: a wider integer that holds every value (a copy), or,
+#   for the widest unsigned type, the signed type of the same width with the
+#   sign bit flipped, which maps unsigned order onto signed order.
+# * Floats a backend cannot reduce (float8, HCCL's ``bfloat16`` product) are
+#   reduced in ``float32`` and rounded once on the way back.
+# * A ``bool`` sum is a logical or (as ``a + b`` is for bool tensors), so it
+#   runs as ``max``: gloo's own bool sum stores the byte 2 in a bool.
+# * Complex tensors reach the backend as their real view (torch does that
+#   itself); only sum-like reductions are defined on them.
+#
+# A dtype a backend carries natively gets no carrier: nothing is viewed or
+# copied. Backends missing from the table (out-of-tree ones) are assumed to
+# carry everything; :func:`register_dtype_rules` adds their rules.
 @dataclass(frozen=True)
 class Carrier:
     """How one tensor crosses a backend in place of its own dtype ([Note: dtype carriers])."""

@@ -7,10 +7,7 @@ three differences that exist for a reason:
   compose (``all_reduce(t).sum()``); ``async_op=True`` returns a
   :class:`~hp_core.work.Work` whose ``wait()`` returns that tensor once it is
   final, including any post-processing an emulation needs.
-* Reduce ops are named by strings (``"sum"``, ``"avg"``, ``"max"``, ``"min"``,
-  ``"product"``, ``"premul_sum"``); torch ``ReduceOp`` values for the first
-  five are accepted too. ``premul_sum`` takes ``scale=``; a gradient divide
-  factor ``f`` is ``op="premul_sum", scale=1 / f``.
+* Reduce ops are named by strings: [Note: reduce op names].
 * ``group`` may be a ``ProcessGroup``, a 1-D :class:`hp_core.mesh.DeviceMesh`
   or ``None`` (the default group).
 
@@ -53,6 +50,11 @@ __all__ = [
     "reduce_scatter_tensor",
 ]
 
+# [Note: reduce op names]
+# Reduce ops are named by strings (``"sum"``, ``"avg"``, ``"max"``, ``"min"``,
+# ``"product"``, ``"premul_sum"``); torch ``ReduceOp`` values for the first
+# five are accepted too. ``premul_sum`` takes ``scale=``; a gradient divide
+# factor ``f`` is ``op="premul_sum", scale=1 / f``.
 ReduceOpLike = str | dist.ReduceOp | dist.ReduceOp.RedOpType
 
 _NATIVE_OPS: dict[str, Any] = {
