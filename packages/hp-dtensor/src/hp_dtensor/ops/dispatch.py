@@ -4,74 +4,15 @@ A rule looks at the op and its DTensor arguments' layouts and returns a
 :class:`Decision`: the placements each DTensor argument must have, and the
 placements of each output tensor. The dispatcher redistributes, runs the op
 on the local tensors, and builds each output's layout from its global shape
-and stride, which it gets by running the op on meta tensors (cached).
+and stride, which it gets by running the op on meta tensors (cached). Ops
+that are not "the same op on every piece" (a vocab-parallel ``log_softmax``
+needs a max and a sum across ranks, a row-wise embedding lookup masks ids it
+does not own) add a ``kernel`` that runs instead and may communicate
+(:class:`LocalCall`).
 
-Some ops are not "the same op on every piece": a vocab-parallel
-``log_softmax`` needs a max and a sum across ranks, a row-wise embedding
-lookup masks ids it does not own. Their rules add a ``kernel`` to the
-decision, which runs instead of the op on the local tensors and may
-communicate (see :class:`LocalCall`).
-
-[Note: dispatch fast path]
-Most calls repeat: the same op on tensors with the same layouts, step after
-step. The first call of each (op, argument signature) runs the whole path
-above; when it needed no redistribution, the dispatcher remembers the
-output layouts (and the local size argument of view ops) under that
-signature. Later calls with the same signature only swap DTensors for their
-local tensors, run the op and wrap the results in the remembered layouts:
-no rule, no meta run, no new Layout objects. The signature holds the op's
-id, each DTensor's layout token (:meth:`Layout.token`: equal for equal
-layouts on the same mesh object) and local dtype, each plain tensor's
-metadata and each other argument's type and value (only the type of a
-float or complex scalar given to a scalar-blind op, see [Note: scalar-blind
-ops]), so a hit is exactly a call the slow path would have treated the same
-way; a layout on another (equal) mesh object has another token, so a mesh
-rebuilt after its groups were released is never swapped for a stale one.
-
-The signature of a call with positional DTensors and scalars only (nearly
-every call) is built inline in :func:`_torch_dispatch`, which *is*
-``DTensor.__torch_dispatch__`` (one Python frame per op), and its remembered
-entry is a closure specialised to the call's shape: which arguments to
-unwrap (generated once per pattern, see :func:`_unwrapped_call`) and the one
-output layout to wrap in. Everything else (kwargs, kernels, view sizes,
-in-place and multi-output ops) hits through the general :func:`_run_entry`.
-
-[Note: scalar-blind ops]
-For a pointwise op (found by tag, ruled by ``pointwise_rule``) the value of
-a float or complex scalar operand changes neither the sharding decision
-(the rule looks at layouts and at which arguments are tensors) nor the
-output's shape, stride or dtype (type promotion looks at a scalar's type,
-never its value), and remembered entries pass the call's own scalars to the
-local op. Such ops are in :data:`SCALAR_BLIND`, and their float and complex
-scalars enter the fast-path signature and the decision/meta cache key by
-type alone: AdamW's ``div`` by a bias correction that changes every step
-hits instead of re-running the rule and the meta op. Ints, bools and every
-argument of other ops keep their value in the key (a size, a dim, a
-reduction's ``keepdim`` change the answer). Registering a rule by name
-(:func:`register`) takes the op out of the set; a rule put into
-:data:`RULES` by hand must do the same if it reads scalar values.
-
-[Note: one object in two argument slots]
-Rules find an argument's flat position by identity (:meth:`OpCall.position_of`)
-and decide per position. A DTensor passed twice (``x @ x``, ``torch.cat([x,
-x])``, ``sdpa(q, q, q)``) would give both slots the first one's position:
-one target would be lost and the other slot used unmoved, a wrong result
-without an error; and since decisions are cached by layouts, not identity,
-the wrong decision would then serve calls with two distinct tensors too.
-So before a rule sees a call, every repeat of an object is replaced by a new
-DTensor over the same local tensor and layout: each slot has its own
-object, and the cached decision holds for every call with those layouts.
-
-[Note: fallback] is in :mod:`hp_dtensor.ops.fallback`.
-
-[Note: plain tensors]
-Plain tensors mixed with DTensors are taken as replicated: every rank holds
-the same full value (scalars, masks, the optimizer's step counters).
-
-[Note: ragged inputs]
-Rules assume ``torch.chunk`` sizes. Ops that keep the layout (pointwise,
-in-place, foreach) carry a ragged layout through; every other op first
-gathers the ragged dims, so rules never see one.
+Notes beside their code: [Note: dispatch fast path], [Note: scalar-blind ops],
+[Note: one object in two argument slots], [Note: plain tensors],
+[Note: ragged inputs]; [Note: fallback] is in :mod:`hp_dtensor.ops.fallback`.
 """
 
 from __future__ import annotations
@@ -191,8 +132,28 @@ class OpCall:
 
 Rule = Callable[[OpCall], Decision | None]
 RULES: dict[Any, Rule] = {}
-LAYOUT_PRESERVING: set[Any] = set()  # ops that may carry ragged layouts (see [Note: ragged inputs])
+
+# [Note: ragged inputs]
+# Rules assume ``torch.chunk`` sizes. Ops that keep the layout (pointwise,
+# in-place, foreach) carry a ragged layout through; every other op first
+# gathers the ragged dims, so rules never see one.
+LAYOUT_PRESERVING: set[Any] = set()  # ops that may carry ragged layouts
 UNCACHED: set[Any] = set()  # ops whose rule looks past the layouts: never cached, never fast
+
+# [Note: scalar-blind ops]
+# For a pointwise op (found by tag, ruled by ``pointwise_rule``) the value of
+# a float or complex scalar operand changes neither the sharding decision
+# (the rule looks at layouts and at which arguments are tensors) nor the
+# output's shape, stride or dtype (type promotion looks at a scalar's type,
+# never its value), and remembered entries pass the call's own scalars to the
+# local op. Such ops are in :data:`SCALAR_BLIND`, and their float and complex
+# scalars enter the fast-path signature and the decision/meta cache key by
+# type alone: AdamW's ``div`` by a bias correction that changes every step
+# hits instead of re-running the rule and the meta op. Ints, bools and every
+# argument of other ops keep their value in the key (a size, a dim, a
+# reduction's ``keepdim`` change the answer). Registering a rule by name
+# (:func:`register`) takes the op out of the set; a rule put into
+# :data:`RULES` by hand must do the same if it reads scalar values.
 SCALAR_BLIND: set[Any] = set()  # float/complex scalars keyed by type only (see [Note: scalar-blind ops])
 _resolved: set[Any] = set()
 _meta_cache: dict[Any, Any] = {}
@@ -238,9 +199,32 @@ def clear_caches() -> None:
     _problems.clear()
 
 
-# -- the fast path (see [Note: dispatch fast path]) -------------------------------------------
+# -- the fast path ---------------------------------------------------------------------------
 
 
+# [Note: dispatch fast path]
+# Most calls repeat: the same op on tensors with the same layouts, step after
+# step. The first call of each (op, argument signature) runs the whole path
+# (:func:`dispatch`); when it needed no redistribution, the dispatcher remembers
+# the output layouts (and the local size argument of view ops) under that
+# signature. Later calls with the same signature only swap DTensors for their
+# local tensors, run the op and wrap the results in the remembered layouts: no
+# rule, no meta run, no new Layout objects. The signature holds the op's id,
+# each DTensor's layout token (:meth:`Layout.token`: equal for equal layouts on
+# the same mesh object) and local dtype, each plain tensor's metadata and each
+# other argument's type and value (only the type of a float or complex scalar
+# given to a scalar-blind op, see [Note: scalar-blind ops]), so a hit is exactly
+# a call the slow path would have treated the same way; a layout on another
+# (equal) mesh object has another token, so a mesh rebuilt after its groups were
+# released is never swapped for a stale one.
+#
+# The signature of a call with positional DTensors and scalars only (nearly
+# every call) is built inline in :func:`_torch_dispatch`, which *is*
+# ``DTensor.__torch_dispatch__`` (one Python frame per op), and its remembered
+# entry is a closure specialised to the call's shape: which arguments to
+# unwrap (generated once per pattern, see :func:`_unwrapped_call`) and the one
+# output layout to wrap in. Everything else (kwargs, kernels, view sizes,
+# in-place and multi-output ops) hits through the general :func:`_run_entry`.
 class _Entry:
     """A remembered call signature: how to run and wrap it without rules."""
 
@@ -576,6 +560,9 @@ def _refuse_collective(func: Any) -> None:
     )
 
 
+# [Note: plain tensors]
+# Plain tensors mixed with DTensors are taken as replicated: every rank holds
+# the same full value (scalars, masks, the optimizer's step counters).
 def _lift_plain(flat: list[Any], positions: list[int], mesh: Any) -> tuple[list[Any], list[int]]:
     """Plain tensors with dims become replicated DTensors (see [Note: plain tensors]); scalars stay."""
     out = list(flat)
@@ -586,6 +573,16 @@ def _lift_plain(flat: list[Any], positions: list[int], mesh: Any) -> tuple[list[
     return out, [i for i, v in enumerate(out) if isinstance(v, DTensor)]
 
 
+# [Note: one object in two argument slots]
+# Rules find an argument's flat position by identity (:meth:`OpCall.position_of`)
+# and decide per position. A DTensor passed twice (``x @ x``, ``torch.cat([x,
+# x])``, ``sdpa(q, q, q)``) would give both slots the first one's position:
+# one target would be lost and the other slot used unmoved, a wrong result
+# without an error; and since decisions are cached by layouts, not identity,
+# the wrong decision would then serve calls with two distinct tensors too.
+# So before a rule sees a call, every repeat of an object is replaced by a new
+# DTensor over the same local tensor and layout: each slot has its own
+# object, and the cached decision holds for every call with those layouts.
 def _distinct(flat: list[Any], positions: Sequence[int]) -> list[Any]:
     """``flat`` with each repeat of a DTensor object replaced by a new one over the same local tensor.
 
