@@ -1,36 +1,7 @@
 """Check a rule's decision for every rank before any rank acts on it.
 
-[Note: decisions that hold on every rank]
-A rule decides from layouts, which every rank shares, but the local op then
-runs on each rank's own piece. A decision that is wrong for some pieces only
-(``squeeze()`` dropping a dim that is 1 on one rank's piece; an op that
-refuses an empty piece) used to fail on those ranks alone, while their peers
-went on into the next collective and waited there until the timeout: one
-rank's internal error, the others' hang. So the first time a decision is
-made (decisions are cached by layouts, so this is once per signature) the
-dispatcher runs the op on meta tensors with the local shapes of *every* mesh
-coordinate and compares each result with the output layouts' local shapes
-there. Every rank computes the same answer from the same layouts, with no
-communication; a decision that fails anywhere is dropped on every rank and
-the call takes the replicated fallback, which is right by construction (and,
-under the ``"error"`` fallback policy, raises on every rank). Coordinates
-with equal local shapes share one meta run.
-
-Decisions with a ``kernel`` are not checked: a kernel may communicate and
-is written for uneven pieces itself.
-
-[Note: one verdict per process]
-The verdict is a function of what the meta runs see: the op, the argument
-structure, each DTensor's global shape, dtype and placements (after the
-rule's input targets) on a mesh of a given shape, the other arguments'
-meta stand-ins, and the decision's outputs. It depends on no rank and on no
-mesh object, so it is remembered under exactly that key in a memo that
-outlives the dispatcher's caches (a new rule gives a new decision, hence a
-new key). The memo is an object, not a module-level dict, on purpose:
-hp_testing's local mode runs every rank of a world as a thread of one
-process and gives each rank its own copy of the module-level dicts of hp's
-packages (their per-process state), but leaves other objects shared, so the
-64 ranks of a local world check each decision once instead of 64 times.
+How: [Note: decisions that hold on every rank] (above :func:`decision_problem`);
+why the verdicts are shared by a process's ranks: [Note: one verdict per process].
 """
 
 from __future__ import annotations
@@ -49,6 +20,18 @@ __all__ = ["decision_problem", "to_meta"]
 _MAX_VERDICTS = 8192
 
 
+# [Note: one verdict per process]
+# The verdict is a function of what the meta runs see: the op, the argument
+# structure, each DTensor's global shape, dtype and placements (after the
+# rule's input targets) on a mesh of a given shape, the other arguments'
+# meta stand-ins, and the decision's outputs. It depends on no rank and on no
+# mesh object, so it is remembered under exactly that key in a memo that
+# outlives the dispatcher's caches (a new rule gives a new decision, hence a
+# new key). The memo is an object, not a module-level dict, on purpose:
+# hp_testing's local mode runs every rank of a world as a thread of one
+# process and gives each rank its own copy of the module-level dicts of hp's
+# packages (their per-process state), but leaves other objects shared, so the
+# 64 ranks of a local world check each decision once instead of 64 times.
 class _Verdicts:
     """Remembered answers of :func:`decision_problem` (see [Note: one verdict per process])."""
 
@@ -122,6 +105,24 @@ def _verdict_key(
     return (func, spec, tuple(leaves), tuple(mesh.shape), outputs, decision.inplace, decision.size_arg)
 
 
+# [Note: decisions that hold on every rank]
+# A rule decides from layouts, which every rank shares, but the local op then
+# runs on each rank's own piece. A decision that is wrong for some pieces only
+# (``squeeze()`` dropping a dim that is 1 on one rank's piece; an op that
+# refuses an empty piece) used to fail on those ranks alone, while their peers
+# went on into the next collective and waited there until the timeout: one
+# rank's internal error, the others' hang. So the first time a decision is
+# made (decisions are cached by layouts, so this is once per signature) the
+# dispatcher runs the op on meta tensors with the local shapes of *every* mesh
+# coordinate and compares each result with the output layouts' local shapes
+# there. Every rank computes the same answer from the same layouts, with no
+# communication; a decision that fails anywhere is dropped on every rank and
+# the call takes the replicated fallback, which is right by construction (and,
+# under the ``"error"`` fallback policy, raises on every rank). Coordinates
+# with equal local shapes share one meta run.
+#
+# Decisions with a ``kernel`` are not checked: a kernel may communicate and
+# is written for uneven pieces itself.
 def decision_problem(
     func: Any, flat: list[Any], spec: Any, positions: Sequence[int], decision: Any, mesh: Any, meta: Any
 ) -> str | None:

@@ -1,22 +1,6 @@
 """The replicated fallback: what runs when no rule covers an op, and how loudly it says so.
 
-[Note: fallback]
-An op without a rule (or whose rule declines, or whose decision would not
-hold on every rank: see :mod:`hp_dtensor.ops.everywhere`) runs replicated:
-every DTensor input is gathered to ``Replicate``, the op runs on full tensors
-on every rank, each argument the op writes into gets its new value back in
-its own layout, and each output with the shape of the first DTensor input is
-cut back to that input's placements (other outputs stay replicated). The
-decision to fall back depends only on layouts and argument values, which
-every rank shares, so every rank takes it (or raises) together.
-
-It is always right and can be very expensive: ``clip_grad_norm_`` over
-sharded gradients would hold the whole model's gradients on every rank. So
-the first fallback of each op says which op, on which placements, how many
-bytes this rank received for it, and how to add a rule; with the ``"error"``
-policy (:func:`set_fallback_policy`, or ``HP_DTENSOR_FALLBACK=error``) it
-raises a ``NotImplementedError`` instead, on every rank, before any
-communication. :func:`fallback_stats` counts calls and bytes per op.
+What it does, and why it warns or raises: [Note: fallback] (above :func:`run_fallback`).
 """
 
 from __future__ import annotations
@@ -218,6 +202,23 @@ def _write_back(target: DTensor, full: torch.Tensor) -> None:
         target._local.copy_(piece)
 
 
+# [Note: fallback]
+# An op without a rule (or whose rule declines, or whose decision would not
+# hold on every rank: see :mod:`hp_dtensor.ops.everywhere`) runs replicated:
+# every DTensor input is gathered to ``Replicate``, the op runs on full tensors
+# on every rank, each argument the op writes into gets its new value back in
+# its own layout, and each output with the shape of the first DTensor input is
+# cut back to that input's placements (other outputs stay replicated). The
+# decision to fall back depends only on layouts and argument values, which
+# every rank shares, so every rank takes it (or raises) together.
+#
+# It is always right and can be very expensive: ``clip_grad_norm_`` over
+# sharded gradients would hold the whole model's gradients on every rank. So
+# the first fallback of each op says which op, on which placements, how many
+# bytes this rank received for it, and how to add a rule; with the ``"error"``
+# policy (:func:`set_fallback_policy`, or ``HP_DTENSOR_FALLBACK=error``) it
+# raises a ``NotImplementedError`` instead, on every rank, before any
+# communication. :func:`fallback_stats` counts calls and bytes per op.
 def run_fallback(
     func: Any,
     args: tuple[Any, ...],

@@ -1,23 +1,8 @@
 """``_foreach_*`` ops: a rule per element, then one local foreach call over all elements.
 
-[Note: foreach over meshes]
-A foreach op zips its lists: element ``i`` is ``(params[i], grads[i],
-exp_avgs[i], ...)``, and only the tensors of one element meet. So the
-DTensors of one element must share a mesh (or a permutation of it, re-expressed
-without communication, see [Note: permuted meshes] in
-:mod:`hp_dtensor.ops.meshes`), but different elements may live on different
-meshes: FSDP x TP parameters on ``("dp", "tp")`` and ``("tp", "dp")``, or a
-model whose parameters span several meshes. The local kernel does not care
-about meshes, so after each element is moved to its rule's placements the op
-still runs once over every element's local tensor (one kernel launch, as
-torch's DTensor does per mesh group), and each output is wrapped on its own
-element's mesh. A tensor passed outside the lists (``_foreach_mul_(grads,
-clip_coef)``) meets every element: it is taken whole (replicated).
-
-torch's ``clip_grad_norm_`` and optimizers use foreach only for tensor types
-they list as supported; DTensor is listed at import (as torch lists its own
-DTensor), so ``clip_grad_norm_`` and ``foreach=None`` optimizers on a
-foreach-capable device take these one-launch paths.
+Why elements may live on different meshes: [Note: foreach over meshes] (above
+:func:`dispatch_foreach`); how torch's optimizers find these paths:
+[Note: DTensor as a foreach type].
 """
 
 from __future__ import annotations
@@ -86,6 +71,19 @@ def foreach_run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     return dispatch_foreach(func, args, kwargs, _foreach_rule)
 
 
+# [Note: foreach over meshes]
+# A foreach op zips its lists: element ``i`` is ``(params[i], grads[i],
+# exp_avgs[i], ...)``, and only the tensors of one element meet. So the
+# DTensors of one element must share a mesh (or a permutation of it, re-expressed
+# without communication, see [Note: permuted meshes] in
+# :mod:`hp_dtensor.ops.meshes`), but different elements may live on different
+# meshes: FSDP x TP parameters on ``("dp", "tp")`` and ``("tp", "dp")``, or a
+# model whose parameters span several meshes. The local kernel does not care
+# about meshes, so after each element is moved to its rule's placements the op
+# still runs once over every element's local tensor (one kernel launch, as
+# torch's DTensor does per mesh group), and each output is wrapped on its own
+# element's mesh. A tensor passed outside the lists (``_foreach_mul_(grads,
+# clip_coef)``) meets every element: it is taken whole (replicated).
 def dispatch_foreach(
     func: Any,
     args: tuple[Any, ...],
@@ -181,6 +179,11 @@ def _foreach_mm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
 SPECIAL[aten._foreach_mm.default] = _foreach_mm
 
 
+# [Note: DTensor as a foreach type]
+# torch's ``clip_grad_norm_`` and optimizers use foreach only for tensor types
+# they list as supported; DTensor is listed at import (as torch lists its own
+# DTensor), so ``clip_grad_norm_`` and ``foreach=None`` optimizers on a
+# foreach-capable device take these one-launch paths.
 def _list_as_foreach_capable() -> None:
     """Let torch's foreach paths take DTensor lists (see [Note: foreach over meshes])."""
     from torch.optim import optimizer

@@ -5,16 +5,7 @@ so ``v @ M`` meets an in-place view on the product. Such an op changes the
 shape and strides of its argument in place; it is neither "the same op on
 every piece" (the generic in-place path keeps the layout) nor a value to
 write back (the fallback's copy into the old layout fails on the new shape).
-
-[Note: in-place views]
-The out-of-place twin (``squeeze`` for ``squeeze_``, ...) runs on the
-DTensor through its own view rule, which decides where the shards go and
-may move data; the DTensor then adopts the twin's local tensor and layout,
-and its wrapper's sizes and strides are set by running the op on the
-wrapper itself with dispatch off and meta kernels on (what torch does for
-its own wrapper subclasses in ``return_and_correct_aliasing``), so
-``x.shape`` and ``x.stride()`` agree with the new layout. Autograd records
-the view above this level, as for a plain tensor.
+How they run: [Note: in-place views] (above :func:`_inplace_view`).
 """
 
 from __future__ import annotations
@@ -51,6 +42,15 @@ def _set_wrapper_metadata(func: Any, dt: DTensor, args: tuple[Any, ...], kwargs:
             torch._C._set_meta_in_tls_dispatch_include(meta)
 
 
+# [Note: in-place views]
+# The out-of-place twin (``squeeze`` for ``squeeze_``, ...) runs on the
+# DTensor through its own view rule, which decides where the shards go and
+# may move data; the DTensor then adopts the twin's local tensor and layout,
+# and its wrapper's sizes and strides are set by running the op on the
+# wrapper itself with dispatch off and meta kernels on (what torch does for
+# its own wrapper subclasses in ``return_and_correct_aliasing``), so
+# ``x.shape`` and ``x.stride()`` agree with the new layout. Autograd records
+# the view above this level, as for a plain tensor.
 def _inplace_view(func: Any) -> Any:
     twin = _TWINS[func]
 
