@@ -1,28 +1,11 @@
 """Fused optimizer kernels (Adam, AdamW, SGD, Adagrad; in place and functional) on DTensor parameters.
 
 ``torch.optim.AdamW(params, fused=True)`` (torchtitan's default) steps every
-parameter of a device and dtype in one kernel call: ``_fused_adamw_(params,
-grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, ...,
-grad_scale=None, found_inf=None)``, in place, returning nothing. The update
-of element ``i`` reads and writes only element ``i`` of each list, so it is
-right on any piece as long as the parameter, its gradient and its states are
-the same piece: each of them is taken to its parameter's placements (a
-``Partial`` gradient is reduced, a state saved under other placements is
-moved), on the parameter's mesh or a permutation of it (see [Note: permuted
-meshes] in :mod:`hp_dtensor.ops.meshes`). The moved DTensors are updated
-themselves, so the kernel's writes land in them. Then the kernel runs once
-over every element's local tensor, whatever mesh each lives on.
-
-The step counters, ``lr``, ``grad_scale`` and ``found_inf`` are scalars each
-rank holds whole: plain tensors, or DTensors taken whole (replicated).
-
-The functional kernels (``_fused_adam``, ``_fused_adamw``, ``_fused_sgd``,
-``_fused_adagrad``: what functionalization turns the in-place ones into under
-``torch.compile``) leave their arguments alone and return new lists in the
-order of the arguments. The same per-element moves apply, but to copies (the
-caller's gradient and states keep their placements), and output list ``k``
-element ``i`` takes argument ``k`` element ``i``'s place: the parameter's
-layout for the parameter-shaped lists, the step counter's own for the steps.
+parameter of a device and dtype in one kernel call. Why that call is right on
+each rank's pieces, and where each list is moved first:
+[Note: fused steps on pieces] (above :func:`fused_step`); the functional
+kernels ``torch.compile`` runs: [Note: functional fused kernels] (above
+:func:`_wrap_outputs`).
 """
 
 from __future__ import annotations
@@ -71,10 +54,18 @@ def _follow(dt: DTensor, param: DTensor, func: Any, in_place: bool) -> torch.Ten
     return local
 
 
+# [Note: functional fused kernels]
+# The functional kernels (``_fused_adam``, ``_fused_adamw``, ``_fused_sgd``,
+# ``_fused_adagrad``: what functionalization turns the in-place ones into under
+# ``torch.compile``) leave their arguments alone and return new lists in the
+# order of the arguments. The same per-element moves apply, but to copies (the
+# caller's gradient and states keep their placements), and output list ``k``
+# element ``i`` takes argument ``k`` element ``i``'s place: the parameter's
+# layout for the parameter-shaped lists, the step counter's own for the steps.
 def _wrap_outputs(
     result: Any, args: tuple[Any, ...], params: list[DTensor], following: range
 ) -> tuple[list[Any], ...]:
-    """A functional kernel's output lists, each element placed like its argument (see the docstring)."""
+    """A functional kernel's output lists, each element placed like its argument (see the note)."""
     wrapped: list[list[Any]] = []
     for k, values in enumerate(result):
         out: list[Any] = []
@@ -92,8 +83,24 @@ def _wrap_outputs(
     return tuple(wrapped)
 
 
+# [Note: fused steps on pieces]
+# ``torch.optim.AdamW(params, fused=True)`` (torchtitan's default) steps every
+# parameter of a device and dtype in one kernel call: ``_fused_adamw_(params,
+# grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, ...,
+# grad_scale=None, found_inf=None)``, in place, returning nothing. The update
+# of element ``i`` reads and writes only element ``i`` of each list, so it is
+# right on any piece as long as the parameter, its gradient and its states are
+# the same piece: each of them is taken to its parameter's placements (a
+# ``Partial`` gradient is reduced, a state saved under other placements is
+# moved), on the parameter's mesh or a permutation of it (see
+# [Note: permuted meshes] in :mod:`hp_dtensor.ops.meshes`). The moved DTensors are updated
+# themselves, so the kernel's writes land in them. Then the kernel runs once
+# over every element's local tensor, whatever mesh each lives on.
+#
+# The step counters, ``lr``, ``grad_scale`` and ``found_inf`` are scalars each
+# rank holds whole: plain tensors, or DTensors taken whole (replicated).
 def fused_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a fused optimizer kernel over DTensor parameters (see the module docstring).
+    """Run a fused optimizer kernel over DTensor parameters ([Note: fused steps on pieces]).
 
     In place for ``_fused_*_`` (returns ``None``); the functional kernels
     return their output lists as DTensors placed like their arguments.

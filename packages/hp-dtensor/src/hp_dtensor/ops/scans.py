@@ -8,18 +8,6 @@ terms is the term of the running sums); every other partial is reduced first.
 A sharded scan dim is not gathered for the three scans with an associative
 combine (see [Note: sharded scans]); ``cummax`` / ``cummin`` gather that mesh
 dim only (their indices would need a second exchange for ties), as torch does.
-
-[Note: sharded scans]
-With the scan dim cut over one mesh dim, rank ``r`` scans its own piece; the
-true scan is that local scan combined with the total of every earlier piece
-(sum for cumsum, product for cumprod, log-sum-exp for logcumsumexp). Each
-rank's total is the last slice of its local scan, so one ``all_gather`` of
-that slice (the size of the tensor with the scan dim taken as 1, per rank)
-gives every rank the totals of all pieces; rank ``r`` folds those of ranks
-``< r`` and combines. An empty piece (uneven cut) offers the combine's
-identity. Communication is ``world`` slices instead of ``(world - 1) / world``
-of the tensor for gathering the dim; a dim shorter than two slices per rank,
-or cut over two mesh dims, is gathered instead.
 """
 
 from __future__ import annotations
@@ -79,6 +67,17 @@ _ASSOCIATIVE: dict[object, tuple[Callable[..., torch.Tensor], Callable[..., torc
 }
 
 
+# [Note: sharded scans]
+# With the scan dim cut over one mesh dim, rank ``r`` scans its own piece; the
+# true scan is that local scan combined with the total of every earlier piece
+# (sum for cumsum, product for cumprod, log-sum-exp for logcumsumexp). Each
+# rank's total is the last slice of its local scan, so one ``all_gather`` of
+# that slice (the size of the tensor with the scan dim taken as 1, per rank)
+# gives every rank the totals of all pieces; rank ``r`` folds those of ranks
+# ``< r`` and combines. An empty piece (uneven cut) offers the combine's
+# identity. Communication is ``world`` slices instead of ``(world - 1) / world``
+# of the tensor for gathering the dim; a dim shorter than two slices per rank,
+# or cut over two mesh dims, is gathered instead.
 def _prefix_kernel(mesh_dim: int) -> Callable[[LocalCall], torch.Tensor]:
     """See [Note: sharded scans]: local scan, one all_gather of each piece's total, combine."""
 

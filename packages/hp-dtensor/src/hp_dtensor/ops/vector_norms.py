@@ -10,23 +10,8 @@ partial norms is the partial of the local norms). ``frobenius_norm`` and
 ``linalg_matrix_norm('fro')`` decompose into ``linalg_vector_norm``; the
 matrix norms that need singular values (``'nuc'``, 2) gather.
 
-``clip_grad_norm_`` computes ``_foreach_norm(grads)``, stacks the norms and
-takes the norm of the stack, so ``stack`` keeps a partial shared by its
-inputs (a replicated input joins it locally) instead of reducing every norm
-on its own: the clip then costs one scalar all-reduce per mesh dim, the first
-time the total norm is used (``total_norm + 1e-6``), as in torch.
-
-``_foreach_max`` (the inf-norm building block of torch's foreach norm paths)
-and ``_foreach_powsum`` (``sum(|x|**p)``, the p-norm before its root) are
-whole-tensor reductions too: ``Partial("max")`` and ``Partial("sum")``, one
-all-reduce when read, never a gather.
-
-[Note: empty pieces]
-An uneven cut may leave a rank with no rows. The inf, -inf and negative-p
-norms of an empty tensor are undefined in torch (it raises), but as a term of
-a partial the empty piece contributes the reduction's identity: 0 for ``inf``
-(a max of norms), ``inf`` for ``-inf`` and for ``p < 0`` (whose ``inf**p`` is
-0 in the sum). Other ``p`` give 0 on an empty tensor already.
+Notes beside their code: [Note: clip_grad_norm_ as one partial],
+[Note: whole-tensor foreach reductions], [Note: empty pieces].
 """
 
 from __future__ import annotations
@@ -108,6 +93,12 @@ def _parse(call: OpCall) -> tuple[float, Any, bool]:
     return _ord(ord), dim, keepdim
 
 
+# [Note: empty pieces]
+# An uneven cut may leave a rank with no rows. The inf, -inf and negative-p
+# norms of an empty tensor are undefined in torch (it raises), but as a term of
+# a partial the empty piece contributes the reduction's identity: 0 for ``inf``
+# (a max of norms), ``inf`` for ``-inf`` and for ``p < 0`` (whose ``inf**p`` is
+# 0 in the sum). Other ``p`` give 0 on an empty tensor already.
 def _empty_safe_kernel(ord: float, dims: list[int], keepdim: bool) -> Any:
     """The norm on this rank's piece, or the identity when a reduced dim is empty here."""
     fill = _identity(ord)
@@ -163,6 +154,11 @@ def vector_norm_rule(call: OpCall) -> Decision:
 WholeDecision = Callable[[Layout], tuple[Sequence[Placement], Sequence[Placement]]]
 
 
+# [Note: whole-tensor foreach reductions]
+# ``_foreach_max`` (the inf-norm building block of torch's foreach norm paths)
+# and ``_foreach_powsum`` (``sum(|x|**p)``, the p-norm before its root) are
+# whole-tensor reductions too: ``Partial("max")`` and ``Partial("sum")``, one
+# all-reduce when read, never a gather.
 def _foreach_whole_rule(decide: WholeDecision) -> Callable[[OpCall], Decision]:
     """A foreach rule reducing each element to a scalar: ``decide`` cuts every DTensor element."""
 
@@ -228,6 +224,12 @@ def _foreach_norm_rule(call: OpCall) -> Decision:
     return _foreach_whole_rule(_foreach_norm_decision(call))(call)
 
 
+# [Note: clip_grad_norm_ as one partial]
+# ``clip_grad_norm_`` computes ``_foreach_norm(grads)``, stacks the norms and
+# takes the norm of the stack, so ``stack`` keeps a partial shared by its
+# inputs (a replicated input joins it locally) instead of reducing every norm
+# on its own: the clip then costs one scalar all-reduce per mesh dim, the first
+# time the total norm is used (``total_norm + 1e-6``), as in torch.
 def _foreach_norm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return dispatch_foreach(
         aten._foreach_norm.Scalar,
