@@ -1,20 +1,7 @@
 """The functional-collective *ops* a compiled graph runs, through the checked torch.distributed calls.
 
-[Note: compiled graphs under the emulation]
-``hp_testing._funcol`` wraps the public functional entry points, which is
-what eager code and the *tracing* of a compiled region call. The graph that
-``torch.compile`` produces calls the ops themselves
-(``torch.ops._c10d_functional.all_reduce`` and friends) every time it runs,
-straight into the process group's C++ backend: without this module the
-emulation would check a compiled step's collectives once, while it was
-traced, and never again. So while the layer is installed, the CPU kernels of
-those ops are replaced by small Python kernels that perform the same
-collective with the matching ``torch.distributed`` call, which the layer has
-wrapped: every run of a compiled graph goes through the same fingerprints,
-rules and cross-rank checks as eager code. The kernels are synchronous (the
-graph's ``wait_tensor`` then finds nothing to wait for), which changes no
-values. Uninstalling removes the registrations, and the C++ kernels are
-used again.
+Why a compiled graph needs them, and how they run:
+[Note: compiled graphs under the emulation] (above :func:`install_functional_ops`).
 """
 
 from __future__ import annotations
@@ -106,6 +93,21 @@ _KERNELS = {
 }
 
 
+# [Note: compiled graphs under the emulation]
+# ``hp_testing._funcol`` wraps the public functional entry points, which is
+# what eager code and the *tracing* of a compiled region call. The graph that
+# ``torch.compile`` produces calls the ops themselves
+# (``torch.ops._c10d_functional.all_reduce`` and friends) every time it runs,
+# straight into the process group's C++ backend: without this module the
+# emulation would check a compiled step's collectives once, while it was
+# traced, and never again. So while the layer is installed, the CPU kernels of
+# those ops are replaced by small Python kernels that perform the same
+# collective with the matching ``torch.distributed`` call, which the layer has
+# wrapped: every run of a compiled graph goes through the same fingerprints,
+# rules and cross-rank checks as eager code. The kernels are synchronous (the
+# graph's ``wait_tensor`` then finds nothing to wait for), which changes no
+# values. Uninstalling removes the registrations, and the C++ kernels are
+# used again.
 def install_functional_ops() -> None:
     """Route the CPU kernels of ``_c10d_functional``'s collectives through torch.distributed (once)."""
     global _LIBRARY

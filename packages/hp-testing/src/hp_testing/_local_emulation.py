@@ -1,26 +1,9 @@
 """The backend's contract on every rank of a local world: gloo's, or NCCL's / HCCL's under ``emulate``.
 
-The multi-process mode checks a rank's calls in three places: the profile's
-rules on the calling rank (contiguity, reduce ops, dtypes, ``recv`` without
-``src``, ``monitored_barrier``), the side channel that compares the ranks'
-calls through the store, and the emulation of what gloo lacks (``premul_sum``,
-uneven ``all_gather``, fp8 moved as bytes). In local mode the first and the
-last are the same code: the emulation layer is installed in the process for
-the run (the ``gloo`` profile, or ``nccl-emu`` / ``hccl-emu`` under
-``emulate="nccl"`` / ``"hccl"``), and every rank's calls go through it, so a
-non-contiguous buffer is refused as gloo would corrupt it, even though the
-in-memory backend would not. The side channel is left off:
-the in-memory backend already sees every rank's side of a collective or a
-message at once and compares them there (argument agreement, shapes and
-dtypes, group membership by the group's own ranks, p2p matching in issue
-order, hangs). The layer maps tags to 0 under NCCL / HCCL, so the backend
-matches messages in issue order as those backends do.
-
-What stays with the multi-process mode is what needs concurrency or the
-store: async hazards (strict mode), faults, timeouts, NCCL's first
-``batch_isend_irecv`` on a group (it is about when a communicator is
-created), and reporting a send and a receive that meet with different tags
-(the layer drops the tags before the backend sees them).
+The emulation layer is installed in the process for the run and every rank's
+calls go through it; the side channel is left off, since the in-memory backend
+sees every rank's side of a call at once. Why, and what stays with the
+multi-process mode: [Note: the emulation in local mode] (above :func:`emulated`).
 """
 
 from __future__ import annotations
@@ -58,6 +41,28 @@ def _local_backend(factory: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# [Note: the emulation in local mode]
+# The multi-process mode checks a rank's calls in three places: the profile's
+# rules on the calling rank (contiguity, reduce ops, dtypes, ``recv`` without
+# ``src``, ``monitored_barrier``), the side channel that compares the ranks'
+# calls through the store, and the emulation of what gloo lacks (``premul_sum``,
+# uneven ``all_gather``, fp8 moved as bytes). In local mode the first and the
+# last are the same code: the emulation layer is installed in the process for
+# the run (the ``gloo`` profile, or ``nccl-emu`` / ``hccl-emu`` under
+# ``emulate="nccl"`` / ``"hccl"``), and every rank's calls go through it, so a
+# non-contiguous buffer is refused as gloo would corrupt it, even though the
+# in-memory backend would not. The side channel is left off:
+# the in-memory backend already sees every rank's side of a collective or a
+# message at once and compares them there (argument agreement, shapes and
+# dtypes, group membership by the group's own ranks, p2p matching in issue
+# order, hangs). The layer maps tags to 0 under NCCL / HCCL, so the backend
+# matches messages in issue order as those backends do.
+#
+# What stays with the multi-process mode is what needs concurrency or the
+# store: async hazards (strict mode), faults, timeouts, NCCL's first
+# ``batch_isend_irecv`` on a group (it is about when a communicator is
+# created), and reporting a send and a receive that meet with different tags
+# (the layer drops the tags before the backend sees them).
 @contextmanager
 def emulated(emulate: str | None) -> Iterator[Profile]:
     """The layer installed for the run, with gloo's profile or ``emulate``'s; yields the profile."""

@@ -1,32 +1,8 @@
 """What one rank of a local-mode world owns: the process state a real rank would have to itself.
 
-[Note: one process, many ranks' state]
-Local mode runs every rank of a world as a thread of one process, but the
-code under test keeps per-process state in module globals: torch's
-``distributed_c10d`` holds the default group and the group maps, hp_core's
-mesh module caches groups by rank list, the RNG is one generator, and
-``os.environ`` carries ``RANK``. Shared, rank 1 would find rank 0's groups.
-
-The ranks therefore run one at a time (see :mod:`hp_testing._local_world`)
-and switch only where a rank blocks in communication. At each switch the
-leaving rank's state is saved and the entering rank's is put back, as an
-operating system swaps processes:
-
-* module data globals (dicts, lists, sets, and plain values) of torch's
-  ``distributed_c10d``, of the packages a caller names (``state_packages``)
-  and of every loaded ``hp_*`` module but hp_testing's
-  (whose only per-rank global is ``record_collectives``' list of open logs):
-  each rank starts from a copy of what the process had (containers copied one
-  level, as ``fork`` would give it), then keeps its own;
-* the CPU RNG state and the default dtype;
-* ``sys.stdout`` / ``sys.stderr`` (each rank writes to its own buffer) and
-  ``sys.excepthook`` (``init_process_group`` installs a rank-prefixing one);
-* the torchrun environment variables (``RANK``, ``LOCAL_RANK``, ...).
-
-Only globals are swapped: state a module captured elsewhere (a class
-attribute, a closure, an ``lru_cache``) stays shared between the ranks, which
-is right for caches whose values do not depend on the rank and wrong for any
-that do; hp's packages keep rank-dependent state in module globals.
+Why it is swapped at each switch between ranks, and what is (module globals,
+RNG, default dtype, stdio, torchrun variables):
+[Note: one process, many ranks' state] (above :class:`RankState`).
 """
 
 from __future__ import annotations
@@ -146,6 +122,33 @@ class Slots:
             setattr(module, name, value)
 
 
+# [Note: one process, many ranks' state]
+# Local mode runs every rank of a world as a thread of one process, but the
+# code under test keeps per-process state in module globals: torch's
+# ``distributed_c10d`` holds the default group and the group maps, hp_core's
+# mesh module caches groups by rank list, the RNG is one generator, and
+# ``os.environ`` carries ``RANK``. Shared, rank 1 would find rank 0's groups.
+#
+# The ranks therefore run one at a time (see :mod:`hp_testing._local_world`)
+# and switch only where a rank blocks in communication. At each switch the
+# leaving rank's state is saved and the entering rank's is put back, as an
+# operating system swaps processes:
+#
+# * module data globals (dicts, lists, sets, and plain values) of torch's
+#   ``distributed_c10d``, of the packages a caller names (``state_packages``)
+#   and of every loaded ``hp_*`` module but hp_testing's
+#   (whose only per-rank global is ``record_collectives``' list of open logs):
+#   each rank starts from a copy of what the process had (containers copied one
+#   level, as ``fork`` would give it), then keeps its own;
+# * the CPU RNG state and the default dtype;
+# * ``sys.stdout`` / ``sys.stderr`` (each rank writes to its own buffer) and
+#   ``sys.excepthook`` (``init_process_group`` installs a rank-prefixing one);
+# * the torchrun environment variables (``RANK``, ``LOCAL_RANK``, ...).
+#
+# Only globals are swapped: state a module captured elsewhere (a class
+# attribute, a closure, an ``lru_cache``) stays shared between the ranks, which
+# is right for caches whose values do not depend on the rank and wrong for any
+# that do; hp's packages keep rank-dependent state in module globals.
 class RankState:
     """One rank's saved process state while another rank runs."""
 

@@ -6,20 +6,8 @@ backend and its own copy of the process state a rank owns (see
 [Note: one process, many ranks' state] and [Note: cooperative ranks]). The
 marker's ``mode="local"`` and ``hp-run --local`` are built on it.
 
-Why threads and not torch's ``LocalTensor``: ``LocalTensorMode`` runs the
-program once over tensors that hold every rank's value, so a rank's Python
-control flow (``if rank == 0``, a shard size computed from the mesh
-coordinate, a pipeline stage per rank) must become symbolic per-rank ints,
-and only torch's own ``DeviceMesh`` methods are patched to produce them.
-hp's packages compute with plain ints from their own mesh, and a test body
-written for the multi-process harness branches on ``rank``; running each rank
-as its own thread runs that code unchanged, the same body in both modes.
-
-What it cannot do is what needs ranks that run at the same time: async hazards
-(a touch of a pending collective's buffer is only a race when the collective
-runs concurrently), fault injection (killing or stalling a process) and
-timeouts. Those stay with the multi-process mode, and asking for them here
-raises :class:`ConcurrencyNeededError`.
+Why threads: [Note: threads rather than LocalTensor] (above :func:`run_local`);
+what it refuses: [Note: what local mode leaves to processes].
 """
 
 from __future__ import annotations
@@ -50,6 +38,12 @@ __all__ = [
 _HP_MODULES = ("hp_core", "hp_testing.collectives", "hp_dtensor", "hp_fsdp", "hp_pipeline")
 
 
+# [Note: what local mode leaves to processes]
+# Local mode cannot do what needs ranks that run at the same time: async hazards
+# (a touch of a pending collective's buffer is only a race when the collective
+# runs concurrently), fault injection (killing or stalling a process) and
+# timeouts. Those stay with the multi-process mode, and asking for them here
+# raises :class:`ConcurrencyNeededError`.
 class ConcurrencyNeededError(RuntimeError):
     """A feature that needs ranks running at the same time was asked for in local mode."""
 
@@ -138,6 +132,15 @@ def run_local_outcomes(
             set_backend_semantics(BACKEND, previous)
 
 
+# [Note: threads rather than LocalTensor]
+# Why threads and not torch's ``LocalTensor``: ``LocalTensorMode`` runs the
+# program once over tensors that hold every rank's value, so a rank's Python
+# control flow (``if rank == 0``, a shard size computed from the mesh
+# coordinate, a pipeline stage per rank) must become symbolic per-rank ints,
+# and only torch's own ``DeviceMesh`` methods are patched to produce them.
+# hp's packages compute with plain ints from their own mesh, and a test body
+# written for the multi-process harness branches on ``rank``; running each rank
+# as its own thread runs that code unchanged, the same body in both modes.
 def run_local(
     fn: Callable[[int], Any],
     world_size: int,
