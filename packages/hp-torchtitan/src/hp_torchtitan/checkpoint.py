@@ -8,30 +8,9 @@ DTensors laid out like their parameters), the LR schedulers and the data
 loader, and hands the lot to ``torch.distributed.checkpoint``. So a run here
 builds exactly those objects and gives them to a ``CheckpointManager``.
 
-[Note: what is reproduced instead of torchtitan's]
-* The training loop: torchtitan's ``Trainer`` does not run on a CPU-only
-  torch (see [Note: why not torchtitan's Trainer] in
-  :mod:`hp_torchtitan.driver`), so :class:`TrainingRun` builds the model,
-  optimizer and LR schedulers from torchtitan's configs and takes steps as
-  :func:`hp_torchtitan.driver.train_losses` does, but one at a time, so that a
-  checkpoint can be saved or loaded between steps.
-* The data loader's state: torchtitan's ``ParallelAwareDataloader`` needs
-  HuggingFace ``datasets``. :class:`BatchCursor` stands in: the number of
-  batches a data-parallel rank has consumed, saved under the same per-rank key
-  (``dp_rank_{r}``) torchtitan's loader uses so that DCP keeps every rank's
-  value, and read back on load to pick the next batch.
-* The trainer's own state (``train_state``: the step): :class:`TrainState`.
-
-Everything DCP sees (keys, tensor types, layouts) is torchtitan's.
-
-[Note: interchangeable files]
-DCP writes per tensor a global shape and, per rank, the box it saves
-(offsets and sizes). A torch DTensor's box comes from torch's
-``compute_local_shape_and_global_offset``; an hp DTensor's from its DCP
-protocol (:mod:`hp_dtensor.checkpoint`). For the files to load across the two
-the metadata must describe the same tensors; :func:`checkpoint_layout` reads
-it back so a test can compare the two checkpoints entry by entry (they are
-identical, boxes included, for FSDP and FSDP x TP).
+What stands in for torchtitan's trainer and loader:
+[Note: what is reproduced instead of torchtitan's] (above :class:`TrainState`);
+why hp's and torch's files load across: [Note: interchangeable files].
 """
 
 from __future__ import annotations
@@ -97,6 +76,21 @@ class StorageStableModelWrapper(ModelWrapper):
         return cache
 
 
+# [Note: what is reproduced instead of torchtitan's]
+# * The training loop: torchtitan's ``Trainer`` does not run on a CPU-only
+#   torch (see [Note: why not torchtitan's Trainer] in
+#   :mod:`hp_torchtitan.driver`), so :class:`TrainingRun` builds the model,
+#   optimizer and LR schedulers from torchtitan's configs and takes steps as
+#   :func:`hp_torchtitan.driver.train_losses` does, but one at a time, so that a
+#   checkpoint can be saved or loaded between steps.
+# * The data loader's state: torchtitan's ``ParallelAwareDataloader`` needs
+#   HuggingFace ``datasets``. :class:`BatchCursor` stands in: the number of
+#   batches a data-parallel rank has consumed, saved under the same per-rank key
+#   (``dp_rank_{r}``) torchtitan's loader uses so that DCP keeps every rank's
+#   value, and read back on load to pick the next batch.
+# * The trainer's own state (``train_state``: the step): :class:`TrainState`.
+#
+# Everything DCP sees (keys, tensor types, layouts) is torchtitan's.
 @dataclass
 class TrainState(Stateful):
     """The trainer's own state torchtitan checkpoints as ``train_state``: the step reached."""
@@ -268,6 +262,14 @@ class TrainingRun:
         return manager
 
 
+# [Note: interchangeable files]
+# DCP writes per tensor a global shape and, per rank, the box it saves
+# (offsets and sizes). A torch DTensor's box comes from torch's
+# ``compute_local_shape_and_global_offset``; an hp DTensor's from its DCP
+# protocol (:mod:`hp_dtensor.checkpoint`). For the files to load across the two
+# the metadata must describe the same tensors; :func:`checkpoint_layout` reads
+# it back so a test can compare the two checkpoints entry by entry (they are
+# identical, boxes included, for FSDP and FSDP x TP).
 def checkpoint_layout(path: str | Path) -> dict[str, Any]:
     """What a DCP checkpoint's metadata says of each entry: tensors' global shape, dtype and saved boxes.
 

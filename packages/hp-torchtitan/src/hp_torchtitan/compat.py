@@ -1,20 +1,8 @@
 """The two stand-ins torchtitan 0.3.0 needs to import and build meshes on a CPU-only torch 2.13.
 
-[Note: why stand-ins]
-torchtitan 0.3.0 imports ``triton`` at import time of any model package:
-``torchtitan.models.common`` -> ``moe`` -> ``token_dispatcher`` ->
-``torchtitan.distributed.minimal_async_ep.kernels`` (``import triton``), even for
-dense models that never dispatch tokens. Installing the triton wheel into a CPU
-environment would make ``torch._inductor`` believe a GPU toolchain exists, so
-instead, when triton is absent, we register a module object under that one
-module name whose kernels raise a clear error if ever called. Nothing of torch
-is patched.
-
-torchtitan also picks its device type once, at import, from
-torch's available accelerator, which is none on a CPU-only build, and then
-falls back to ``"cuda"``; ``ParallelDims.build_mesh`` then asks
-for a CUDA mesh. :func:`use_cpu_device` points that one module attribute at
-``"cpu"`` when no accelerator is present.
+A ``triton`` kernels module ([Note: why stand-ins], above
+:func:`install_triton_stand_in`) and the device type
+([Note: CPU device type], above :func:`use_cpu_device`). Nothing of torch is patched.
 """
 
 from __future__ import annotations
@@ -56,6 +44,15 @@ def _kernels_stand_in() -> types.ModuleType:
     return module
 
 
+# [Note: why stand-ins]
+# torchtitan 0.3.0 imports ``triton`` at import time of any model package:
+# ``torchtitan.models.common`` -> ``moe`` -> ``token_dispatcher`` ->
+# ``torchtitan.distributed.minimal_async_ep.kernels`` (``import triton``), even for
+# dense models that never dispatch tokens. Installing the triton wheel into a CPU
+# environment would make ``torch._inductor`` believe a GPU toolchain exists, so
+# instead, when triton is absent, we register a module object under that one
+# module name whose kernels raise a clear error if ever called. Nothing of torch
+# is patched.
 def install_triton_stand_in() -> bool:
     """Register the kernels stand-in when triton is missing; return whether it was needed.
 
@@ -71,6 +68,12 @@ def install_triton_stand_in() -> bool:
     return True
 
 
+# [Note: CPU device type]
+# torchtitan also picks its device type once, at import, from
+# torch's available accelerator, which is none on a CPU-only build, and then
+# falls back to ``"cuda"``; ``ParallelDims.build_mesh`` then asks
+# for a CUDA mesh. :func:`use_cpu_device` points that one module attribute at
+# ``"cpu"`` when no accelerator is present.
 def use_cpu_device() -> str:
     """Make torchtitan's mesh building use ``"cpu"`` when torch sees no accelerator.
 

@@ -1,45 +1,9 @@
 """The smallest training loop that runs torchtitan's pieces on CPU/gloo: model, spec, optimizer, loss.
 
-[Note: why not torchtitan's Trainer]
-torchtitan 0.3.0's ``Trainer`` cannot run on a CPU-only torch 2.13 without
-changes to torchtitan itself:
-
-* it imports ``torch.utils.tensorboard`` (``components/metrics.py``) and so the
-  ``tensorboard`` package, and its data loader imports HuggingFace ``datasets``;
-* it selects ``torch.cuda`` as its device module when torch sees no
-  accelerator and calls ``set_device`` on it;
-* ``model_config.update_from_config`` imports the Trainer (above);
-* its pipeline path calls ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=)``,
-  which torch 2.13's schedules do not have (newer torch; hp_pipeline has it).
-
-So this loop does, step for step, what ``Trainer.train_step`` does without
-gradient accumulation: the global count of
-valid tokens summed over the batch mesh, forward with torchtitan's
-document-causal flex-attention masks, torchtitan's cross-entropy divided by
-that count, backward, ``torchtitan.distributed.utils.clip_grad_norm_``, the
-optimizer and LR schedulers built from torchtitan's configs (default AdamW:
-fused, betas (0.9, 0.95), weight decay 0.1; linear warmup then decay), and the
-logged loss summed over the loss mesh. Everything that decides numerics is
-torchtitan's; only the plumbing around it is ours.
-
-[Note: pipeline steps]
-With PP the model is cut by the spec's own ``pipelining_fn`` (torchtitan's
-``pipeline_llm`` for its spec, :func:`hp_torchtitan.pipeline.pipeline_decoder`
-for hp's), and a step is ``Trainer.pp_forward_backward_step``: the batch cut
-into ``local_batch_size // pipeline_parallel_microbatch_size`` micro-batches
-(torchtitan's loader yields them one by one; here they are consecutive rows),
-the model's keyword inputs (``positions``) given to every stage,
-``loss_kwargs={"global_valid_tokens": ...}`` so each micro-batch's loss is its
-token sum over the step's global count (the schedule does not rescale:
-``scale_grads=False``), and the step's loss on the last stage's rank the sum of
-the micro-batch losses; a rank without the last stage reports ``-1`` as
-torchtitan does, so after the sum over the loss mesh the logged value there is
-``-dp`` (torchtitan prints the real loss from a last-stage rank). The gradient
-norm is reduced over ``pp`` too (``clip_grad_norm_(..., pp_mesh=...)``).
-hp_pipeline's schedules get torchtitan's call exactly (pre-split ``arg_mbs`` /
-``kwarg_mbs`` / ``target_mbs``); torch 2.13's get the whole batch,
-``step(inputs, target=labels, losses=, loss_kwargs=, positions=...)``, which it
-cuts into the same consecutive micro-batches.
+It does, step for step, what torchtitan's ``Trainer.train_step`` does; why the
+Trainer itself cannot run here and what the loop reproduces:
+[Note: why not torchtitan's Trainer] (above :func:`train_losses`). A step with
+pipeline parallelism: [Note: pipeline steps] (above :func:`_pp_forward_backward`).
 """
 
 from __future__ import annotations
@@ -184,6 +148,27 @@ def build_parallel_dims(dp_replicate: int = 1, tp: int = 1, pp: int = 1) -> Any:
     return dims
 
 
+# [Note: why not torchtitan's Trainer]
+# torchtitan 0.3.0's ``Trainer`` cannot run on a CPU-only torch 2.13 without
+# changes to torchtitan itself:
+#
+# * it imports ``torch.utils.tensorboard`` (``components/metrics.py``) and so the
+#   ``tensorboard`` package, and its data loader imports HuggingFace ``datasets``;
+# * it selects ``torch.cuda`` as its device module when torch sees no
+#   accelerator and calls ``set_device`` on it;
+# * ``model_config.update_from_config`` imports the Trainer (above);
+# * its pipeline path calls ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=)``,
+#   which torch 2.13's schedules do not have (newer torch; hp_pipeline has it).
+#
+# So this loop does, step for step, what ``Trainer.train_step`` does without
+# gradient accumulation: the global count of
+# valid tokens summed over the batch mesh, forward with torchtitan's
+# document-causal flex-attention masks, torchtitan's cross-entropy divided by
+# that count, backward, ``torchtitan.distributed.utils.clip_grad_norm_``, the
+# optimizer and LR schedulers built from torchtitan's configs (default AdamW:
+# fused, betas (0.9, 0.95), weight decay 0.1; linear warmup then decay), and the
+# logged loss summed over the loss mesh. Everything that decides numerics is
+# torchtitan's; only the plumbing around it is ours.
 def train_losses(
     spec: Any,
     batches: Sequence[Batch],
@@ -248,6 +233,24 @@ def _build_model_parts(
     return parts, _Pipeline(schedule, has_first, has_last, m)
 
 
+# [Note: pipeline steps]
+# With PP the model is cut by the spec's own ``pipelining_fn`` (torchtitan's
+# ``pipeline_llm`` for its spec, :func:`hp_torchtitan.pipeline.pipeline_decoder`
+# for hp's), and a step is ``Trainer.pp_forward_backward_step``: the batch cut
+# into ``local_batch_size // pipeline_parallel_microbatch_size`` micro-batches
+# (torchtitan's loader yields them one by one; here they are consecutive rows),
+# the model's keyword inputs (``positions``) given to every stage,
+# ``loss_kwargs={"global_valid_tokens": ...}`` so each micro-batch's loss is its
+# token sum over the step's global count (the schedule does not rescale:
+# ``scale_grads=False``), and the step's loss on the last stage's rank the sum of
+# the micro-batch losses; a rank without the last stage reports ``-1`` as
+# torchtitan does, so after the sum over the loss mesh the logged value there is
+# ``-dp`` (torchtitan prints the real loss from a last-stage rank). The gradient
+# norm is reduced over ``pp`` too (``clip_grad_norm_(..., pp_mesh=...)``).
+# hp_pipeline's schedules get torchtitan's call exactly (pre-split ``arg_mbs`` /
+# ``kwarg_mbs`` / ``target_mbs``); torch 2.13's get the whole batch,
+# ``step(inputs, target=labels, losses=, loss_kwargs=, positions=...)``, which it
+# cuts into the same consecutive micro-batches.
 def _pp_forward_backward(
     pipeline: _Pipeline,
     parts: Sequence[nn.Module],
