@@ -1,31 +1,10 @@
 """torchtitan's parallelize function for its decoders, with hp_fsdp instead of torch's FSDP2.
 
-Same signature and the same FSDP units as torchtitan 0.3.0's
-``parallelize_llama`` + ``apply_fsdp_to_decoder`` for a dense decoder, so a
-:class:`torchtitan.protocols.model_spec.ModelSpec` can name it as its
-``parallelize_fn`` and torchtitan's trainer (or our CPU driver) calls it
-unchanged:
-
-* ``tok_embeddings`` one unit, every transformer block one unit, ``norm`` and
-  ``lm_head`` together one unit that keeps its parameters gathered after the
-  forward (the backward needs them first), the root last;
-* fp32 or the configured mixed precision, with ``cast_forward_inputs=False``;
-* gradient division off (``set_gradient_divide_factor(1.0)``): torchtitan's
-  loss is already a sum divided by the global count of valid tokens.
-
-With ``tp > 1`` the decoder is first tensor-parallel (sequence parallel on)
-by :func:`hp_torchtitan.tensor_parallel.apply_tp`, then FSDP shards the TP
-parameters again over the data-parallel dims of the same hp mesh.
-
-Under pipeline parallelism torchtitan (or :func:`hp_torchtitan.pipeline.pipeline_decoder`)
-calls this once per stage's model part; modules a part does not hold are
-``None`` (or an empty ``layers``) and are skipped, and blocks keep their
-parameters gathered after the forward by default, as torchtitan's
-``get_fsdp_reshard_after_forward_policy`` does with PP on.
-
-What is not here yet raises before anything is applied: context and expert
-parallelism, TP without sequence parallelism, activation
-checkpointing, compile, CPU offload, weight tying (see the README's "Not yet").
+A ``ModelSpec`` can name :func:`parallelize_decoder` as its ``parallelize_fn``
+and torchtitan's trainer (or our CPU driver) calls it unchanged. Its units, TP
+first and pipeline stage parts: [Note: torchtitan's FSDP units] (above
+:func:`parallelize_decoder`); what it refuses: [Note: not yet in parallelize]
+(above :func:`_check_supported`).
 """
 
 from __future__ import annotations
@@ -45,6 +24,10 @@ def _reject(observed: str, fix: str) -> None:
     raise NotImplementedError(f"hp_torchtitan.parallelize_decoder: {observed} is not supported yet; {fix}.")
 
 
+# [Note: not yet in parallelize]
+# What is not here yet raises before anything is applied: context and expert
+# parallelism, TP without sequence parallelism, activation
+# checkpointing, compile, CPU offload, weight tying (see the README's "Not yet").
 def _check_supported(model: nn.Module, parallel_dims: Any, parallelism: Any, compile_config: Any) -> None:
     """Refuse, before any module is touched, every option this slice does not implement."""
     for name in ("cp", "ep"):
@@ -75,6 +58,29 @@ def _check_supported(model: nn.Module, parallel_dims: Any, parallelism: Any, com
         _reject("a model with enable_weight_tying=True", "use a flavor without tied embeddings")
 
 
+# [Note: torchtitan's FSDP units]
+# Same signature and the same FSDP units as torchtitan 0.3.0's
+# ``parallelize_llama`` + ``apply_fsdp_to_decoder`` for a dense decoder, so a
+# :class:`torchtitan.protocols.model_spec.ModelSpec` can name it as its
+# ``parallelize_fn`` and torchtitan's trainer (or our CPU driver) calls it
+# unchanged:
+#
+# * ``tok_embeddings`` one unit, every transformer block one unit, ``norm`` and
+#   ``lm_head`` together one unit that keeps its parameters gathered after the
+#   forward (the backward needs them first), the root last;
+# * fp32 or the configured mixed precision, with ``cast_forward_inputs=False``;
+# * gradient division off (``set_gradient_divide_factor(1.0)``): torchtitan's
+#   loss is already a sum divided by the global count of valid tokens.
+#
+# With ``tp > 1`` the decoder is first tensor-parallel (sequence parallel on)
+# by :func:`hp_torchtitan.tensor_parallel.apply_tp`, then FSDP shards the TP
+# parameters again over the data-parallel dims of the same hp mesh.
+#
+# Under pipeline parallelism torchtitan (or :func:`hp_torchtitan.pipeline.pipeline_decoder`)
+# calls this once per stage's model part; modules a part does not hold are
+# ``None`` (or an empty ``layers``) and are skipped, and blocks keep their
+# parameters gathered after the forward by default, as torchtitan's
+# ``get_fsdp_reshard_after_forward_policy`` does with PP on.
 def parallelize_decoder(
     model: nn.Module,
     *,

@@ -5,32 +5,9 @@ Same signature and the same result as torchtitan 0.3.0's
 names it as its ``pipelining_fn`` and torchtitan's trainer (or our CPU driver)
 calls it unchanged: ``(schedule, model_parts, has_first_stage, has_last_stage)``.
 
-[Note: the same split as torchtitan]
-Parity with torchtitan's own PP run needs the same weights on the same stages,
-so the split follows torchtitan's rules exactly:
-
-* the number of stages: ``pipeline_parallel_layers_per_stage`` when set
-  (``ceil((layers + first_less + last_less) / per_stage)`` stages), else one
-  stage per pipeline rank for single-stage schedules and two for looped ones;
-* which modules: ``parallelism.module_fqns_per_model_part`` when given, else
-  :func:`decoder_stage_fqns`: ``tok_embeddings`` counts as
-  ``pipeline_parallel_first_stage_less_layers`` layers, ``norm`` + ``lm_head``
-  as ``pipeline_parallel_last_stage_less_layers``, and the layers are dealt
-  out evenly, the first stages taking one more when they do not divide;
-* which stages a rank holds: ``r, r + pp, ...`` ("loop"), or ``r, 2pp-1-r``
-  for the V schedules (``hp_pipeline.stages_on_rank``);
-* a model part is a deep copy of the whole (meta) model with the modules of
-  other stages set to ``None`` and the other blocks deleted from ``layers``,
-  so parameter names are the whole model's.
-
-Then each part goes through the spec's ``parallelize_fn`` (hp's TP and
-``fully_shard``), becomes an ``hp_pipeline.PipelineStage`` on torchtitan's
-``pp`` process group, and the schedule is built as torchtitan builds it:
-``local_batch_size // pipeline_parallel_microbatch_size`` micro-batches,
-``scale_grads=False`` (torchtitan's loss is already divided by the global
-count of valid tokens) and a loss function that returns the scalar loss only.
-hp_pipeline's schedules take torchtitan's ``step(arg_mbs=, kwarg_mbs=,
-target_mbs=, losses=, loss_kwargs=, return_outputs=)`` call as it is.
+How the model is split: [Note: the same split as torchtitan] (above
+:func:`decoder_stage_fqns`); how the parts run:
+[Note: stages and schedule as torchtitan builds them] (above :func:`pipeline_decoder`).
 """
 
 from __future__ import annotations
@@ -53,6 +30,23 @@ def _fail(message: str) -> None:
     raise ValueError(f"hp_torchtitan.pipeline_decoder: {message}.")
 
 
+# [Note: the same split as torchtitan]
+# Parity with torchtitan's own PP run needs the same weights on the same stages,
+# so the split follows torchtitan's rules exactly:
+#
+# * the number of stages: ``pipeline_parallel_layers_per_stage`` when set
+#   (``ceil((layers + first_less + last_less) / per_stage)`` stages), else one
+#   stage per pipeline rank for single-stage schedules and two for looped ones;
+# * which modules: ``parallelism.module_fqns_per_model_part`` when given, else
+#   :func:`decoder_stage_fqns`: ``tok_embeddings`` counts as
+#   ``pipeline_parallel_first_stage_less_layers`` layers, ``norm`` + ``lm_head``
+#   as ``pipeline_parallel_last_stage_less_layers``, and the layers are dealt
+#   out evenly, the first stages taking one more when they do not divide;
+# * which stages a rank holds: ``r, r + pp, ...`` ("loop"), or ``r, 2pp-1-r``
+#   for the V schedules (``hp_pipeline.stages_on_rank``);
+# * a model part is a deep copy of the whole (meta) model with the modules of
+#   other stages set to ``None`` and the other blocks deleted from ``layers``,
+#   so parameter names are the whole model's.
 def decoder_stage_fqns(
     num_stages: int, num_layers: int, input_weight: int = 1, output_weight: int = 1
 ) -> list[list[str]]:
@@ -161,6 +155,15 @@ def _scalar_loss(loss_fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     return scalar_loss
 
 
+# [Note: stages and schedule as torchtitan builds them]
+# Then each part goes through the spec's ``parallelize_fn`` (hp's TP and
+# ``fully_shard``), becomes an ``hp_pipeline.PipelineStage`` on torchtitan's
+# ``pp`` process group, and the schedule is built as torchtitan builds it:
+# ``local_batch_size // pipeline_parallel_microbatch_size`` micro-batches,
+# ``scale_grads=False`` (torchtitan's loss is already divided by the global
+# count of valid tokens) and a loss function that returns the scalar loss only.
+# hp_pipeline's schedules take torchtitan's ``step(arg_mbs=, kwarg_mbs=,
+# target_mbs=, losses=, loss_kwargs=, return_outputs=)`` call as it is.
 def pipeline_decoder(
     model: nn.Module,
     *,

@@ -1,37 +1,8 @@
 """Tensor parallelism (with sequence parallelism) for torchtitan's Llama 3 decoder, with hp_dtensor.
 
-torchtitan 0.3.0 states its TP plan as per-module ``sharding_config``s
-(``models/common/decoder_sharding.py`` + ``models/llama3/sharding.py``) that
-``Module.parallelize`` turns into torch DTensors. The same plan, written with
-``hp_dtensor.parallelize_module`` (sequence parallelism on, torchtitan's
-default):
-
-==========================  ==================================================
-module                      hp style (torchtitan's placement on ``tp``)
-==========================  ==================================================
-``tok_embeddings``          row-wise: table ``Shard(0)``, output ``Shard(1)``
-``layers.*.attention_norm`` ``SequenceParallel`` (weight ``Replicate``)
-``layers.*.attention``      input ``Shard(1)`` gathered to ``Replicate``
-``...qkv_linear.wqkv``      column-wise (``Shard(0)`` weight, KV-group interleaved)
-``layers.*.attention.wo``   row-wise, output reduce-scattered to ``Shard(1)``
-``layers.*.ffn_norm``       ``SequenceParallel``
-``layers.*.feed_forward``   input ``Shard(1)`` gathered to ``Replicate``
-``...w1`` / ``...w3``       column-wise
-``...feed_forward.w2``      row-wise, output ``Shard(1)``
-``norm``                    ``SequenceParallel``
-``lm_head``                 column-wise from ``Shard(1)``, output gathered
-==========================  ==================================================
-
-Every parameter is then an hp DTensor on the ``tp`` mesh (nothing is left
-whole), so after FSDP all of them live on one 2-D mesh, which gradient
-clipping and the fused optimizer need.
-
-Two differences from torchtitan's torch run, neither numerical beyond fp32
-rounding: the residual stream between blocks is the local ``Shard(1)`` piece
-(a plain tensor, as torchtitan's pre-0.3 plan had it) rather than a DTensor, and
-``lm_head`` hands back replicated logits (a plain tensor) for a plain
-cross-entropy, where torchtitan keeps them vocab-sharded for its loss-parallel
-cross-entropy, which tests for torch's DTensor type.
+torchtitan 0.3.0's TP plan written with ``hp_dtensor.parallelize_module``, module
+by module: [Note: torchtitan's TP plan] (above :func:`apply_tp`); where the run
+differs from torchtitan's (not numerically): [Note: differences from torchtitan's TP run].
 """
 
 from __future__ import annotations
@@ -87,6 +58,39 @@ def _check_blocks(model: nn.Module, tp: int) -> None:
             )
 
 
+# [Note: torchtitan's TP plan]
+# torchtitan 0.3.0 states its TP plan as per-module ``sharding_config``s
+# (``models/common/decoder_sharding.py`` + ``models/llama3/sharding.py``) that
+# ``Module.parallelize`` turns into torch DTensors. The same plan, written with
+# ``hp_dtensor.parallelize_module`` (sequence parallelism on, torchtitan's
+# default):
+#
+# ==========================  ==================================================
+# module                      hp style (torchtitan's placement on ``tp``)
+# ==========================  ==================================================
+# ``tok_embeddings``          row-wise: table ``Shard(0)``, output ``Shard(1)``
+# ``layers.*.attention_norm`` ``SequenceParallel`` (weight ``Replicate``)
+# ``layers.*.attention``      input ``Shard(1)`` gathered to ``Replicate``
+# ``...qkv_linear.wqkv``      column-wise (``Shard(0)`` weight, KV-group interleaved)
+# ``layers.*.attention.wo``   row-wise, output reduce-scattered to ``Shard(1)``
+# ``layers.*.ffn_norm``       ``SequenceParallel``
+# ``layers.*.feed_forward``   input ``Shard(1)`` gathered to ``Replicate``
+# ``...w1`` / ``...w3``       column-wise
+# ``...feed_forward.w2``      row-wise, output ``Shard(1)``
+# ``norm``                    ``SequenceParallel``
+# ``lm_head``                 column-wise from ``Shard(1)``, output gathered
+# ==========================  ==================================================
+#
+# Every parameter is then an hp DTensor on the ``tp`` mesh (nothing is left
+# whole), so after FSDP all of them live on one 2-D mesh, which gradient
+# clipping and the fused optimizer need.
+# [Note: differences from torchtitan's TP run]
+# Two differences from torchtitan's torch run, neither numerical beyond fp32
+# rounding: the residual stream between blocks is the local ``Shard(1)`` piece
+# (a plain tensor, as torchtitan's pre-0.3 plan had it) rather than a DTensor, and
+# ``lm_head`` hands back replicated logits (a plain tensor) for a plain
+# cross-entropy, where torchtitan keeps them vocab-sharded for its loss-parallel
+# cross-entropy, which tests for torch's DTensor type.
 def apply_tp(model: nn.Module, tp_mesh: hp_core.DeviceMesh) -> None:
     """Shard a torchtitan Llama 3 decoder (on any device, meta included) over the 1-D ``tp_mesh``.
 
