@@ -520,7 +520,7 @@ LOCAL = [
         lambda c: Partial("mean"),
         ValueError,
         r"'mean'",
-        r"one of \['sum', 'avg', 'max', 'min', 'norm'\]",
+        r"one of \['sum', 'avg', 'max', 'min', 'product', 'norm'\]",
     ),
     Bad("Partial(int)", lambda c: Partial(5), TypeError, r"reduce_op=5", r"Partial\('sum'\)"),
     Bad(

@@ -213,10 +213,7 @@ REDUCTIONS = {
     "min dim": lambda t: t.min(0, keepdim=True),
 }
 
-# Where hp issues collectives although torch's DTensor does not: prod over a sharded dim
-# (torch keeps a Partial("product"), a placement hp_dtensor does not have; one all-reduce of
-# the output's size here).
-_NOT_AT_TORCH = {"prod", "prod dim"}
+_NOT_AT_TORCH: set[str] = set()  # hp communicates no more than torch's DTensor on any of them
 
 
 @pytest.mark.distributed(world_size=2)
@@ -248,6 +245,27 @@ def test_reductions_off_the_reduced_dims_are_local(rank, device_mesh_factory) ->
     # Over the sharded dim: a partial with no communication at all.
     low, high = check(lambda t: torch.aminmax(t), [x], [[Shard(1)]], mesh, collectives={})
     assert (low.placements, high.placements) == ((Partial("min"),), (Partial("max"),))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_prod_over_a_sharded_dim_is_a_product_partial(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """No communication until the value is read; exact with zeros and negatives; to torch and back."""
+    from hp_dtensor import from_torch_dtensor, to_torch_dtensor
+
+    mesh = device_mesh_factory((2,))
+    x = torch.tensor([[2.0, -1.0, 3.0], [0.5, -4.0, 0.0], [-1.5, 2.0, 1.0]], dtype=torch.float64)
+    for fn, cut in ((lambda t: t.prod(0), [Shard(0)]), (lambda t: t.prod(), [Shard(1)])):
+        dx = distribute_tensor(x, mesh, cut)
+        with record_collectives() as log:
+            out = fn(dx)
+        assert len(log) == 0 and out.placements == (Partial("product"),)
+        back = from_torch_dtensor(to_torch_dtensor(out))
+        assert back.placements == (Partial("product"),)
+        torch.testing.assert_close(out.full_tensor(), fn(x))
+        torch.testing.assert_close(back.full_tensor(), fn(x))
+    # a replicated value as product terms (rank 0 keeps it, the others hold ones)
+    terms = distribute_tensor(x, mesh, [R]).redistribute(mesh, [Partial("product")])
+    torch.testing.assert_close(terms.full_tensor(), x)
 
 
 @pytest.mark.distributed(world_size=2)

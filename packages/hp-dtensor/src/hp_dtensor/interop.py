@@ -52,7 +52,8 @@ def _torch_norm_partial(norm_type: float) -> Any:
 def _from_torch_placement(placement: Any, placements: Any) -> Placement:
     unsupported = ValueError(
         f"from_torch_dtensor: placement {placement!r} (of {list(placements)}) has no hp_dtensor equivalent; "
-        "hp_dtensor has Shard(dim), Replicate() and Partial('sum' | 'avg' | 'max' | 'min' | 'norm'). "
+        "hp_dtensor has Shard(dim), Replicate() and "
+        "Partial('sum' | 'avg' | 'max' | 'min' | 'product' | 'norm'). "
         "Redistribute the torch DTensor to one of those first, e.g. "
         "t.redistribute(placements=[Replicate()] * mesh.ndim)."
     )

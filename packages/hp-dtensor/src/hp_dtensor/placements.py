@@ -7,7 +7,7 @@ that mesh dim hold of the global tensor:
   ``torch.chunk`` (the last ranks may hold fewer rows, or none);
 * ``Replicate()``: every rank holds the same values;
 * ``Partial(reduce_op)``: every rank holds a term, and the global value is the
-  reduction (``sum``, ``avg``, ``max`` or ``min``) of the terms;
+  reduction (``sum``, ``avg``, ``max``, ``min`` or ``product``) of the terms;
 * ``Partial("norm", p)``: every rank holds the p-norm of its piece, and the
   global value is the p-norm of those terms (see [Note: norm partials]).
 
@@ -43,7 +43,7 @@ __all__ = [
     "torch_equivalent",
 ]
 
-PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "norm")
+PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "product", "norm")
 
 
 class StepRunner(Protocol):
@@ -337,8 +337,9 @@ def as_placement(value: Any, what: str) -> Placement:
     if is_torch_placement(value):
         raise TypeError(
             f"{what}={value!r} is torch's {kind.__module__}.{kind.__qualname__}, which has no hp_dtensor "
-            "equivalent; hp_dtensor takes Shard(d), Replicate() and Partial('sum' | 'avg' | 'max' | 'min'), "
-            "torch's or its own. Redistribute to one of those first."
+            "equivalent; hp_dtensor takes Shard(d), Replicate() and "
+            "Partial('sum' | 'avg' | 'max' | 'min' | 'product'), torch's or its own. "
+            "Redistribute to one of those first."
         )
     raise TypeError(
         f"{what}={value!r} ({kind.__module__}.{kind.__qualname__}) is not a placement; use "

@@ -142,12 +142,15 @@ def _all_to_all(
 def _to_partial(local: torch.Tensor, dst: Partial, mesh: Any, mesh_dim: int) -> torch.Tensor:
     # A replicated value as terms whose reduction gives it back: for a sum one
     # rank keeps the value and the others hold zeros (exact, unlike dividing);
-    # avg, max and min of equal terms are the term itself. A finite p-norm's
-    # others hold a term whose p-th power is 0: 0 for p > 0, inf for p < 0.
+    # avg, max and min of equal terms are the term itself; for a product the
+    # others hold ones. A finite p-norm's others hold a term whose p-th power
+    # is 0: 0 for p > 0, inf for p < 0.
     if mesh.get_local_rank(mesh_dim) == 0:
         return local
     if dst.reduce_op == "sum":
         return torch.zeros_like(local)
+    if dst.reduce_op == "product":
+        return torch.ones_like(local)
     if dst.reduce_op == "norm" and dst.norm_type not in (_INF, -_INF):
         return torch.full_like(local, 0.0 if cast(float, dst.norm_type) > 0 else _INF)
     return local

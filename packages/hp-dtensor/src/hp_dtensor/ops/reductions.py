@@ -261,24 +261,14 @@ def logsumexp_rule(call: OpCall) -> Decision:
     return Decision(inputs={position: inputs}, outputs=[out], kernel=kernel)
 
 
-def _prod_kernel(mesh_dims: list[int]) -> Callable[[LocalCall], Any]:
-    """The product of the local products: one ``all_reduce(product)`` of the output per mesh dim."""
-
-    def run(call: LocalCall) -> torch.Tensor:
-        out = call.func(*call.args, **call.kwargs).contiguous()
-        for group in _groups(call.layout(0), mesh_dims):
-            hc.all_reduce(out, "product", group)
-        return out
-
-    return run
-
-
 @register(aten.prod.default, aten.prod.dim_int)
 def prod_rule(call: OpCall) -> Decision:
-    """``prod``: other dims' shards pass; sharded reduced dims by one product all-reduce.
+    """``prod``: other dims' shards pass; sharded reduced dims give ``Partial("product")``, no communication.
 
-    (torch's DTensor leaves the result a ``Partial("product")``, a placement
-    hp_dtensor does not have; the all-reduce here is of the output's size.)
+    The product of the pieces' products is the product (an empty piece's is 1,
+    the identity), exact with zeros and negatives; the one all-reduce is paid
+    when a later op needs the value, or never when it stays partial, as in
+    torch's DTensor.
     """
     position = call.position_of(call.args[0])
     layout = call.layout(position)
@@ -288,9 +278,8 @@ def prod_rule(call: OpCall) -> Decision:
         dims = _reduced_dims(layout, call.args[1])
         keepdim = bool(_kwarg(call, 2, "keepdim", False))
     inputs, out, cutting = kernel_reduce_decision(layout, dims, keepdim)
-    return Decision(
-        inputs={position: inputs}, outputs=[out], kernel=_prod_kernel(cutting) if cutting else None
-    )
+    product = tuple(Partial("product") if m in cutting else p for m, p in enumerate(out))
+    return Decision(inputs={position: inputs}, outputs=[product])
 
 
 @register(aten.aminmax.default)
