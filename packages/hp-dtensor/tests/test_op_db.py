@@ -41,18 +41,26 @@ CI_OPS = (
     "add", "sub", "mul", "div.no_rounding_mode", "neg", "exp", "log", "sqrt", "rsqrt", "pow", "tanh",
     "sigmoid", "abs", "clamp", "where", "lerp", "addcmul", "addcdiv", "masked_fill", "maximum", "erf",
     "reciprocal", "nan_to_num", "nn.functional.gelu", "nn.functional.silu", "nn.functional.relu",
+    "nn.functional.hardswish", "nn.functional.prelu", "nn.functional.glu",
     # reductions
     "sum", "mean", "amax", "amin", "max.reduction_with_dim", "max.reduction_no_dim", "var", "std",
-    "linalg.vector_norm", "logsumexp", "argmax", "cumsum", "all", "any",
+    "linalg.vector_norm", "logsumexp", "argmax", "cumsum", "all", "any", "prod",
     # norms, softmax
     "nn.functional.layer_norm", "nn.functional.rms_norm", "native_layer_norm", "nn.functional.group_norm",
     "nn.functional.normalize", "softmax", "log_softmax", "torch.ops.aten._safe_softmax.default",
+    "nn.functional.batch_norm",
     # matmul family, attention
     "mm", "bmm", "addmm", "matmul", "nn.functional.linear", "baddbmm", "einsum", "mv", "dot", "outer",
+    "addmv", "addr",
     "nn.functional.scaled_dot_product_attention",
     # views and shapes
     "view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "flatten", "split",
     "chunk", "cat", "stack", "narrow", "select", "unflatten", "contiguous", "clone", "repeat", "tril", "triu",
+    "ravel",
+    # spatial (vision towers)
+    "nn.functional.max_pool2d", "nn.functional.avg_pool2d", "nn.functional.adaptive_avg_pool2d",
+    "nn.functional.interpolate.bilinear", "nn.functional.interpolate.nearest", "nn.functional.pixel_shuffle",
+    "nn.functional.grid_sample",
     # indexing
     "gather", "scatter", "scatter_add", "index_select", "index_add", "index_put", "take_along_dim",
     "nn.functional.embedding", "__getitem__",
@@ -63,6 +71,7 @@ CI_OPS = (
     "view_as_complex", "complex", "polar", "real", "conj", "angle",
     # foreach (optimizers)
     "_foreach_add", "_foreach_mul", "_foreach_addcmul", "_foreach_lerp", "_foreach_sqrt", "_foreach_norm",
+    "_foreach_max",
 )  # fmt: skip
 
 #: Today's failures, by (OpInfo name, variant): reason. The test fails when one of these passes
