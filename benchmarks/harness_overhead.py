@@ -7,16 +7,23 @@ round by round:
 
 - hp-testing: ``@pytest.mark.distributed(world_size=N)``, pooled ranks;
 - ``MultiProcessTestCase``: torch's harness that spawns the ranks per test;
-- ``MultiProcContinuousTest``: torch's harness that keeps ranks per test class.
+- ``MultiProcContinuousTest``: torch's harness that keeps ranks per test class;
+- ``MultiProcessTestCase`` on hp-testing: the very same ``MultiProcessTestCase``
+  files, unchanged, with hp-testing's plugin loaded (it runs their ranks on its
+  pool: ``hp_testing._torch_cases``), which is what a downstream repository
+  gets by installing hp-testing.
 
 Reported: wall time of the whole session divided by the number of tests, and
-the ratio ours / theirs (below 1.0 means hp-testing is faster). The last line
-is one JSON object.
+the ratio ours / theirs (below 1.0 means hp-testing is faster): the marker
+against both torch harnesses, and the pooled ``MultiProcessTestCase`` files
+against ``MultiProcContinuousTest`` (the fastest way torch offers) and against
+themselves under torch's harness. The last line is one JSON object.
 
 torch's harness module imports ``expecttest``, which torch does not declare;
 the benchmark installs it into the running environment when it is missing.
 
-Usage: ``python benchmarks/harness_overhead.py [--rounds N]``
+Usage: ``python benchmarks/harness_overhead.py [--rounds N] [--skip HARNESS ...]``
+(``--skip MultiProcessTestCase`` leaves out the slowest harness, about four minutes).
 """
 
 from __future__ import annotations
@@ -113,10 +120,19 @@ class AllReduce{world}Ranks{tag}(MultiProcContinuousTest):
 """
 MPCT_TEST = MPTC_TEST
 
+POOLED_MPTC = "MultiProcessTestCase on hp-testing"
 HARNESSES = {
     "hp-testing": (HP_FILE, HP_TEST, []),
     "MultiProcessTestCase": (MPTC_FILE, MPTC_TEST, ["-p", "no:hp_testing"]),
     "MultiProcContinuousTest": (MPCT_FILE, MPCT_TEST, ["-p", "no:hp_testing"]),
+    POOLED_MPTC: (MPTC_FILE, MPTC_TEST, []),
+}
+#: (ours, theirs) -> the key of ours / theirs in the JSON line's ratios.
+RATIOS = {
+    ("hp-testing", "MultiProcessTestCase"): "MultiProcessTestCase",
+    ("hp-testing", "MultiProcContinuousTest"): "MultiProcContinuousTest",
+    (POOLED_MPTC, "MultiProcContinuousTest"): "pooled MultiProcessTestCase / MultiProcContinuousTest",
+    (POOLED_MPTC, "MultiProcessTestCase"): "pooled MultiProcessTestCase / MultiProcessTestCase",
 }
 
 
@@ -168,28 +184,37 @@ def ensure_expecttest() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds per harness (default 1)")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=list(HARNESSES), help="harnesses to leave out"
+    )
     args = parser.parse_args()
     ensure_expecttest()
-    walls: dict[str, list[float]] = {name: [] for name in HARNESSES}
+    chosen = [name for name in HARNESSES if name not in args.skip]
+    walls: dict[str, list[float]] = {name: [] for name in chosen}
     count = TESTS_PER_FILE * len(FILES)
     with tempfile.TemporaryDirectory(prefix="hp-bench-") as tmp:
-        suites = {name: write_suite(Path(tmp), name) for name in HARNESSES}
+        suites = {name: write_suite(Path(tmp), name) for name in chosen}
         for _ in range(args.rounds):
-            for name, (_, _, extra) in HARNESSES.items():
-                wall, count = run_suite(suites[name], extra)
+            for name in chosen:
+                wall, count = run_suite(suites[name], HARNESSES[name][2])
                 walls[name].append(wall)
     per_test = {name: statistics.median(w) / count for name, w in walls.items()}
-    ours = per_test["hp-testing"]
-    ratios = {name: ours / value for name, value in per_test.items() if name != "hp-testing"}
+    ratios = {
+        key: per_test[ours] / per_test[theirs]
+        for (ours, theirs), key in RATIOS.items()
+        if ours in per_test and theirs in per_test
+    }
 
     print(
         f"{count} trivial all_reduce tests (20 on 2 ranks, 20 on 4), whole pytest session, "
         f"median of {args.rounds} round(s)"
     )
-    print(f"{'harness':<26}{'session s':>11}{'per test ms':>13}{'ours / theirs':>15}")
-    for name in HARNESSES:
-        ratio = "" if name == "hp-testing" else f"{ratios[name]:.4f}"
-        print(f"{name:<26}{statistics.median(walls[name]):>11.2f}{per_test[name] * 1e3:>13.1f}{ratio:>15}")
+    print(f"{'harness':<36}{'session s':>11}{'per test ms':>13}")
+    for name in chosen:
+        print(f"{name:<36}{statistics.median(walls[name]):>11.2f}{per_test[name] * 1e3:>13.1f}")
+    print(f"{'ours / theirs':<60}{'ratio':>9}")
+    for key, value in ratios.items():
+        print(f"{key:<60}{value:>9.4f}")
     print(
         json.dumps(
             {

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hp_testing._lifetime import die_with_parent
-from hp_testing._torch_rank import RankSkip, install_adoption
+from hp_testing._torch_rank import RankSkip, install_adoption, rank_body
 
 # Fixtures whose value differs per rank: computed inside the worker, never sent.
 #: Fixtures each rank builds itself instead of receiving a pickled copy. ``monkeypatch`` is one:
@@ -221,8 +221,6 @@ def _load_module(task: Task) -> ModuleType:
 def _load_function(task: Task, cfg: WorkerConfig) -> Callable[..., Any]:
     module = _load_module(task)
     if task.kind != "function":
-        from hp_testing._torch_rank import rank_body
-
         return rank_body(task, module, cfg.rank, cfg.world_size, cfg.backend)
     if task.class_name is None:
         fn: Callable[..., Any] = getattr(module, task.function_name)

@@ -80,6 +80,9 @@ def preload(modules: list[str]) -> bool:
         return False  # already running with them
     ctx = forkserver_context()
     if server._forkserver_pid is not None:
+        # Killed, not asked: it would first finish its own preload (seconds) before it noticed.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)
         server._stop()
     ctx.set_forkserver_preload(wanted)  # type: ignore[attr-defined]
     saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
