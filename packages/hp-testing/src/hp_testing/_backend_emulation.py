@@ -24,7 +24,7 @@ from hp_testing._calls import Call
 from hp_testing._hazards import DoneWork
 from hp_testing.profiles import Profile
 
-__all__ = ["FP8", "AllWork", "execute", "transfer_view"]
+__all__ = ["FP8", "AllWork", "BatchPart", "execute", "transfer_view"]
 
 #: Gather-like collectives that only move bytes (fp8 may pass as uint8 there).
 MOVES = (
@@ -61,7 +61,11 @@ def transfer_view(profile: Profile, tensor: torch.Tensor) -> torch.Tensor:
 
 
 class AllWork:
-    """Several torch works waited as one (a batch whose results are handed over together)."""
+    """The first handle of a batch: its own op's work, but waiting it waits every op of the batch.
+
+    The results of a batch are handed over together (checks, every transfer);
+    what only reads state (``get_future``, ``result``, ...) is the first op's.
+    """
 
     def __init__(self, handles: list[Any]) -> None:
         self._handles = handles
@@ -76,6 +80,24 @@ class AllWork:
 
     def is_completed(self) -> bool:
         return all(h.is_completed() for h in self._handles)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handles[0], name)
+
+
+class BatchPart:
+    """Another op of a batch: waited through the first handle (a gloo work waited twice blocks
+    forever), its state read from its own work (a future that completes when the op does)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def wait(self, timeout: Any = None) -> bool:
+        del timeout  # the first handle's wait, run before this one, waited the real work
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
 
 
 def execute(

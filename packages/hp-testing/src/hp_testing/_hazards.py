@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["AsyncBuffers", "AsyncHazardError", "CheckedWork", "DoneWork"]
 
@@ -26,7 +27,17 @@ class AsyncHazardError(RuntimeError):
     """An async collective's buffer was touched between issue and ``wait()``, or never waited."""
 
 
-class DoneWork:
+# [Note: handles are torch Works]
+# torch code decides whether to wait a handle by its type: FSDP2 waits an async
+# all-gather only ``if isinstance(work, dist.distributed_c10d.Work)`` (a handle
+# of any other type is taken for a finished op) and then reads the gathered
+# parameters. A handle the layer returns that is not a ``dist.Work`` is therefore
+# never waited: FSDP2 read buffers gloo was still writing, and torch's PP x FSDP
+# got wrong or NaN gradients under the checks only. Both handles below subclass
+# ``dist.Work`` (a pybind class with a Python trampoline, as in torch's own
+# Python process groups), and every method of ``Work`` is defined here, since
+# the base class's own would answer for an empty C++ work, not the real one.
+class DoneWork(dist.Work):
     """A work handle for something that already finished (emulated synchronously)."""
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
@@ -44,6 +55,14 @@ class DoneWork:
 
     def result(self) -> list[torch.Tensor]:
         return []
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result([])
+        return future
+
+    def synchronize(self) -> None:
+        return None
 
 
 # [Note: why outputs are not shadowed]
@@ -102,8 +121,12 @@ class AsyncBuffers:
             )
 
 
-class CheckedWork:
-    """A torch ``Work`` plus what must run at ``wait()`` (p2p matching, strict-mode hand-over)."""
+class CheckedWork(dist.Work):
+    """A torch ``Work`` plus what must run at ``wait()`` (p2p matching, strict-mode hand-over).
+
+    A ``dist.Work`` itself ([Note: handles are torch Works]); what only reads
+    the real work's state goes to it, what waits runs the checks first.
+    """
 
     def __init__(
         self,
@@ -112,6 +135,7 @@ class CheckedWork:
         after: Sequence[Callable[[], object]],
         on_waited: Callable[[CheckedWork], None] | None = None,
     ) -> None:
+        super().__init__()
         self._inner = inner
         self._before = before
         self._after = after
@@ -140,6 +164,30 @@ class CheckedWork:
             self.wait()
             return True
         return False
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        self.wait()  # on gloo's CPU "stream" blocking it means waiting
+
+    def is_success(self) -> bool:
+        return bool(self._inner.is_success())
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def result(self) -> Any:
+        return self._inner.result()
+
+    def source_rank(self) -> int:
+        return int(self._inner.source_rank())
+
+    def get_future(self) -> Any:
+        return self._inner.get_future()
+
+    def get_future_result(self) -> Any:
+        return self._inner.get_future_result()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

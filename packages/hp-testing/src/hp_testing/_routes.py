@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from hp_testing._backend_emulation import AllWork, execute, transfer_view
+from hp_testing._backend_emulation import AllWork, BatchPart, execute, transfer_view
 from hp_testing._calls import Call, call_site, describe, describe_p2p, object_p2p
 from hp_testing._hazards import AsyncBuffers, CheckedWork, DoneWork
 from hp_testing.profiles import check_call
@@ -201,8 +201,7 @@ def run_batch(layer: Layer, orig: Callable[..., Any], ops: list[Any], isend: Cal
         if buffers is not None
         else None,
     )
-    # (the others must not wait their torch work again: a gloo send waited twice blocks forever)
-    return [first] + [CheckedWork(DoneWork(), [first.wait], [], None) for _ in handles[1:]]
+    return [first] + [CheckedWork(BatchPart(handle), [first.wait], [], None) for handle in handles[1:]]
 
 
 def run_object_p2p(layer: Layer, name: str, orig: Callable[..., Any], args: dict[str, Any]) -> Any:
