@@ -48,6 +48,16 @@ def test_nccl_contract_in_the_process_mode(rank: int) -> None:
     _nccl_body(rank)
 
 
+@pytest.mark.distributed(world_size=WORLD, backend="nccl-emu", mode="local")
+def test_nccl_contract_through_the_marker_in_local_mode(rank: int) -> None:
+    _nccl_body(rank)
+
+
+@pytest.mark.distributed(world_size=WORLD, backend="hccl-emu", mode="local")
+def test_hccl_contract_through_the_marker_in_local_mode(rank: int) -> None:
+    _hccl_body(rank)
+
+
 def test_nccl_contract_in_local_mode() -> None:
     run_local(_nccl_body, WORLD, emulate="nccl")
     # the layer is gone after the run: torch's own functions and hp_core's own platform again

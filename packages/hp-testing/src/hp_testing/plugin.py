@@ -189,8 +189,6 @@ def _mode(item: pytest.Item, marker: pytest.Mark, backend: str, options: RunOpti
             wanted.append("faults=[...] (fault injection)")
         if "timeout" in marker.kwargs:
             wanted.append("timeout= (a hang is reported at once in local mode, no timeout needed)")
-        if backend != "gloo":
-            wanted.append(f"backend={backend!r} (local mode judges collectives by gloo's rules for now)")
         if wanted:
             raise MarkerError(
                 f"{item.nodeid}: mode='local' runs the ranks one at a time in one process and cannot "
@@ -328,7 +326,9 @@ class HarnessSession:
         if mode == "local":
             from hp_testing._local_pytest import run_local_test
 
-            _report(pyfuncitem, run_local_test(pyfuncitem, world), "hplocal (local mode)", options)
+            outcome = run_local_test(pyfuncitem, world, backend)
+            rules = "" if backend == "gloo" else f", {backend} rules"
+            _report(pyfuncitem, outcome, f"hplocal (local mode{rules})", options)
             return True
         _report(pyfuncitem, self._outcome(world, backend, task, timeout, options), backend, options)
         return True
