@@ -64,6 +64,48 @@ def test_async_handles_are_torch_works_nccl_emu_strict(rank: int) -> None:
     _async_ops_return_torch_works(rank)
 
 
+# -- P2POp keeps dist.isend / dist.irecv ----------------------------------------------------
+
+
+def _issue(ops: list[dist.P2POp]) -> list[dist.Work]:
+    """What torch's pipelining does with a list of ops (``schedules._batch_p2p``, in short): an
+    all-send or all-receive list as single ops, told apart by identity with ``dist.isend``."""
+    kinds = {op.op for op in ops}
+    if kinds == {dist.isend} or kinds == {dist.irecv}:
+        return [op.op(op.tensor, op.peer) for op in ops]
+    return dist.batch_isend_irecv(ops)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_p2pop_keeps_the_functions_torch_code_compares_with(rank: int) -> None:
+    """A ``P2POp`` holds ``dist.isend`` itself, and a mixed batch of them still moves the right data."""
+    peer = 1 - rank
+    sent, got = torch.full((3,), 1.0 + rank), torch.empty(3)
+    ops = [dist.P2POp(dist.isend, sent, peer), dist.P2POp(dist.irecv, got, peer)]
+    assert ops[0].op is dist.isend and ops[1].op is dist.irecv
+    for work in _issue(ops):
+        work.wait()
+    assert torch.equal(got, torch.full((3,), 1.0 + peer))
+
+
+@pytest.mark.distributed(world_size=3, backend="nccl-emu")
+def test_single_sends_of_torch_pipelining_are_not_a_first_batch(rank: int) -> None:
+    """Ranks 0 and 1 exchange as torch's pipelining does, rank 2 takes no part: on NCCL these are
+    single sends and receives, not a group's first ``batch_isend_irecv`` (which every rank of the
+    group must join); the layer once turned them into one and reported rank 2 missing."""
+    tensor = torch.full((2,), 5.0) if rank == 0 else torch.empty(2)
+    if rank == 0:
+        works = _issue([dist.P2POp(dist.isend, tensor, 1)])
+    elif rank == 1:
+        works = _issue([dist.P2POp(dist.irecv, tensor, 0)])
+    else:
+        works = []
+    for work in works:
+        work.wait()
+    if rank == 1:
+        assert torch.equal(tensor, torch.full((2,), 5.0))
+
+
 # -- the smallest torch program that showed it -----------------------------------------------
 
 

@@ -25,7 +25,7 @@ from hp_testing.profiles import check_call
 if TYPE_CHECKING:
     from hp_testing._layer import Layer
 
-__all__ = ["check_collective", "run_batch", "run_collective", "run_object_p2p", "run_p2p"]
+__all__ = ["check_collective", "run_batch", "run_collective", "run_object_p2p", "run_p2p", "torch_op"]
 
 
 def _global_peer(args: dict[str, Any], send: bool) -> int | None:
@@ -147,6 +147,21 @@ def run_p2p(layer: Layer, name: str, orig: Callable[..., Any], args: dict[str, A
     )
 
 
+def torch_op(op: Any, tensor: Any = None, tag: int | None = None) -> Any:
+    """``op`` as torch's own ``batch_isend_irecv`` needs it: with torch's isend/irecv, not our wrappers.
+
+    torch's batch tells sends from receives by ``op.op is isend`` (its own
+    function); our ``P2POp``s hold the wrappers ([Note: P2POp keeps the wrapper]
+    in :mod:`hp_testing.emulation`). ``tensor``/``tag`` replace the op's own.
+    """
+    fn = getattr(op.op, "__hp_original__", op.op)
+    tensor = op.tensor if tensor is None else tensor
+    tag = op.tag if tag is None else tag
+    if fn is op.op and tensor is op.tensor and tag == op.tag:
+        return op
+    return dist.P2POp(fn, tensor, op.peer, op.group, tag)
+
+
 def run_batch(layer: Layer, orig: Callable[..., Any], ops: list[Any], isend: Callable[..., Any]) -> Any:
     """One ``batch_isend_irecv``: its ops progress together (one NCCL group); ``isend`` is torch's own."""
     channel = layer.side_channel()
@@ -155,7 +170,7 @@ def run_batch(layer: Layer, orig: Callable[..., Any], ops: list[Any], isend: Cal
     real_ops = []
     buffers = AsyncBuffers("batch_isend_irecv", "") if layer.strict else None
     for index, op in enumerate(ops):
-        send = op.op is isend or op.op is c10d.isend
+        send = getattr(op.op, "__hp_original__", op.op) in (isend, c10d.isend)
         call = describe_p2p("isend" if send else "irecv", op.tensor, op.peer, op.group, op.tag)
         call.site = call_site(3)
         check_call(layer.profile, call)
@@ -180,9 +195,7 @@ def run_batch(layer: Layer, orig: Callable[..., Any], ops: list[Any], isend: Cal
         tag = op.tag if layer.profile.p2p_tags else 0  # order matching, as on NCCL/HCCL
         if ticket is not None and channel is not None and channel.posted(ticket):
             channel.p2p_wait(ticket)  # see [Note: checking both ends at issue]
-        if tensor is not op.tensor or tag != op.tag:
-            op = dist.P2POp(op.op, tensor, op.peer, op.group, tag)
-        real_ops.append(op)
+        real_ops.append(torch_op(op, tensor, tag))
     layer.calls += 1
     works = list(orig(real_ops)) if real_ops else []
     before: list[Callable[[], None]] = []

@@ -102,7 +102,7 @@ def _wrap_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
     def batch_isend_irecv(p2p_op_list: list[Any]) -> Any:
         layer = _LAYER
         if layer is None or _depth():
-            return orig(p2p_op_list)
+            return orig([_routes.torch_op(op) for op in p2p_op_list])
         c10d._check_p2p_op_list(p2p_op_list)
         with _Nested():
             return _routes.run_batch(layer, orig, list(p2p_op_list), _ORIGINALS["isend"])
@@ -163,22 +163,24 @@ def install(profile_name: str, *, checks: bool = True, strict: bool = False) -> 
     return _LAYER
 
 
+# [Note: P2POp keeps the wrapper]
+# ``dist.P2POp(dist.isend, ...)`` keeps our wrapper as its ``op``, as torch keeps
+# its own function: torch code tells the kinds of op apart by identity with
+# ``dist.isend``/``dist.irecv`` (pipelining's ``_batch_p2p`` issues an all-send or
+# all-receive list as single ops, not as one ``batch_isend_irecv``), so an ``op``
+# swapped for torch's original took another path under the layer than without
+# it. Only ``c10d``'s own checks (``_check_op``) and ``batch_isend_irecv`` compare
+# with torch's original functions: the first is taught the wrappers here, the
+# second is handed ops rebuilt with the originals (:func:`_routes.torch_op`).
 def _patch_p2pop() -> None:
-    """``dist.P2POp(dist.isend, ...)`` with our wrapper must still look like torch's isend."""
-    originals = {dist.isend: _ORIGINALS["isend"], dist.irecv: _ORIGINALS["irecv"]}
+    """``c10d._check_op`` accepts our isend/irecv wrappers ([Note: P2POp keeps the wrapper])."""
     check = c10d._check_op
-    init = c10d.P2POp.__init__
     _ORIGINALS["_check_op"] = check
-    _ORIGINALS["P2POp.__init__"] = init
 
     def _check_op(op: Any) -> None:
-        check(originals.get(op, op))
-
-    def __init__(self: Any, op: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, originals.get(op, op), *args, **kwargs)
+        check(getattr(op, "__hp_original__", op))
 
     c10d._check_op = _check_op
-    c10d.P2POp.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _inject(profile: Profile) -> None:
@@ -209,8 +211,6 @@ def uninstall() -> None:
     for name, orig in _ORIGINALS.items():
         if name == "_check_op":
             c10d._check_op = orig
-        elif name == "P2POp.__init__":
-            c10d.P2POp.__init__ = orig  # type: ignore[method-assign]
         else:
             setattr(dist, name, orig)
     _ORIGINALS.clear()
