@@ -8,8 +8,10 @@ around torch's work, so that the comparison with the peers runs at ``wait()``),
 and FSDP2 read the unsharded parameters while gloo was still gathering them:
 torch's ``ScheduleInterleaved1F1B`` over ``fully_shard`` stages (which unshard
 with ``async_op=True``) got gradients off by O(1) or NaN under the checks and
-right ones without. Every case here runs the same program on one process and
-compares values and gradients.
+right ones without. Likewise torch code must take the same path under the
+layer as without it: ``dist.P2POp`` keeps ``dist.isend`` (torch's pipelining
+tells an all-send list by identity). The numeric cases run the same program
+on one process and compare values and gradients.
 """
 
 from __future__ import annotations
