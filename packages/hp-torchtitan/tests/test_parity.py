@@ -107,13 +107,6 @@ FOUR_RANK_LAYOUTS: dict[str, dict[str, Any]] = {
     "hsdp_2x2": {"dp_replicate": 2},
     "fsdp_x_tp_2x2": {"tp": 2, "param_atol": 1e-5},
 }
-# [Note: PP layouts without the harness's cross-rank checks]
-# hp-testing's cross-rank checks (on by default) corrupt torch 2.13's own pipelining when
-# torch's FSDP2 shares the ranks: torch's ScheduleInterleaved1F1B + fully_shard on a (pp=2,
-# dp=2) mesh gets wrong or NaN gradients with the checks on and matches one process with
-# HP_TEST_CHECKS=0 or under torchrun (test_pipeline_harness_repro.py, HP_REPRO=1). So the
-# layouts that mix PP with data parallelism run with checks=False: the torch reference is then
-# what torchrun computes. hp's side gives the same numbers either way.
 PP_LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "pp_x_fsdp_2x2": (4, {"pp": 2, "pp_schedule": "Interleaved1F1B"}),
     "pp_x_fsdp_x_tp_2x2x2": (8, {"pp": 2, "tp": 2, "pp_schedule": "Interleaved1F1B", "param_atol": 1e-5}),
@@ -128,12 +121,12 @@ if FULL:  # defined only then: the default suite neither runs nor skips them
     def test_hp_llama3_four_ranks_match_torchtitan(rank, layout: str) -> None:  # type: ignore[no-untyped-def]
         _check_parity(rank, 4, **FOUR_RANK_LAYOUTS[layout])
 
-    @pytest.mark.distributed(world_size=4, timeout=360, checks=False)
+    @pytest.mark.distributed(world_size=4, timeout=360)
     def test_hp_llama3_pp_x_fsdp_matches_torchtitan(rank) -> None:  # type: ignore[no-untyped-def]
         world, layout = PP_LAYOUTS["pp_x_fsdp_2x2"]
         _check_parity(rank, world, **layout)
 
-    @pytest.mark.distributed(world_size=8, timeout=600, checks=False)
+    @pytest.mark.distributed(world_size=8, timeout=600)
     def test_hp_llama3_pp_x_fsdp_x_tp_matches_torchtitan(rank) -> None:  # type: ignore[no-untyped-def]
         world, layout = PP_LAYOUTS["pp_x_fsdp_x_tp_2x2x2"]
         _check_parity(rank, world, **layout)
