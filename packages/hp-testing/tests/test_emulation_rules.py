@@ -120,6 +120,16 @@ def test_fp8_cannot_move_on_gloo_or_hccl(rank, backend_name):
         dist.all_gather_into_tensor(torch.empty(4, dtype=FP8), torch.ones(2).to(FP8))
 
 
+@_each(["gloo"])
+def test_gloo_refuses_int16_before_it_breaks_the_peers(rank, backend_name):
+    """gloo fails int16 asynchronously ("Invalid scalar type"); the rule names a carrier instead."""
+    with pytest.raises(BackendRuleError, match=r"gloo cannot move dtype torch.int16.*torch.float16"):
+        dist.all_gather_into_tensor(torch.empty(4, dtype=torch.int16), torch.ones(2, dtype=torch.int16))
+    out = torch.empty(4, dtype=torch.int16)
+    hp_core.all_gather_into_tensor(out, torch.full((2,), rank + 7, dtype=torch.int16))
+    assert out.tolist() == [7, 7, 8, 8]  # hp_core carries it as float16 bits
+
+
 @_each(["nccl-emu"])
 def test_nccl_rejects_int16(rank, backend_name):
     with pytest.raises(BackendRuleError, match=r"torch.int16 cannot be reduced by nccl"):

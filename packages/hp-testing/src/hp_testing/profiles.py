@@ -61,7 +61,7 @@ SOURCES = {
     "gloo-noncontiguous": "measured on gloo, torch 2.13: all_reduce(ones(4, 4)[:, 0]) returns "
     "[2, 1, 1, 1] and overwrites row 0 of the base",
     "gloo-measured": "measured on gloo, torch 2.13 (2 ranks): PREMUL_SUM rejected asynchronously, "
-    "float8 rejected even for all_gather, uneven all_gather rejected",
+    "float8 and int16 rejected even for all_gather (\"Invalid scalar type\"), uneven all_gather rejected",
 }
 
 
@@ -152,7 +152,7 @@ PROFILES: dict[str, Profile] = {
         backend="gloo",
         reduce_ops=frozenset({"sum", "avg", "max", "min", "product", "band", "bor", "bxor"}),
         reduce_dtypes=None,
-        move_dtypes=frozenset({*_INTS, *_FLOATS, *_COMPLEX, torch.bool}),
+        move_dtypes=frozenset({*_INTS - {torch.int16}, *_FLOATS, *_COMPLEX, torch.bool}),
         reduce_source="gloo-measured",
         move_source="gloo-measured",
         contiguity="memory-format",
@@ -301,12 +301,14 @@ def check_call(profile: Profile, call: Any) -> None:
                 profile.reduce_source,
             )
     if dtype is not None and call.kind != "object":
-        if profile.name == "gloo" and dtype in _FP8:
+        if profile.name == "gloo" and (dtype in _FP8 or dtype == torch.int16):
+            carrier = torch.uint8 if dtype in _FP8 else torch.float16
             raise _fail(
                 profile,
                 call,
-                f"gloo cannot move dtype {dtype}",
-                "view it as torch.uint8 for the transfer (t.view(torch.uint8))",
+                f"gloo cannot move dtype {dtype} (it fails asynchronously and breaks the peers)",
+                f"view it as {carrier} for the transfer (t.view({carrier})), or use hp_core's "
+                "collectives, which carry every dtype",
                 "gloo-measured",
             )
         if profile.move_dtypes is not None and dtype not in profile.move_dtypes:
