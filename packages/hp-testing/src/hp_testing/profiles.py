@@ -61,7 +61,7 @@ SOURCES = {
     "gloo-noncontiguous": "measured on gloo, torch 2.13: all_reduce(ones(4, 4)[:, 0]) returns "
     "[2, 1, 1, 1] and overwrites row 0 of the base",
     "gloo-measured": "measured on gloo, torch 2.13 (2 ranks): PREMUL_SUM rejected asynchronously, "
-    "float8 and int16 rejected even for all_gather (\"Invalid scalar type\"), uneven all_gather rejected",
+    'float8 and int16 rejected even for all_gather ("Invalid scalar type"), uneven all_gather rejected',
 }
 
 

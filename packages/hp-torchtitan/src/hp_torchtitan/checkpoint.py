@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -227,7 +227,7 @@ class TrainingRun:
         self.optimizers.zero_grad()
         local_tokens = (batch.labels != IGNORE_INDEX).sum()
         global_tokens = dist_utils.dist_sum_tensor(local_tokens, self.parallel_dims.get_mesh("batch"))
-        masks = model.get_attention_masks(positions=batch.positions) if self.needs_masks else None
+        masks = cast(Any, model).get_attention_masks(positions=batch.positions) if self.needs_masks else None
         pred = model(batch.inputs, positions=batch.positions, attention_masks=masks)
         loss, _ = self.loss_fn(pred, batch.labels, global_tokens)
         loss.backward()

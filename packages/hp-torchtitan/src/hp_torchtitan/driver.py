@@ -14,7 +14,7 @@ import inspect
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -272,7 +272,8 @@ def _pp_forward_backward(
         kwarg_mbs: list[dict[str, Any]] = [{"positions": p} for p in positions]
         if needs_masks:
             for kwargs in kwarg_mbs:
-                kwargs["attention_masks"] = parts[0].get_attention_masks(positions=kwargs["positions"])
+                first: Any = parts[0]  # torchtitan's decoder
+                kwargs["attention_masks"] = first.get_attention_masks(positions=kwargs["positions"])
         schedule.step(
             arg_mbs=[(x,) for x in inputs] if has_first else None,
             kwarg_mbs=kwarg_mbs,
@@ -374,7 +375,8 @@ def train_model_parts(
         _sum_only_reductions_on_gloo(part)
         part.to_empty(device="cpu")
         with torch.no_grad():
-            part.init_weights(buffer_device=None)  # buffers (RoPE); parameters are overwritten next
+            # buffers (RoPE); parameters are overwritten next
+            cast(Any, part).init_weights(buffer_device=None)
         load_full_weights(part, weights, part=pipeline is not None)
         part.train()
 
@@ -403,7 +405,7 @@ def train_model_parts(
             loss = _pp_forward_backward(pipeline, parts, batch, global_tokens, needs_masks)
         else:
             model = parts[0]
-            masks = model.get_attention_masks(positions=batch.positions) if needs_masks else None
+            masks = cast(Any, model).get_attention_masks(positions=batch.positions) if needs_masks else None
             pred = model(batch.inputs, positions=batch.positions, attention_masks=masks)
             loss, _ = loss_fn(pred, batch.labels, global_tokens)
             loss.backward()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import hp_pipeline
 import torch
@@ -212,7 +212,7 @@ def pipeline_decoder(
     if rest:
         _fail(f"{num_stages} model parts for pp={parallel_dims.pp}; give a multiple of {parallel_dims.pp}")
     pp_mesh = parallel_dims.get_mesh("pp")
-    style = "v" if schedule_class in _V_SCHEDULES else "loop"
+    style: Literal["loop", "v"] = "v" if schedule_class in _V_SCHEDULES else "loop"
     indices = hp_pipeline.stages_on_rank(pp_mesh.get_local_rank(), pp_mesh.size(), per_rank, style=style)
 
     root = hp_dense_root(parallel_dims)

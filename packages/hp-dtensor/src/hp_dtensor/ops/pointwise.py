@@ -320,7 +320,8 @@ def fill_rule(call: OpCall) -> Decision:
     position = call.positions[0]
     layout = call.layout(position)
     out = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
-    inputs = {p: (Replicate(),) * layout.mesh.ndim for p in call.positions[1:]}
+    whole: tuple[Placement, ...] = (Replicate(),) * layout.mesh.ndim
+    inputs = {p: whole for p in call.positions[1:]}
     return Decision(inputs=inputs, outputs=[out])
 
 
@@ -335,7 +336,7 @@ def isin_rule(call: OpCall) -> Decision:
     elements = call.args[0]
     test = call.args[1]  # both operands are positional in every overload
     mesh = call.layout(call.positions[0]).mesh
-    whole = (Replicate(),) * mesh.ndim
+    whole: tuple[Placement, ...] = (Replicate(),) * mesh.ndim
     inputs: dict[int, tuple[Placement, ...]] = {}
     out = whole
     if isinstance(elements, DTensor):
