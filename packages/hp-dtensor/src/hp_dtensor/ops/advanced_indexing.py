@@ -1,29 +1,12 @@
 """Advanced indexing: ``x[idx]`` (``aten.index.Tensor``) and ``x[idx] = v`` (``index_put``).
 
-``indices`` holds one entry per leading dim of ``x``: an integer tensor or
-None (``:``). The integer tensors broadcast to one shape B; the result has
-B in place of the indexed dims when those are consecutive, else B first,
-then the dims that were not indexed. Per mesh dim, by the placement of ``x``:
-
-=============  ======================  ===============  =======================================
-``x``          indices (values)        output           how
-=============  ======================  ===============  =======================================
-S(d), d free   R (values cut on d)     S(d's place)     each rank its slice
-S(d) indexed   R (values R)            S(d) (writes)    [Note: masked writes] in ``indexing``
-R              S on a dim of B         S(B's dim)       reads: each rank its indices
-R              S on a dim of B         P(sum)           accumulating writes (the backward of a
-                                                        read with a sharded index)
-P(op)          R                       P(op)            reads of each term; P(sum) for
-                                                        accumulating writes with values P(sum)
-=============  ======================  ===============  =======================================
-
-The cheapest applicable row wins (``indexing.cheapest``); the last resort
-gathers that mesh dim only. A boolean mask whose values do not depend on
-the number of selected elements (``x[x > 0] = v`` with one value, or
-``x[row_mask] = row`` with values along the dims after the mask) is a
-``where``: the mask is cut like ``x``, the values like the dims after the
-mask, and nothing moves. A read with a boolean mask has a data-dependent shape and
-stays on the replicated fallback.
+Per mesh dim the placement of ``x`` and of the indices decides who reads or
+writes what ([Note: placements of advanced indexing]); the cheapest
+applicable option wins and the last resort gathers that mesh dim only. A
+boolean-mask write whose values do not depend on the number of selected
+elements is a ``where`` and moves nothing ([Note: boolean-mask writes as
+where]); a boolean-mask read has a data-dependent shape and stays on the
+replicated fallback.
 """
 
 from __future__ import annotations
@@ -44,6 +27,26 @@ R = Replicate()
 SUM = Partial("sum")
 
 
+# [Note: placements of advanced indexing]
+# ``indices`` holds one entry per leading dim of ``x``: an integer tensor or
+# None (``:``). The integer tensors broadcast to one shape B; the result has
+# B in place of the indexed dims when those are consecutive, else B first,
+# then the dims that were not indexed. Per mesh dim, by the placement of ``x``:
+#
+# =============  ======================  ===============  =======================================
+# ``x``          indices (values)        output           how
+# =============  ======================  ===============  =======================================
+# S(d), d free   R (values cut on d)     S(d's place)     each rank its slice
+# S(d) indexed   R (values R)            S(d) (writes)    [Note: masked writes] in ``indexing``
+# R              S on a dim of B         S(B's dim)       reads: each rank its indices
+# R              S on a dim of B         P(sum)           accumulating writes (the backward of a
+#                                                         read with a sharded index)
+# P(op)          R                       P(op)            reads of each term; P(sum) for
+#                                                         accumulating writes with values P(sum)
+# =============  ======================  ===============  =======================================
+#
+# The cheapest applicable row wins (``indexing.cheapest``); the last resort
+# gathers that mesh dim only.
 class _Indexing:
     """Where each dim of ``x`` lands in the result of ``x[indices]``."""
 
@@ -130,6 +133,13 @@ def _values_dim(ix: _Indexing, result_dim: int, values: Layout | None) -> Placem
     return Shard(own) if own >= 0 and values.shape[own] > 1 else R
 
 
+# [Note: boolean-mask writes as where]
+# A boolean mask whose values do not depend on
+# the number of selected elements (``x[x > 0] = v`` with one value, or
+# ``x[row_mask] = row`` with values along the dims after the mask) is a
+# ``where``: the mask is cut like ``x``, the values like the dims after the
+# mask, and nothing moves. A read with a boolean mask has a data-dependent shape and
+# stays on the replicated fallback.
 def _mask_values_fit(ix: _Indexing, value_shape: tuple[int, ...]) -> bool:
     """Whether ``x[mask] = values`` is a ``where``: values do not depend on how many elements are selected.
 

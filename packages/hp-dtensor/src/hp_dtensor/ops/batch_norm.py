@@ -5,45 +5,12 @@ Batch norm normalises each channel (dim 1) over every other dim. So:
 * a cut channel dim is independent work: each rank normalises its channels
   with its slice of the weight, bias and running statistics;
 * a cut batch or spatial dim needs the statistics of the whole batch in
-  training: see [Note: distributed batch norm]. In evaluation the running
-  statistics are used and every piece normalises on its own.
+  training: see [Note: distributed batch norm] and [Note: one exchange for
+  the batch statistics]. In evaluation the running statistics are used and
+  every piece normalises on its own.
 
 Partial inputs are reduced first. The running statistics are updated in
-place, as on one process, and stay as they were placed: replicated running
-statistics with a cut channel dim get each rank's updated slice back by one
-``all_gather`` of ``2 C / world`` values, so every rank holds the same, right
-values afterwards (torch's DTensor updates a temporary cut copy instead and
-skips that exchange, leaving the module's running statistics stale).
-
-[Note: distributed batch norm]
-With the batch (or a spatial dim) cut, the training forward needs, per
-channel, the mean and the sum of squared deviations from it over the whole
-batch: one ``all_gather`` of each rank's count, mean and sum of squared
-deviations gives them (see [Note: one exchange for the batch statistics]);
-the sum over the global count (known from the global shape, uneven cuts
-included) is the biased variance for normalising, over the count less one
-the unbiased one for the running variance. Every rank then holds the same statistics and updates its
-replicated running statistics identically. The training backward needs, per
-channel, ``sum(dy)`` and ``sum(dy * xhat)`` over the whole batch: one
-``all_reduce`` of both stacked; they are also the bias and weight gradients,
-replicated. Evaluation's backward is local with weight and bias gradients
-``Partial("sum")`` over the batch cut.
-
-[Note: one exchange for the batch statistics]
-A mean and a variance over pieces need not take two all-reduces (the sum,
-then the squared deviations from the global mean). Each rank sends its
-piece's count ``n_r``, mean ``m_r`` and sum of squared deviations ``M_r``
-(``3 C`` numbers, in float64); every rank then combines them as the parallel
-form of Welford's algorithm does: ``n = sum n_r``, ``m = sum n_r m_r / n``,
-``M = sum (M_r + n_r (m_r - m)^2)``. That is one collective where the
-two-pass form took two, it is as stable as the two-pass form (no ``E[x^2] -
-E[x]^2`` cancellation), and an empty piece (``n_r = 0``) adds nothing. A
-batch cut over two mesh dims combines over one, then the other. The gather
-moves ``W`` times ``3 C`` numbers where the two all-reduces move about
-``2 C`` each, so it is used while its payload is at most 64 KiB, where a
-collective costs its latency rather than its bytes; past that (thousands of
-channels, or many ranks) the two all-reduces are kept. torch's DTensor
-gathers the whole input instead.
+place and keep their placement ([Note: running statistics keep their placement]).
 """
 
 from __future__ import annotations
@@ -144,6 +111,21 @@ def _channel_sums(values: list[torch.Tensor], dims: list[int], groups: list[Any]
     return list(stacked.unbind(0))
 
 
+# [Note: one exchange for the batch statistics]
+# A mean and a variance over pieces need not take two all-reduces (the sum,
+# then the squared deviations from the global mean). Each rank sends its
+# piece's count ``n_r``, mean ``m_r`` and sum of squared deviations ``M_r``
+# (``3 C`` numbers, in float64); every rank then combines them as the parallel
+# form of Welford's algorithm does: ``n = sum n_r``, ``m = sum n_r m_r / n``,
+# ``M = sum (M_r + n_r (m_r - m)^2)``. That is one collective where the
+# two-pass form took two, it is as stable as the two-pass form (no ``E[x^2] -
+# E[x]^2`` cancellation), and an empty piece (``n_r = 0``) adds nothing. A
+# batch cut over two mesh dims combines over one, then the other. The gather
+# moves ``W`` times ``3 C`` numbers where the two all-reduces move about
+# ``2 C`` each, so it is used while its payload is at most 64 KiB, where a
+# collective costs its latency rather than its bytes; past that (thousands of
+# channels, or many ranks) the two all-reduces are kept. torch's DTensor
+# gathers the whole input instead.
 def _batch_moments(
     work: torch.Tensor, dims: list[int], layout: Layout, batch: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,6 +165,13 @@ def _broadcast_shape(x: torch.Tensor) -> list[int]:
     return [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
+# [Note: running statistics keep their placement]
+# Partial inputs are reduced first. The running statistics are updated in
+# place, as on one process, and stay as they were placed: replicated running
+# statistics with a cut channel dim get each rank's updated slice back by one
+# ``all_gather`` of ``2 C / world`` values, so every rank holds the same, right
+# values afterwards (torch's DTensor updates a temporary cut copy instead and
+# skips that exchange, leaving the module's running statistics stale).
 def _sync_full(full: list[torch.Tensor], x_layout: Layout) -> None:
     """Every rank's updated channel slice into every rank's full vectors: one all_gather per cut mesh dim."""
     cutting = [m for m, p in enumerate(x_layout.placements) if isinstance(p, Shard) and p.dim == 1]
@@ -258,6 +247,19 @@ def _saved_like_meta(result: tuple[torch.Tensor, ...], x: torch.Tensor) -> tuple
     return (out, mean, invstd, *rest)
 
 
+# [Note: distributed batch norm]
+# With the batch (or a spatial dim) cut, the training forward needs, per
+# channel, the mean and the sum of squared deviations from it over the whole
+# batch: one ``all_gather`` of each rank's count, mean and sum of squared
+# deviations gives them (see [Note: one exchange for the batch statistics]);
+# the sum over the global count (known from the global shape, uneven cuts
+# included) is the biased variance for normalising, over the count less one
+# the unbiased one for the running variance. Every rank then holds the same statistics and updates its
+# replicated running statistics identically. The training backward needs, per
+# channel, ``sum(dy)`` and ``sum(dy * xhat)`` over the whole batch: one
+# ``all_reduce`` of both stacked; they are also the bias and weight gradients,
+# replicated. Evaluation's backward is local with weight and bias gradients
+# ``Partial("sum")`` over the batch cut.
 def _train_forward(
     x: torch.Tensor, vectors: dict[str, Any], spec: _Args, layout: Layout, batch: list[int]
 ) -> tuple[torch.Tensor, ...]:

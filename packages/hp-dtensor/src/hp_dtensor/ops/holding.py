@@ -1,26 +1,11 @@
 """Keep as many shards as hold on every rank, and redistribute the rest (never the fallback).
 
-Some rules keep a shard only when every rank's piece suits the local op:
-``pixel_shuffle`` keeps a cut channel dim when each rank holds whole groups
-of ``r * r`` channels, a pooling op refuses a piece with no channels. Those
-conditions are about the ``torch.chunk`` sizes of every mesh coordinate,
-which is exactly what the dispatcher's every-rank check ([Note: decisions
-that hold on every rank] in :mod:`hp_dtensor.ops.everywhere`) computes. When
-that check rejects a decision the dispatcher takes the replicated fallback;
-a rule built on :func:`first_that_holds` asks the same check first and gives
-up one mesh dim's shards at a time (those mesh dims are gathered, the others
-stay cut), so a shape that does not divide costs a redistribution of the
-mesh dims that need it instead of a gather of everything.
-
-[Note: empty pieces]
-The every-rank check runs the op on meta tensors, and some CPU kernels
-treat an empty piece differently from their meta kernel: ``pixel_shuffle``
-returns an empty input unchanged (the wrong shape), ``upsample_bilinear2d``
-refuses a piece with no channels that its meta kernel accepts, and the meta
-``upsample_nearest2d`` refuses an empty batch the CPU kernel accepts. Rules
-for such ops pass ``nonempty=True``: a cut that leaves some rank nothing of
-a dim is gathered (it is small: fewer rows than ranks), except the batch
-dim of ops whose CPU kernels take an empty batch (``empty_batch_ok``).
+A rule built on :func:`first_that_holds` asks the dispatcher's every-rank
+check first and gives up one mesh dim's shards at a time, so a shape that
+does not divide costs a redistribution of the mesh dims that need it instead
+of a gather of everything ([Note: giving up one mesh dim at a time]). Ops
+whose CPU and meta kernels disagree on empty pieces pass ``nonempty=True``
+([Note: empty pieces]).
 """
 
 from __future__ import annotations
@@ -46,6 +31,18 @@ def _sharded_mesh_dims(decision: Decision) -> list[int]:
     return sorted(dims)
 
 
+# [Note: giving up one mesh dim at a time]
+# Some rules keep a shard only when every rank's piece suits the local op:
+# ``pixel_shuffle`` keeps a cut channel dim when each rank holds whole groups
+# of ``r * r`` channels, a pooling op refuses a piece with no channels. Those
+# conditions are about the ``torch.chunk`` sizes of every mesh coordinate,
+# which is exactly what the dispatcher's every-rank check ([Note: decisions
+# that hold on every rank] in :mod:`hp_dtensor.ops.everywhere`) computes. When
+# that check rejects a decision the dispatcher takes the replicated fallback;
+# a rule built on :func:`first_that_holds` asks the same check first and gives
+# up one mesh dim's shards at a time (those mesh dims are gathered, the others
+# stay cut), so a shape that does not divide costs a redistribution of the
+# mesh dims that need it instead of a gather of everything.
 def first_that_holds(
     call: OpCall,
     build: Callable[[frozenset[int]], Decision],
@@ -81,6 +78,15 @@ def first_that_holds(
         decision = build(frozenset(gathered))
 
 
+# [Note: empty pieces]
+# The every-rank check runs the op on meta tensors, and some CPU kernels
+# treat an empty piece differently from their meta kernel: ``pixel_shuffle``
+# returns an empty input unchanged (the wrong shape), ``upsample_bilinear2d``
+# refuses a piece with no channels that its meta kernel accepts, and the meta
+# ``upsample_nearest2d`` refuses an empty batch the CPU kernel accepts. Rules
+# for such ops pass ``nonempty=True``: a cut that leaves some rank nothing of
+# a dim is gathered (it is small: fewer rows than ranks), except the batch
+# dim of ops whose CPU kernels take an empty batch (``empty_batch_ok``).
 def _empty_piece(call: OpCall, decision: Decision, meta: Any, first: int) -> str | None:
     """An input or output whose dim ``first`` or later some rank would hold none of (the dim not empty)."""
     layouts: list[Layout] = []

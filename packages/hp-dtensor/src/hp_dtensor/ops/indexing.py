@@ -1,54 +1,14 @@
 """Index-driven ops along one dim: the gather / scatter family and the index_select / index_add family.
 
-``gather(x, dim, index)`` and ``index_select(x, dim, index)`` read along
-``dim``; ``scatter``, ``scatter_add``, ``scatter_reduce``, ``index_add``,
-``index_copy``, ``index_fill`` and ``index_reduce`` write along it. The
-gather family's ``index`` (and ``src``) has every dim of ``x``; the
-index_select family's ``index`` is one list of positions on ``dim`` and its
-``source`` has ``x``'s dims. Per mesh dim, by the placement of ``x``:
-
-============  ==============================  =================  =========================
-``x``         index (and src)                 output             how
-============  ==============================  =================  =========================
-S(d), d!=dim  gather family: S(d) when sizes  S(d)               each rank its rows
-              on d agree; index_select: R
-S(dim)        R                               writes: S(dim)     [Note: masked writes]
-                                              reads: P(sum)      [Note: masked reads]
-R             S on dim (reads)                S(dim)             each rank its indices
-R             S on dim (additive writes)      P(sum)             [Note: sharded additive index]
-P(op)         R (reads)                       P(op)              a read of each term
-P(sum)        R, src P(sum) (additive writes) P(sum)             writes are linear
-============  ==============================  =================  =========================
-
-Where several rows apply, the one with the fewest collectives (then the
-fewest elements moved) wins (:func:`cheapest`); the last resort gathers that
-mesh dim of each argument, never the whole tensor. In-place forms never turn
-``x`` partial.
-
-[Note: masked writes]
-A rank holding positions ``[lo, hi)`` of ``dim`` applies only the writes
-aimed there, shifted by ``lo``: the op runs on the local piece padded with one
-spare slot on ``dim``, every index outside the piece points at the spare, and
-the spare is dropped afterwards. This is exact for every write op (a
-``scatter_reduce`` mean or an ``index_copy`` of duplicates sees the same
-contributions per real position as the whole tensor would) and needs no
-communication: the index and source are replicated on that mesh dim.
-
-[Note: masked reads]
-A read of ``x`` cut on ``dim`` looks up the indices that fall in the rank's
-piece (shifted by ``lo``) and writes zeros for the others, so the ranks'
-outputs sum to the read: ``Partial("sum")`` without communication, as a
-row-wise embedding does. The consumer reduces the output later, which beats
-gathering ``x`` when the output is small: it is used when the output has at
-most half as many elements as ``x`` (a gather with one index per row, as in a
-loss's target lookup, always).
-
-[Note: sharded additive index]
-``scatter_add`` / ``index_add`` into a replicated ``x`` with the index cut:
-each rank adds its share of the contributions into its copy, ``x`` itself
-entering as ``Partial("sum")`` (one rank keeps it, the others hold zeros, no
-communication), so the ranks' results sum to the whole: the backward of a
-gather or index_select whose index was sharded.
+``gather`` and ``index_select`` read along ``dim``; ``scatter``,
+``scatter_add``, ``scatter_reduce`` and the ``index_add`` / ``index_copy`` /
+``index_fill`` / ``index_reduce`` ops write along it. Per mesh dim the
+placement of ``x`` and of the index decides the options ([Note: placements
+of index-driven ops]): a cut ``dim`` is handled by [Note: masked writes]
+and [Note: masked reads], a cut index of an additive write by [Note:
+sharded additive index]. The option with the fewest collectives wins
+(:func:`cheapest`); the last resort gathers that mesh dim of each argument,
+never the whole tensor.
 """
 
 from __future__ import annotations
@@ -118,6 +78,14 @@ def spare_slot_write(x: torch.Tensor, dims: list[int], run: Any) -> torch.Tensor
     return out.contiguous()
 
 
+# [Note: masked writes]
+# A rank holding positions ``[lo, hi)`` of ``dim`` applies only the writes
+# aimed there, shifted by ``lo``: the op runs on the local piece padded with one
+# spare slot on ``dim``, every index outside the piece points at the spare, and
+# the spare is dropped afterwards. This is exact for every write op (a
+# ``scatter_reduce`` mean or an ``index_copy`` of duplicates sees the same
+# contributions per real position as the whole tensor would) and needs no
+# communication: the index and source are replicated on that mesh dim.
 def _masked_write_kernel(family: _Family, call: LocalCall) -> torch.Tensor:
     """The op on this rank's positions of ``dim`` only (see [Note: masked writes])."""
     x, index = call.args[0], call.args[2]
@@ -134,6 +102,14 @@ def _masked_write_kernel(family: _Family, call: LocalCall) -> torch.Tensor:
     return out
 
 
+# [Note: masked reads]
+# A read of ``x`` cut on ``dim`` looks up the indices that fall in the rank's
+# piece (shifted by ``lo``) and writes zeros for the others, so the ranks'
+# outputs sum to the read: ``Partial("sum")`` without communication, as a
+# row-wise embedding does. The consumer reduces the output later, which beats
+# gathering ``x`` when the output is small: it is used when the output has at
+# most half as many elements as ``x`` (a gather with one index per row, as in a
+# loss's target lookup, always).
 def _masked_read_kernel(family: _Family, call: LocalCall) -> torch.Tensor:
     """The indices in this rank's piece, zeros for the rest (see [Note: masked reads])."""
     x, index = call.args[0], call.args[2]
@@ -158,6 +134,37 @@ def _position(call: OpCall, value: Any) -> int | None:
     return call.position_of(value) if isinstance(value, DTensor) else None
 
 
+# [Note: placements of index-driven ops]
+# ``gather(x, dim, index)`` and ``index_select(x, dim, index)`` read along
+# ``dim``; ``scatter``, ``scatter_add``, ``scatter_reduce``, ``index_add``,
+# ``index_copy``, ``index_fill`` and ``index_reduce`` write along it. The
+# gather family's ``index`` (and ``src``) has every dim of ``x``; the
+# index_select family's ``index`` is one list of positions on ``dim`` and its
+# ``source`` has ``x``'s dims. Per mesh dim, by the placement of ``x``:
+#
+# ============  ==============================  =================  =========================
+# ``x``         index (and src)                 output             how
+# ============  ==============================  =================  =========================
+# S(d), d!=dim  gather family: S(d) when sizes  S(d)               each rank its rows
+#               on d agree; index_select: R
+# S(dim)        R                               writes: S(dim)     [Note: masked writes]
+#                                               reads: P(sum)      [Note: masked reads]
+# R             S on dim (reads)                S(dim)             each rank its indices
+# R             S on dim (additive writes)      P(sum)             [Note: sharded additive index]
+# P(op)         R (reads)                       P(op)              a read of each term
+# P(sum)        R, src P(sum) (additive writes) P(sum)             writes are linear
+# ============  ==============================  =================  =========================
+#
+# Where several rows apply, the one with the fewest collectives (then the
+# fewest elements moved) wins (:func:`cheapest`); the last resort gathers that
+# mesh dim of each argument, never the whole tensor. In-place forms never turn
+# ``x`` partial.
+# [Note: sharded additive index]
+# ``scatter_add`` / ``index_add`` into a replicated ``x`` with the index cut:
+# each rank adds its share of the contributions into its copy, ``x`` itself
+# entering as ``Partial("sum")`` (one rank keeps it, the others hold zeros, no
+# communication), so the ranks' results sum to the whole: the backward of a
+# gather or index_select whose index was sharded.
 def _along_dim(family: _Family, call: OpCall) -> Decision | None:
     """The table in the module docstring, mesh dim by mesh dim."""
     px_pos = _position(call, call.args[0])

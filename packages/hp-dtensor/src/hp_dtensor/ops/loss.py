@@ -1,64 +1,13 @@
 """Losses: negative log-likelihood (so cross-entropy) cut by batch, space or class; elementwise losses.
 
-``F.cross_entropy`` is ``log_softmax`` then ``nll_loss``; the first is in
-:mod:`hp_dtensor.ops.softmax`, this module is the second, for ``(C,)``,
-``(N, C)`` and spatial ``(N, C, H, W)`` inputs (``nll_loss2d``). Each mesh dim
-plays one of two roles, read from the input's placement:
-
-* batch: the input is cut along a dim that is not the class dim (the batch
-  dim, or a spatial one) and the target is cut along the same dim (the
-  target has the input's dims without the class dim); every sample, every
-  pixel, is whole on one rank;
-* class (vocab-parallel): the input is cut along its class dim and the
-  target is replicated; see [Note: vocab-parallel nll].
-
-Mesh dims with neither keep both replicated. The outputs: the loss per sample
-(``reduction="none"``) is cut like the target along batch mesh dims; a summed
-or averaged loss is ``Partial("sum")`` along both kinds; along class mesh
-dims the per-sample loss is ``Partial("sum")`` too. ``total_weight`` (the
-denominator of the mean) is complete on every rank.
-
-[Note: vocab-parallel nll]
-The loss of sample ``i`` is ``-w[t_i] * x[i, t_i]``, one element of the row.
-A rank holding classes ``[lo, hi)`` looks up the samples whose target falls
-in its range (shifted by ``lo``) and contributes 0 for the others, so the
-per-rank terms sum to the loss: ``Partial("sum")`` with no communication.
-Targets outside the range, and ignored targets, are given a local ignore
-index (-1, never a valid local class) so the local kernel skips them. The
-mean divides the local sum by the global total weight: without class
-weights that is the number of targets not ignored, which every rank of a
-class line can count from its replicated targets; with class weights kept
-whole every rank adds them up over the whole target too; with cut class
-weights each rank adds up the weights it owns and one ``all_reduce(sum)`` of
-that scalar completes it. Batch mesh dims add one ``all_reduce(sum)`` of the
-scalar only when the target itself is cut (see [Note: whole targets]). The
-backward writes ``-w[t] * grad / total_weight`` at the local target
-positions, again without communication.
-
-[Note: whole targets]
-The denominator of a mean is the total weight of every target not ignored,
-over the whole batch. A batch cut of the input usually comes with a
-replicated target (the labels of the whole batch on every rank): then the
-forward keeps the target whole, each rank reads its own samples' targets as
-a view (the rows of its batch cut) for its local sum, and counts the total
-from the whole target, with no collective. The class weights likewise stay
-whole when they are replicated (each rank narrows them to its classes). Only
-a target or weight that is itself cut needs the scalar all-reduce.
-
-[Note: elementwise losses]
-``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``soft_margin_loss``,
-``binary_cross_entropy`` and ``binary_cross_entropy_with_logits`` are a
-pointwise function of their operands followed by a reduction. Their operands
-are placed as a pointwise op's (:func:`hp_dtensor.ops.pointwise.pointwise_rule`:
-any shard of the broadcast shape, target, weight and ``pos_weight`` cut to
-match; partial terms summed first, the loss is not linear). With
-``reduction="none"`` the loss is cut like that; with ``"sum"`` each rank sums
-its piece (``Partial("sum")`` along cut mesh dims); with ``"mean"`` each rank
-divides its piece's sum by the *global* element count, so the terms add up to
-the mean however unevenly the rows are cut (averaging local means would
-weigh a rank holding 2 rows like one holding 3). The backward is the
-``"sum"`` backward divided by the same global count. No communication either
-way.
+``F.cross_entropy`` is ``log_softmax`` (in :mod:`hp_dtensor.ops.softmax`)
+then ``nll_loss``, which this module places for ``(C,)``, ``(N, C)`` and
+spatial ``(N, C, H, W)`` inputs (``nll_loss2d``). Each mesh dim is a batch
+or a class dim ([Note: roles of the mesh dims in nll]); a class cut needs no
+communication ([Note: vocab-parallel nll]), and a replicated target or
+weight stays whole so a mean needs no collective ([Note: whole targets]).
+Elementwise losses are placed as pointwise ops and divide by the global
+count ([Note: elementwise losses]).
 """
 
 from __future__ import annotations
@@ -95,6 +44,21 @@ def _target_dim(dim: int, ndim: int) -> int:
     return dim if dim < _class_dim(ndim) else dim - 1
 
 
+# [Note: roles of the mesh dims in nll]
+# Each mesh dim plays one of two roles, read from the input's placement:
+#
+# * batch: the input is cut along a dim that is not the class dim (the batch
+#   dim, or a spatial one) and the target is cut along the same dim (the
+#   target has the input's dims without the class dim); every sample, every
+#   pixel, is whole on one rank;
+# * class (vocab-parallel): the input is cut along its class dim and the
+#   target is replicated; see [Note: vocab-parallel nll].
+#
+# Mesh dims with neither keep both replicated. The outputs: the loss per sample
+# (``reduction="none"``) is cut like the target along batch mesh dims; a summed
+# or averaged loss is ``Partial("sum")`` along both kinds; along class mesh
+# dims the per-sample loss is ``Partial("sum")`` too. ``total_weight`` (the
+# denominator of the mean) is complete on every rank.
 def nll_roles(layout: Layout, target_layout: Layout | None) -> list[Role | None]:
     """Per mesh dim: ("batch", d), ("class", c) or None, for an input ``(C,)`` or ``(N, C, ...)``."""
     class_dim = _class_dim(layout.ndim)
@@ -172,6 +136,15 @@ def _whole(layout: Layout | None) -> bool:
     return layout is None or all(isinstance(p, Replicate) for p in layout.placements)
 
 
+# [Note: whole targets]
+# The denominator of a mean is the total weight of every target not ignored,
+# over the whole batch. A batch cut of the input usually comes with a
+# replicated target (the labels of the whole batch on every rank): then the
+# forward keeps the target whole, each rank reads its own samples' targets as
+# a view (the rows of its batch cut) for its local sum, and counts the total
+# from the whole target, with no collective. The class weights likewise stay
+# whole when they are replicated (each rank narrows them to its classes). Only
+# a target or weight that is itself cut needs the scalar all-reduce.
 def _own_rows(target: torch.Tensor, layout: Layout, roles: list[Role | None]) -> torch.Tensor:
     """This rank's samples of a whole target: the rows of the input's batch cut ([Note: whole targets])."""
     offsets, sizes = layout.local_offset(), layout.local_shape()
@@ -259,6 +232,22 @@ def _nll_inputs(
     return layout, roles, targets, inputs
 
 
+# [Note: vocab-parallel nll]
+# The loss of sample ``i`` is ``-w[t_i] * x[i, t_i]``, one element of the row.
+# A rank holding classes ``[lo, hi)`` looks up the samples whose target falls
+# in its range (shifted by ``lo``) and contributes 0 for the others, so the
+# per-rank terms sum to the loss: ``Partial("sum")`` with no communication.
+# Targets outside the range, and ignored targets, are given a local ignore
+# index (-1, never a valid local class) so the local kernel skips them. The
+# mean divides the local sum by the global total weight: without class
+# weights that is the number of targets not ignored, which every rank of a
+# class line can count from its replicated targets; with class weights kept
+# whole every rank adds them up over the whole target too; with cut class
+# weights each rank adds up the weights it owns and one ``all_reduce(sum)`` of
+# that scalar completes it. Batch mesh dims add one ``all_reduce(sum)`` of the
+# scalar only when the target itself is cut (see [Note: whole targets]). The
+# backward writes ``-w[t] * grad / total_weight`` at the local target
+# positions, again without communication.
 @register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 def nll_loss_forward_rule(call: OpCall) -> Decision | None:
     """Batch, spatial and class (vocab-parallel) shards stay put; see the module docstring for the outputs."""
@@ -295,6 +284,20 @@ def nll_loss_backward_rule(call: OpCall) -> Decision | None:
     return Decision(inputs=inputs, outputs=[targets["x"]], kernel=kernel)
 
 
+# [Note: elementwise losses]
+# ``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``soft_margin_loss``,
+# ``binary_cross_entropy`` and ``binary_cross_entropy_with_logits`` are a
+# pointwise function of their operands followed by a reduction. Their operands
+# are placed as a pointwise op's (:func:`hp_dtensor.ops.pointwise.pointwise_rule`:
+# any shard of the broadcast shape, target, weight and ``pos_weight`` cut to
+# match; partial terms summed first, the loss is not linear). With
+# ``reduction="none"`` the loss is cut like that; with ``"sum"`` each rank sums
+# its piece (``Partial("sum")`` along cut mesh dims); with ``"mean"`` each rank
+# divides its piece's sum by the *global* element count, so the terms add up to
+# the mean however unevenly the rows are cut (averaging local means would
+# weigh a rank holding 2 rows like one holding 3). The backward is the
+# ``"sum"`` backward divided by the same global count. No communication either
+# way.
 # -- elementwise losses (see [Note: elementwise losses]) ---------------------------------------
 
 _ELEMENTWISE = (

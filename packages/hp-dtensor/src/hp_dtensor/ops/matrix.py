@@ -5,37 +5,10 @@ Every op here is an einsum with one letter per dim: ``mm`` is ``mk,kn->mn``,
 outer product ``m,n->mn``, ``addbmm``'s ``bmk,bkn->mn`` (the batch is summed
 too). ``torch.matmul`` in every shape torch accepts, ``einsum``,
 ``tensordot``, ``linalg.vecdot`` and ``outer`` decompose into these, views
-and pointwise ops. Per mesh dim, one shard decides the others (see [Note:
-contraction placements]):
-
-=======================  ==========================  ==============
-a shard of letter L      the other operand           output
-=======================  ==========================  ==============
-L in both and the out    the same letter cut         ``Shard(L)``
-L in one operand + out   replicated                  ``Shard(L)``
-L in both, not the out   the same letter cut         ``Partial``
-=======================  ==========================  ==============
-
-A ``Partial("sum")`` / ``Partial("avg")`` operand times a replicated one
-stays partial (the product is linear in each operand). The ``add*`` forms
-cut their ``self`` term (the bias) like the product, or make it partial to
-match a partial product (one rank keeps it: see
-:func:`hp_dtensor.redistribute._to_partial`), so ``beta * self + alpha *
-product`` is formed term by term with no communication.
-
-[Note: contraction placements]
-Each mesh dim is decided on its own. The candidates are: keep ``a``'s
-placement (and derive ``b``'s and the output's from the table), keep
-``b``'s, keep the ``self`` term's of an ``add*`` op (the output is cut like
-it, or partial like it, and the operands follow the output's letter: so
-``addmm(bias S(0), mat1 R, mat2 R)`` cuts ``mat1`` by rows locally), or
-replicate everything. The one whose input moves (the ``self`` term's included) cost fewest
-elements received wins (a replicated input is cut for free; a shard gathered costs
-its size; an all-to-all its size over the mesh dim; a partial reduced twice
-its size, as an all-reduce does), so ``S(1) @ S(0)`` is a partial sum with
-no communication and, when both operands must move, the smaller one does.
-Ties go to a sharded output over a partial one over a replicated one, then
-to ``a``'s shard.
+and pointwise ops. Per mesh dim, one shard decides the others ([Note: one
+shard decides the others], [Note: contraction placements]); partial
+operands and the ``add*`` bias need no communication ([Note: partial
+operands and the bias term]).
 """
 
 from __future__ import annotations
@@ -65,6 +38,14 @@ def _move_cost(src: Placement, dst: Placement, numel: int, ranks: int) -> float:
     return float(numel) if isinstance(dst, Shard) else 2.0 * numel
 
 
+# [Note: one shard decides the others]
+# =======================  ==========================  ==============
+# a shard of letter L      the other operand           output
+# =======================  ==========================  ==============
+# L in both and the out    the same letter cut         ``Shard(L)``
+# L in one operand + out   replicated                  ``Shard(L)``
+# L in both, not the out   the same letter cut         ``Partial``
+# =======================  ==========================  ==============
 def _follow(
     letters: tuple[str, str, str], side: int, placement: Placement
 ) -> tuple[Placement, Placement, Placement] | None:
@@ -96,6 +77,13 @@ def _from_out(letters: tuple[str, str, str], placement: Placement) -> tuple[Plac
     return placement, R, placement  # a linear partial: one operand carries the terms
 
 
+# [Note: partial operands and the bias term]
+# A ``Partial("sum")`` / ``Partial("avg")`` operand times a replicated one
+# stays partial (the product is linear in each operand). The ``add*`` forms
+# cut their ``self`` term (the bias) like the product, or make it partial to
+# match a partial product (one rank keeps it: see
+# :func:`hp_dtensor.redistribute._to_partial`), so ``beta * self + alpha *
+# product`` is formed term by term with no communication.
 def _bias_target(out: Placement, bias_shape: tuple[int, ...], out_ndim: int) -> Placement:
     """The ``self`` term of an ``add*`` op, broadcast to the product: cut or partial like it."""
     if isinstance(out, Shard):
@@ -115,6 +103,20 @@ def _bias_proposal(bias: Placement, bias_shape: tuple[int, ...], out_ndim: int) 
     return None
 
 
+# [Note: contraction placements]
+# Each mesh dim is decided on its own. The candidates are: keep ``a``'s
+# placement (and derive ``b``'s and the output's from the table of
+# [Note: one shard decides the others]), keep
+# ``b``'s, keep the ``self`` term's of an ``add*`` op (the output is cut like
+# it, or partial like it, and the operands follow the output's letter: so
+# ``addmm(bias S(0), mat1 R, mat2 R)`` cuts ``mat1`` by rows locally), or
+# replicate everything. The one whose input moves (the ``self`` term's included) cost fewest
+# elements received wins (a replicated input is cut for free; a shard gathered costs
+# its size; an all-to-all its size over the mesh dim; a partial reduced twice
+# its size, as an all-reduce does), so ``S(1) @ S(0)`` is a partial sum with
+# no communication and, when both operands must move, the smaller one does.
+# Ties go to a sharded output over a partial one over a replicated one, then
+# to ``a``'s shard.
 def contraction_placements(
     letters: tuple[str, str, str],
     a: Placement,

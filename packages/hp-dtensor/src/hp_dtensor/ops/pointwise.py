@@ -6,18 +6,8 @@ works as long as all inputs are cut the same way. Per mesh dim: if some input
 is ``Shard(d)``, every input takes the same cut (a broadcast input that has
 size 1 there, or lacks the dim, stays replicated); otherwise partial inputs
 are reduced unless the op is linear in them (see [Note: linear partials]).
-
-[Note: linear partials]
-A ``Partial(sum)`` value is a sum of terms, so ``f(sum x_r) = sum f(x_r)``
-only for linear ``f``: negation, scaling by a replicated value or scalar,
-casts, and adding two partials of the same op. Those keep the partial (and
-save a reduction); every other op reduces first. Max/min partials are reduced
-before any pointwise op.
-
-In-place ops keep their first argument's placements (the optimizer's
-parameters stay sharded) and move the other arguments to match, which is how
-``torch.optim.AdamW`` with ``foreach=True`` steps sharded parameters without
-gathering them: a partial gradient is reduced, a matching shard is used as is.
+In-place ops keep their first argument's placements (see [Note: in-place
+pointwise ops keep their placements]).
 """
 
 from __future__ import annotations
@@ -61,6 +51,12 @@ _LINEAR_ADD = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Ten
 _LINEAR_MUL = {aten.mul.Tensor, aten.div.Tensor, aten.mul_.Tensor, aten.div_.Tensor}
 
 
+# [Note: linear partials]
+# A ``Partial(sum)`` value is a sum of terms, so ``f(sum x_r) = sum f(x_r)``
+# only for linear ``f``: negation, scaling by a replicated value or scalar,
+# casts, and adding two partials of the same op. Those keep the partial (and
+# save a reduction); every other op reduces first. Max/min partials are reduced
+# before any pointwise op.
 def _keeps_partial(
     func: Any, placements: list[Placement], first_partial: int, n_plain: int, n_scalar: int = 0
 ) -> bool:
@@ -81,6 +77,11 @@ def _keeps_partial(
     return False
 
 
+# [Note: in-place pointwise ops keep their placements]
+# In-place ops keep their first argument's placements (the optimizer's
+# parameters stay sharded) and move the other arguments to match, which is how
+# ``torch.optim.AdamW`` with ``foreach=True`` steps sharded parameters without
+# gathering them: a partial gradient is reduced, a matching shard is used as is.
 def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bool | None = None) -> Decision:
     """Placements for a pointwise op over the DTensors at ``positions`` (default: all of them)."""
     func = call.func

@@ -7,16 +7,9 @@ gives ``Partial("sum")``; ``amax`` / ``max()`` give ``Partial("max")`` and
 average of local means is the mean only then); an uneven cut is gathered
 first. Max and min of a cut with an empty piece are gathered first too (the
 maximum of nothing is undefined). Shards of dims that are not reduced pass
-through, renumbered when the reduced dims are dropped.
-
-[Note: max with indices]
-``max(x, dim)`` returns values and the index of the maximum. With ``dim``
-sharded, each rank reduces its piece; one ``all_reduce(max)`` of the values
-gives the answer, and the index is the smallest global index (local index
-plus the piece's offset) among the ranks that hold the winning value: one
-``all_reduce(min)`` over candidates where the others offer a sentinel larger
-than any index. That is PyTorch's choice among ties (the first occurrence),
-and both outputs come back replicated along those mesh dims.
+through, renumbered when the reduced dims are dropped. ``max(x, dim)`` with
+``dim`` sharded takes one all-reduce of the values and one of the indices
+([Note: max with indices]).
 """
 
 from __future__ import annotations
@@ -114,6 +107,14 @@ def amin_rule(call: OpCall) -> Decision:
     return _reduce(call, "min")
 
 
+# [Note: max with indices]
+# ``max(x, dim)`` returns values and the index of the maximum. With ``dim``
+# sharded, each rank reduces its piece; one ``all_reduce(max)`` of the values
+# gives the answer, and the index is the smallest global index (local index
+# plus the piece's offset) among the ranks that hold the winning value: one
+# ``all_reduce(min)`` over candidates where the others offer a sentinel larger
+# than any index. That is PyTorch's choice among ties (the first occurrence),
+# and both outputs come back replicated along those mesh dims.
 def _select_kernel(kind: str) -> Callable[[LocalCall], tuple[torch.Tensor, torch.Tensor]]:
     """``max.dim`` / ``min.dim`` with ``dim`` sharded (see [Note: max with indices])."""
 

@@ -1,50 +1,16 @@
 """Spatial ops: pooling, upsampling, padding, pixel / channel shuffles, grid sampling.
 
-These ops work on the last ``k`` (spatial) dims of a ``(N, C, *spatial)``
-tensor (or ``(C, *spatial)`` unbatched) and treat every ``(n, c)`` plane on
-its own, so a shard of a batch or channel dim is the answer for its own
-planes: each rank runs the op on its piece, with no communication, forward
-and backward (the backward ops take the output's gradient, the input and,
-for max pooling, the indices, all cut alike on the leading dims; the
-indices count positions inside a plane, so they need no offset). A shard of
-a spatial dim would need a halo of the neighbours' rows (a pooling window
-or an interpolation stencil crossing the cut), so that mesh dim is gathered:
-a redistribution, not the fallback. torch's DTensor sends nothing in the
-same cases, and gathers the same spatial dims.
-
-Per op:
-
-- ``pixel_shuffle`` / ``pixel_unshuffle`` move elements between the channel
-  dim and blocks of ``r`` rows and columns: channel ``c`` of the output
-  reads channels ``c * r * r ...`` of the input, row ``h`` the rows ``h * r
-  ...``. Each is a contiguous block, so *every* dim keeps its shard when
-  each rank's pieces hold whole blocks (the sizes divide); a mesh dim whose
-  cut does not is gathered (see :mod:`hp_dtensor.ops.holding`).
-- ``channel_shuffle`` permutes the channels: only the channel dim must be
-  whole; batch and spatial dims keep their shards.
-- ``grid_sampler_2d`` / ``_3d`` read ``input`` ``(N, C, *in)`` at the points
-  of ``grid`` ``(N, *out, k)``: the batch keeps its shard on both; a cut
-  channel dim of ``input`` stays cut with a replicated grid; a cut output
-  point dim of ``grid`` stays cut with a replicated input (each rank samples
-  its own points). See [Note: grid sampler gradients] for the backward.
-- Linear ops of one tensor (average pooling, every upsampling mode, and
-  their backward ops) keep a ``Partial("sum")`` / ``Partial("avg")`` input
-  partial; everything else reduces a partial first.
-
-[Note: grid sampler gradients]
-``grid_sampler_*_backward(grad_output, input, grid)`` returns the input's
-and the grid's gradients. With the channels cut, each rank's grid gradient
-sums over its own channels only: the grid gradient is ``Partial("sum")``.
-With the output points cut, each rank scatters into the whole input from its
-own points: the input gradient is ``Partial("sum")``. Both are exact and
-cost nothing until read (autograd accumulates partials as they are).
-
-[Note: grid sampler pieces]
-The grid sampler takes any piece, empty ones included (no batch, no
-channel, no point), so its rules keep every cut without asking
-:func:`first_that_holds`, whose meta runs would cost here: torch's meta
-kernel for these ops is a Python decomposition (about a second per call for
-bicubic on the 2-core machine).
+These ops treat every ``(n, c)`` plane of a ``(N, C, *spatial)`` (or
+``(C, *spatial)``) tensor on its own, so a shard of a batch or channel dim is
+the answer for its own planes: each rank runs the op on its piece, forward
+and backward, with no communication (the backward's gradient, input and max
+pooling indices are cut alike; the indices count positions inside a plane,
+so they need no offset). A shard of a spatial dim would need a halo of the
+neighbours' rows (a window or stencil crossing the cut), so that mesh dim is
+gathered: a redistribution, not the fallback. torch's DTensor sends nothing
+in the same cases and gathers the same spatial dims. The shuffles, the grid
+sampler and linear partials: [Note: spatial ops one by one], [Note: grid
+sampler gradients], [Note: grid sampler pieces].
 """
 
 from __future__ import annotations
@@ -163,6 +129,25 @@ def plane_rule(call: OpCall) -> Decision:
     return first_that_holds(call, build, nonempty=True, empty_batch_ok=lead >= 2)
 
 
+# [Note: spatial ops one by one]
+# Per op:
+#
+# - ``pixel_shuffle`` / ``pixel_unshuffle`` move elements between the channel
+#   dim and blocks of ``r`` rows and columns: channel ``c`` of the output
+#   reads channels ``c * r * r ...`` of the input, row ``h`` the rows ``h * r
+#   ...``. Each is a contiguous block, so *every* dim keeps its shard when
+#   each rank's pieces hold whole blocks (the sizes divide); a mesh dim whose
+#   cut does not is gathered (see :mod:`hp_dtensor.ops.holding`).
+# - ``channel_shuffle`` permutes the channels: only the channel dim must be
+#   whole; batch and spatial dims keep their shards.
+# - ``grid_sampler_2d`` / ``_3d`` read ``input`` ``(N, C, *in)`` at the points
+#   of ``grid`` ``(N, *out, k)``: the batch keeps its shard on both; a cut
+#   channel dim of ``input`` stays cut with a replicated grid; a cut output
+#   point dim of ``grid`` stays cut with a replicated input (each rank samples
+#   its own points). See [Note: grid sampler gradients] for the backward.
+# - Linear ops of one tensor (average pooling, every upsampling mode, and
+#   their backward ops) keep a ``Partial("sum")`` / ``Partial("avg")`` input
+#   partial; everything else reduces a partial first.
 def _keep_shards_but(call: OpCall, whole: set[int], nonempty: bool) -> Decision:
     """The input's shards pass to the output, but dims in ``whole``, and cuts that do not hold."""
     position = call.positions[0]
@@ -209,6 +194,12 @@ def _columns(rows: list[tuple[Placement, ...]]) -> list[tuple[Placement, ...]]:
     return [tuple(column) for column in zip(*rows, strict=True)]
 
 
+# [Note: grid sampler pieces]
+# The grid sampler takes any piece, empty ones included (no batch, no
+# channel, no point), so its rules keep every cut without asking
+# :func:`first_that_holds`, whose meta runs would cost here: torch's meta
+# kernel for these ops is a Python decomposition (about a second per call for
+# bicubic on the 2-core machine).
 @register(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
 def grid_sampler_rule(call: OpCall) -> Decision:
     """Batch cut on both; channel cut with the grid whole; point cut with the input whole."""
@@ -234,6 +225,13 @@ def grid_sampler_rule(call: OpCall) -> Decision:
     return build(frozenset())  # see [Note: grid sampler pieces]
 
 
+# [Note: grid sampler gradients]
+# ``grid_sampler_*_backward(grad_output, input, grid)`` returns the input's
+# and the grid's gradients. With the channels cut, each rank's grid gradient
+# sums over its own channels only: the grid gradient is ``Partial("sum")``.
+# With the output points cut, each rank scatters into the whole input from its
+# own points: the input gradient is ``Partial("sum")``. Both are exact and
+# cost nothing until read (autograd accumulates partials as they are).
 @register(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
 def grid_sampler_backward_rule(call: OpCall) -> Decision:
     """The forward's cuts; the other operand's gradient is a partial sum ([Note: grid sampler gradients])."""
