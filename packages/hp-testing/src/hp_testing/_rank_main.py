@@ -1,30 +1,9 @@
 """How an ``hp-run`` rank runs the user's script and ends: as ``python script.py`` would, minus finalization.
 
 Every hp-run rank starts here (``--no-checks`` included); :mod:`hp_testing._emulated_main`
-installs the emulation layer first and then does the same.
-
-[Note: a rank ends without interpreter finalization]
-gloo's worker thread drops a finished collective's work object a moment after the caller's
-``wait()`` returns. When that object holds the last reference to a tensor whose Python object
-has already died, dropping it takes the GIL. If the main thread has meanwhile entered
-interpreter finalization (the script's last collective was right before its end), Python ends
-the worker with ``pthread_exit``, whose unwinding crosses a ``noexcept`` destructor:
-``terminate called without an active exception`` and exit code 134, after the script
-succeeded. gdb shows it as ``take_gil`` under ``decref_pyobject`` under
-``ProcessGroupGloo::AsyncWork::~AsyncWork`` in ``runLoop``. A plain two-rank script whose rank
-1 calls ``sys.exit(0)`` after one ``all_reduce`` hits it about once in 20 runs on a loaded
-machine; CI saw it about once per full run across hp-run's tests. torch tracks it as issue
-190489 (its ``atexit`` fix, PR 179291, was abandoned: destroying groups at exit can block on a
-peer that is gone).
-
-So a rank does what Python does at exit up to finalization (join non-daemon threads, run the
-``atexit`` handlers, flush stdio) and then leaves with ``os._exit``, as ``multiprocessing``'s
-children do. Nothing is skipped that a script can observe, and nothing can block: no process
-group is destroyed. The exit status is Python's: 0, the ``SystemExit`` code, or 1 after an
-uncaught exception that ``sys.excepthook`` printed. An uncaught ``KeyboardInterrupt`` ends the
-rank by ``SIGINT``, as Python does. Under plain ``torchrun`` the race is torch's; calling
-``destroy_process_group()`` and dropping every object that holds a group makes it rarer, not
-impossible.
+installs the emulation layer first and then does the same. A rank does what Python does at
+exit up to finalization and then leaves with ``os._exit``, which avoids a gloo race that
+aborts a script that succeeded: [Note: a rank ends without interpreter finalization].
 """
 
 from __future__ import annotations
@@ -61,6 +40,28 @@ def _status(code: object) -> int:
     return 1
 
 
+# [Note: a rank ends without interpreter finalization]
+# gloo's worker thread drops a finished collective's work object a moment after the caller's
+# ``wait()`` returns. When that object holds the last reference to a tensor whose Python object
+# has already died, dropping it takes the GIL. If the main thread has meanwhile entered
+# interpreter finalization (the script's last collective was right before its end), Python ends
+# the worker with ``pthread_exit``, whose unwinding crosses a ``noexcept`` destructor:
+# ``terminate called without an active exception`` and exit code 134, after the script
+# succeeded. gdb shows it as ``take_gil`` under ``decref_pyobject`` under
+# ``ProcessGroupGloo::AsyncWork::~AsyncWork`` in ``runLoop``. A plain two-rank script whose rank
+# 1 calls ``sys.exit(0)`` after one ``all_reduce`` hits it about once in 20 runs on a loaded
+# machine; CI saw it about once per full run across hp-run's tests. torch tracks it as issue
+# 190489 (its ``atexit`` fix, PR 179291, was abandoned: destroying groups at exit can block on a
+# peer that is gone).
+#
+# So a rank does what Python does at exit up to finalization (join non-daemon threads, run the
+# ``atexit`` handlers, flush stdio) and then leaves with ``os._exit``, as ``multiprocessing``'s
+# children do. Nothing is skipped that a script can observe, and nothing can block: no process
+# group is destroyed. The exit status is Python's: 0, the ``SystemExit`` code, or 1 after an
+# uncaught exception that ``sys.excepthook`` printed. An uncaught ``KeyboardInterrupt`` ends the
+# rank by ``SIGINT``, as Python does. Under plain ``torchrun`` the race is torch's; calling
+# ``destroy_process_group()`` and dropping every object that holds a group makes it rarer, not
+# impossible.
 def run_and_exit(body: Callable[[], None]) -> None:
     """Run ``body`` (the script), then end the process without finalization; never returns."""
     status = 0

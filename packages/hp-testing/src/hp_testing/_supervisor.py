@@ -1,21 +1,8 @@
 """What ``hp-run`` does while its ranks run: a failed rank stops the rest, a signal stops them all.
 
-[Note: signals reach every rank]
-``torchrun`` forwards SIGINT, SIGTERM and SIGHUP to its workers and kills the
-ones still alive after a timeout; ``hp-run`` does the same, so ``kill``, a
-job scheduler's stop or a Ctrl-C never leaves ranks running with their ports
-held:
-
-- the ranks run in their own sessions (as torchrun's workers do), so a
-  terminal's Ctrl-C reaches them once, through ``hp-run``, rather than twice;
-- on the first such signal ``hp-run`` sends the same signal to every live
-  rank, gives them ``grace_s`` seconds to exit, then SIGKILLs what is left;
-  a second signal kills them at once;
-- ``hp-run`` then exits with ``128 + signum``, the status a shell reports
-  for a process that a signal ended;
-- if ``hp-run`` itself is killed hard (SIGKILL), nothing of it runs, so the
-  ranks rely on the kernel instead: [Note: dying with the parent] in
-  :mod:`hp_testing._lifetime`.
+A SIGINT, SIGTERM or SIGHUP is forwarded to every live rank, the ones left after a grace
+period are killed, and ``hp-run`` exits with ``128 + signum``, as ``torchrun`` does:
+[Note: signals reach every rank].
 """
 
 from __future__ import annotations
@@ -47,6 +34,22 @@ def exit_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
+# [Note: signals reach every rank]
+# ``torchrun`` forwards SIGINT, SIGTERM and SIGHUP to its workers and kills the
+# ones still alive after a timeout; ``hp-run`` does the same, so ``kill``, a
+# job scheduler's stop or a Ctrl-C never leaves ranks running with their ports
+# held:
+#
+# - the ranks run in their own sessions (as torchrun's workers do), so a
+#   terminal's Ctrl-C reaches them once, through ``hp-run``, rather than twice;
+# - on the first such signal ``hp-run`` sends the same signal to every live
+#   rank, gives them ``grace_s`` seconds to exit, then SIGKILLs what is left;
+#   a second signal kills them at once;
+# - ``hp-run`` then exits with ``128 + signum``, the status a shell reports
+#   for a process that a signal ended;
+# - if ``hp-run`` itself is killed hard (SIGKILL), nothing of it runs, so the
+#   ranks rely on the kernel instead: [Note: dying with the parent] in
+#   :mod:`hp_testing._lifetime`.
 class SignalCatcher:
     """Records SIGINT/SIGTERM/SIGHUP for the supervising loop instead of letting them end ``hp-run``.
 

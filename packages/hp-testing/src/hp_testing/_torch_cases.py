@@ -7,28 +7,9 @@ skip decorators, ``expectedFailure``, subtests reported by pytest). torch's
 classes make the method itself the parent's half of the harness: it spawns
 ranks in ``setUp`` (or per class) and joins them in the method. The plugin keeps
 unittest's run as it is and swaps exactly those two points on the instance
-pytest built, never on the user's class (see [Note: what the plugin swaps]).
-
-[Note: what the plugin swaps]
-- ``MultiProcessTestCase`` family: the instance's ``_spawn_processes`` becomes a
-  no-op, so ``setUp`` (the class's own, whatever it does besides spawning) and
-  ``tearDown`` run in the pytest process as torch runs them in its parent; the
-  test method becomes a call to the pool, which runs
-  [Note: how torch drives a rank] on each pooled rank with ``setUp``'s
-  ``file_name`` and the environment variables ``setUp`` set (spawned ranks inherit
-  them too).
-- ``MultiProcContinuousTest`` family: its ``setUp`` only spawns (once per class)
-  and queues the test for its ranks, in the parent; the instance gets a twin
-  class (a subclass made here, same name) whose ``_ensure_processes_spawned`` does
-  nothing and whose queues are empty, so ``setUp`` runs and queues nothing, and
-  the method becomes a call to the pool. No test poisons the rest of its class:
-  the pool gives the next test a fresh group after a failure.
-
-A class that customises what is swapped (its own ``_spawn_processes``, ``_run``,
-``run_test``, ``join_or_run``, ...) or that checks the ranks' exit codes
-(``special_return_code_checks``, ``skip_return_code_checks``, ``self.processes``)
-cannot keep its meaning on ranks that never exit; it runs the torch way and
-:func:`classify` says why.
+pytest built, never on the user's class (see [Note: what the plugin swaps]);
+a class that customises those points runs the torch way ([Note: classes that
+run the torch way]).
 """
 
 from __future__ import annotations
@@ -91,6 +72,12 @@ def _defined_by(cls: type, name: str) -> type | None:
     return None
 
 
+# [Note: classes that run the torch way]
+# A class that customises what is swapped (its own ``_spawn_processes``, ``_run``,
+# ``run_test``, ``join_or_run``, ...) or that checks the ranks' exit codes
+# (``special_return_code_checks``, ``skip_return_code_checks``, ``self.processes``)
+# cannot keep its meaning on ranks that never exit; it runs the torch way and
+# :func:`classify` says why.
 @functools.cache
 def classify(cls: type) -> TorchCase | None:
     """The family of a torch multi-process test class and why it cannot be pooled, or None."""
@@ -216,6 +203,20 @@ def _skip_if_backend_missing(cls: type, profile: str) -> None:
 Runner = Callable[[dict[str, Any]], None]
 
 
+# [Note: what the plugin swaps]
+# - ``MultiProcessTestCase`` family: the instance's ``_spawn_processes`` becomes a
+#   no-op, so ``setUp`` (the class's own, whatever it does besides spawning) and
+#   ``tearDown`` run in the pytest process as torch runs them in its parent; the
+#   test method becomes a call to the pool, which runs
+#   [Note: how torch drives a rank] on each pooled rank with ``setUp``'s
+#   ``file_name`` and the environment variables ``setUp`` set (spawned ranks inherit
+#   them too).
+# - ``MultiProcContinuousTest`` family: its ``setUp`` only spawns (once per class)
+#   and queues the test for its ranks, in the parent; the instance gets a twin
+#   class (a subclass made here, same name) whose ``_ensure_processes_spawned`` does
+#   nothing and whose queues are empty, so ``setUp`` runs and queues nothing, and
+#   the method becomes a call to the pool. No test poisons the rest of its class:
+#   the pool gives the next test a fresh group after a failure.
 def take_over(item: Any, case: TorchCase, profile: str, run_on_pool: Runner) -> None:
     """Make ``item``'s unittest run send the method to the pool ([Note: what the plugin swaps]).
 

@@ -1,31 +1,10 @@
 """Inside a pooled rank: run one method of a torch ``MultiProcessTestCase`` / ``MultiProcContinuousTest``.
 
 torch's harnesses start ranks that build the test instance, set ``rank``, join a
-process group and call the method (see [Note: how torch drives a rank] below). A
+process group and call the method (see [Note: how torch drives a rank]). A
 pooled rank does the same steps on a process whose default group is already up,
 so the only thing that changes for the test is that joining and leaving the
 group cost nothing: see [Note: adopting the pool's group].
-
-[Note: how torch drives a rank]
-``MultiProcessTestCase`` (and ``DTensorTestBase``, ``DistributedTestBase``): the
-parent runs ``setUp`` (which spawns) and ``tearDown``; each rank runs
-``cls._run``: ``cls(name)``, ``rank`` and ``file_name`` set, the RNG seeded,
-``getattr(self, name)()``; a ``SkipTest`` or an exit code of ``TEST_SKIPS``
-(``@skip_if_lt_x_gpu``) skips the test as seen from rank 0. ``setUp`` and
-``tearDown`` never run in a rank. ``MultiProcContinuousTest``: each rank sets the
-class's ``rank`` / ``world_size``, calls ``cls._init_pg`` once, then
-``cls._run_test_given_id`` per test, again without ``setUp``.
-
-[Note: adopting the pool's group]
-Test bodies (or ``@with_comms``'s ``init_pg``, ``_init_pg``, ``create_pg``) call
-``init_process_group`` with a file store or ``init_method=file://...``, and
-``destroy_process_group()`` at the end. While a pooled torch test runs, the first
-is answered by adopting the pool's default group when its world size and rank
-agree with the pool's and its backend is one the pool runs (gloo, or nccl / hccl
-under the matching emulation); anything else raises, naming the value and the way
-out. ``destroy_process_group()`` of the default group is a no-op: the pool keeps
-the group for the next test (groups the test made itself are destroyed by the
-worker as for every test). Outside a torch test both calls are torch's own.
 """
 
 from __future__ import annotations
@@ -50,6 +29,16 @@ class RankSkip(Exception):
     """The test skipped itself in this rank (``SkipTest`` or a ``TEST_SKIPS`` exit code)."""
 
 
+# [Note: adopting the pool's group]
+# Test bodies (or ``@with_comms``'s ``init_pg``, ``_init_pg``, ``create_pg``) call
+# ``init_process_group`` with a file store or ``init_method=file://...``, and
+# ``destroy_process_group()`` at the end. While a pooled torch test runs, the first
+# is answered by adopting the pool's default group when its world size and rank
+# agree with the pool's and its backend is one the pool runs (gloo, or nccl / hccl
+# under the matching emulation); anything else raises, naming the value and the way
+# out. ``destroy_process_group()`` of the default group is a no-op: the pool keeps
+# the group for the next test (groups the test made itself are destroyed by the
+# worker as for every test). Outside a torch test both calls are torch's own.
 @dataclass
 class _Adoption:
     rank: int
@@ -178,6 +167,15 @@ def _class(module: Any, qualname: str) -> Any:
     return obj
 
 
+# [Note: how torch drives a rank]
+# ``MultiProcessTestCase`` (and ``DTensorTestBase``, ``DistributedTestBase``): the
+# parent runs ``setUp`` (which spawns) and ``tearDown``; each rank runs
+# ``cls._run``: ``cls(name)``, ``rank`` and ``file_name`` set, the RNG seeded,
+# ``getattr(self, name)()``; a ``SkipTest`` or an exit code of ``TEST_SKIPS``
+# (``@skip_if_lt_x_gpu``) skips the test as seen from rank 0. ``setUp`` and
+# ``tearDown`` never run in a rank. ``MultiProcContinuousTest``: each rank sets the
+# class's ``rank`` / ``world_size``, calls ``cls._init_pg`` once, then
+# ``cls._run_test_given_id`` per test, again without ``setUp``.
 def rank_body(task: Any, module: Any, rank: int, world_size: int, profile: str) -> Callable[[], None]:
     """What this rank runs for ``task`` ([Note: how torch drives a rank]); raises :class:`RankSkip`."""
     from torch.testing._internal import common_utils

@@ -3,25 +3,11 @@
 A marked test's body runs on N ranks of a pooled process group (see
 ``hp_testing.pool``) and is reported once: passed when every rank passed, or
 failed with each failing rank's traceback labelled by rank, plus the Python
-stack of every rank that hung.
-
-Fixtures, resolved in the pytest process as usual, are pickled to the ranks;
-``rank``, ``world_size`` and ``device_mesh_factory`` are the exceptions: each
-rank computes its own value. The pickles go over the pool's pipes (socketpairs
-between the pytest process and the ranks it forked), never over the network:
-what the ranks share through the TCPStore is JSON (:mod:`hp_testing._wire`).
-
-Under plain ``torchrun -m pytest`` (RANK and WORLD_SIZE already set and no pool
-involved) the plugin steps aside: the test body runs in the calling process on
-the default group that ``hp_core.init_distributed`` creates. This is what makes
-every harness test also a ``torchrun`` test.
-
-Test classes derived from torch's ``MultiProcessTestCase`` (``DTensorTestBase``,
-``DistributedTestBase``) and ``MultiProcContinuousTest`` run on the same pools,
-unchanged, by default (:mod:`hp_testing._torch_cases`): a user who installs the
-plugin for speed gets it for the tests they already have, a class that cannot be
-pooled says why and runs the torch way, and ``--hp-torch-testcases=torch`` (or
-``@pytest.mark.torch_harness``) keeps torch's own harness.
+stack of every rank that hung. Fixtures are pickled to the ranks over the
+pool's pipes ([Note: fixtures travel to the ranks]); under plain ``torchrun``
+the plugin steps aside ([Note: the plugin under torchrun]); torch's
+multi-process test classes run on the same pools ([Note: torch's test
+classes on the pools]).
 """
 
 from __future__ import annotations
@@ -63,6 +49,12 @@ class MarkerError(Exception):
     """A ``distributed`` marker or fixture that cannot work; reported on its test."""
 
 
+# [Note: fixtures travel to the ranks]
+# Fixtures, resolved in the pytest process as usual, are pickled to the ranks;
+# ``rank``, ``world_size`` and ``device_mesh_factory`` are the exceptions: each
+# rank computes its own value. The pickles go over the pool's pipes (socketpairs
+# between the pytest process and the ranks it forked), never over the network:
+# what the ranks share through the TCPStore is JSON (:mod:`hp_testing._wire`).
 class _RankLocal:
     """Stands in for a rank-local fixture in the pytest process; each rank swaps in its value."""
 
@@ -73,6 +65,11 @@ class _RankLocal:
         return f"<{self.name}: differs per rank>"
 
 
+# [Note: the plugin under torchrun]
+# Under plain ``torchrun -m pytest`` (RANK and WORLD_SIZE already set and no pool
+# involved) the plugin steps aside: the test body runs in the calling process on
+# the default group that ``hp_core.init_distributed`` creates. This is what makes
+# every harness test also a ``torchrun`` test.
 def _inline() -> bool:
     """True when this process is itself one rank of a torchrun-style launch."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -198,6 +195,13 @@ def _mode(item: pytest.Item, marker: pytest.Mark, backend: str, options: RunOpti
     return str(mode)
 
 
+# [Note: torch's test classes on the pools]
+# Test classes derived from torch's ``MultiProcessTestCase`` (``DTensorTestBase``,
+# ``DistributedTestBase``) and ``MultiProcContinuousTest`` run on the same pools,
+# unchanged, by default (:mod:`hp_testing._torch_cases`): a user who installs the
+# plugin for speed gets it for the tests they already have, a class that cannot be
+# pooled says why and runs the torch way, and ``--hp-torch-testcases=torch`` (or
+# ``@pytest.mark.torch_harness``) keeps torch's own harness.
 def _torch_case(item: pytest.Item, config: pytest.Config) -> TorchCase | None:
     """The torch test class ``item`` belongs to, unless torch's harness is asked for (or none)."""
     cls = getattr(item, "cls", None)
