@@ -1,9 +1,10 @@
 """An op on DTensors against plain tensors, with the collectives of its forward and backward counted.
 
-Shared by ``test_ops_spatial.py`` and ``test_ops_stragglers.py``: values and
-every input gradient must match the plain run, the call must never take the
-replicated fallback, and where the op is local on the cut neither the
-forward nor the backward may issue a collective.
+Shared by ``test_ops_spatial.py``, ``test_ops_stragglers.py`` and
+``test_ops_shapes_comm.py``: values and every input gradient must match the
+plain run, the call must never take the replicated fallback, and where the op
+is local on the cut neither the forward nor the backward may issue a
+collective.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from torch.utils import _pytree as pytree
 
 
 def _loss(out: Any) -> Any:
-    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in tensors if t.is_floating_point()] + [
+        torch.view_as_real(t) for t in tensors if t.is_complex()
+    ]
     return sum((t * torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape).cos()).sum() for t in leaves)
 
 
@@ -56,8 +60,9 @@ def check(
     outs, refs = pytree.tree_leaves(out), pytree.tree_leaves(ref)
     assert len(outs) == len(refs)
     for o, r in zip(outs, refs, strict=True):
-        assert isinstance(o, DTensor), f"{fn} returned {type(o)}"
-        torch.testing.assert_close(o.full_tensor(), r.detach())
+        if isinstance(r, torch.Tensor):
+            assert isinstance(o, DTensor), f"{fn} returned {type(o)}"
+            torch.testing.assert_close(o.full_tensor(), r.detach())
     if expect is not None:
         assert outs[0].placements == tuple(expect)
     if grad and any(f.requires_grad for f in full):

@@ -10,30 +10,21 @@ uneven over 2 ranks (5, 3, 1 and 0 rows) unless said otherwise.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from hp_dtensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from hp_dtensor import Partial, Placement, Replicate, Shard, distribute_tensor
 from hp_testing import record_collectives
 from torch.utils import _pytree as pytree
 
+sys.path.insert(0, str(Path(__file__).parent))
+from local_compare import check
+
 S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
-
-
-def _loss(out: Any) -> Any:
-    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    leaves += [
-        torch.view_as_real(t)
-        for t in pytree.tree_leaves(out)
-        if isinstance(t, torch.Tensor) and t.is_complex()
-    ]
-    return sum((t * (i + 1)).sum() for i, t in enumerate(leaves))
-
-
-def _full(x: Any) -> Any:
-    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def check_local(
@@ -45,32 +36,8 @@ def check_local(
     expect: Sequence[Placement] | None = None,
     grad: bool = True,
 ) -> Any:
-    """Values and gradients against plain tensors, and no collective in the forward call."""
-    full = [t.clone().requires_grad_(grad and t.is_floating_point()) for t in inputs]
-    ref = fn(*full)
-    dts = [
-        distribute_tensor(t.clone(), mesh, [p]).requires_grad_(grad and t.is_floating_point())
-        for t, p in zip(inputs, placements, strict=True)
-    ]
-    with record_collectives() as log:
-        out = fn(*dts)
-    assert len(log) == 0, f"hp communicated: {list(log)}"
-    outs, refs = pytree.tree_leaves(out), pytree.tree_leaves(ref)
-    assert len(outs) == len(refs)
-    for o, r in zip(outs, refs, strict=True):
-        if isinstance(r, torch.Tensor):
-            assert isinstance(o, DTensor), f"{fn} returned {type(o)}"
-            torch.testing.assert_close(o.full_tensor(), r.detach())
-    if expect is not None:
-        assert outs[0].placements == tuple(expect)
-    if grad and any(f.requires_grad for f in full):
-        _loss(ref).backward()
-        _loss(out).backward()
-        for d, f in zip(dts, full, strict=True):
-            if f.grad is not None:
-                assert d.grad is not None
-                torch.testing.assert_close(_full(d.grad), f.grad)
-    return out
+    """Values and gradients against plain tensors, no collective in the forward call, never the fallback."""
+    return check(fn, inputs, placements, mesh, local_backward=False, expect=expect, grad=grad)
 
 
 # -- pointwise: a cut dim of global size 1 or 0 stays cut ---------------------------------------
@@ -289,3 +256,17 @@ def test_stack_keeps_a_shared_partial(rank, device_mesh_factory) -> None:  # typ
     assert len(log) == 0
     assert out.placements == (Partial("sum"),)
     torch.testing.assert_close(out.full_tensor(), torch.stack([a.sum(0), torch.ones(3), b.sum(0)], dim=1))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_slice_and_select_backward_keep_other_cuts(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """The backward of a slice or select off the cut dim is local (it took the fallback)."""
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, 3, dtype=torch.float64)
+    check(lambda t: t[:, 1:5:2], [x], [S0], mesh, expect=[S0])
+    check(lambda t: t[:, 2], [x], [S0], mesh, expect=[S0])
+    check(lambda t: t[:, 2], [x], [S2], mesh, expect=[S1])
+    check(lambda t: t.narrow(2, 1, 2), [x], [S1], mesh, expect=[S1])
+    # along the cut dim the pieces move (forward and backward communicate), values stay right
+    check(lambda t: t[1:4], [x], [S0], mesh, local=False)

@@ -137,6 +137,35 @@ def scatter_rule(call: OpCall) -> Decision:
     return Decision(inputs=inputs, outputs=[tuple(targets)])
 
 
+@register(aten.slice_backward.default, aten.select_backward.default)
+def slice_backward_rule(call: OpCall) -> Decision:
+    """``slice_backward(grad, input_sizes, dim, ...)`` / ``select_backward``: zeros with ``grad`` written in.
+
+    Only ``dim`` changes size, so every other dim keeps ``grad``'s shard and
+    ``input_sizes`` is made local (``size_arg``); a shard of ``dim`` is
+    gathered. The op is linear: a partial sum stays partial. (A ``select``
+    removed ``dim`` from ``grad``: its cuts of later dims move up by one.)
+    """
+    layout = call.layout(call.positions[0])
+    ndim = len(call.args[1])
+    dim = int(call.args[2]) % max(ndim, 1)
+    selected = call.func is aten.select_backward.default
+    inputs: list[Placement] = []
+    outputs: list[Placement] = []
+    for p in layout.placements:
+        out_dim = (p.dim + 1 if selected and p.dim >= dim else p.dim) if isinstance(p, Shard) else -1
+        if isinstance(p, Shard) and out_dim != dim:
+            inputs.append(p)
+            outputs.append(Shard(out_dim))
+        elif isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
+            inputs.append(p)
+            outputs.append(p)
+        else:
+            inputs.append(Replicate())
+            outputs.append(Replicate())
+    return Decision(inputs={call.positions[0]: tuple(inputs)}, outputs=[tuple(outputs)], size_arg=1)
+
+
 @register(aten.linalg_cross.default)
 def cross_rule(call: OpCall) -> Decision:
     """``linalg_cross(a, b, dim)``: pointwise (broadcast) but along ``dim``, which must be whole.
