@@ -158,7 +158,8 @@ def install(profile_name: str, *, checks: bool = True, strict: bool = False) -> 
     if strict:
         _LAYER.hazards.guard.warm_up()
     install_functional(_LAYER.check_collective)
-    install_functional_ops()  # a compiled graph's collectives, at every run ([Note: compiled graphs ...])
+    # a compiled graph's collectives, at every run ([Note: compiled graphs under the emulation])
+    install_functional_ops()
     _inject(profile)
     return _LAYER
 
