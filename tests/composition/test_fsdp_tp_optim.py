@@ -29,8 +29,9 @@ norms (benchmarks/dtensor_step.py counts it); ours must issue as many or
 fewer, each of one scalar (the total norm is a sum over every rank's shards,
 partial on each mesh dim, so one number per dim is all it needs), and
 nothing else: no all-gather, no reduce-scatter; the optimizer step issues no
-collective at all. Both run under hp_dtensor's ``fallback_policy("error")``:
-an op without a sharding rule raises, naming itself, instead of gathering.
+collective at all. The forward, the backward, the clipping and the step all run
+under hp_dtensor's ``fallback_policy("error")``: an op without a sharding rule
+raises, naming itself, instead of gathering.
 """
 
 from __future__ import annotations
@@ -144,8 +145,9 @@ def _train(model: nn.Module, reference: nn.Module, mesh: Any, optim: str, where:
         ref_opt.zero_grad()
 
         mine = slice(dp_rank * PER_RANK, (dp_rank + 1) * PER_RANK)
-        loss = _loss(model, tokens[mine], targets[mine])
-        loss.backward()
+        with fallback_policy("error"):  # forward and backward too: every op has a rule
+            loss = _loss(model, tokens[mine], targets[mine])
+            loss.backward()
         at = f"{where} step {step}"
         # hp_dtensor's "error" policy: an op without a sharding rule raises (naming it) instead of
         # gathering its inputs; the counts below would show the gathers too.
