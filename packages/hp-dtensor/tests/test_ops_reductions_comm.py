@@ -460,3 +460,29 @@ def test_sparse_results_raise_on_every_rank(rank, device_mesh_factory) -> None: 
         for convert in (lambda t: t.to_sparse(), lambda t: t.to_sparse_csr()):
             with pytest.raises(NotImplementedError, match="sparse layouts are not supported by hp_dtensor"):
                 convert(x)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_any_and_all_are_boolean_partials(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """No gather: the pieces' answers reduce by max (any) and min (all); empty pieces and partials right."""
+    mesh = device_mesh_factory((2,))
+    x = torch.tensor([[0.0, 0.0], [0.0, 2.0], [0.0, 0.0]])
+    fns = {
+        "any": lambda t: t.any(),
+        "all": lambda t: (t == 0).all(),
+        "any dim": lambda t: t.any(0),
+        "all dims keepdim": lambda t: (t == 0).all(dim=(0, 1), keepdim=True),
+    }
+    for name, fn in fns.items():
+        for cut in ([Shard(0)], [Shard(1)], [R]):
+            dx = distribute_tensor(x, mesh, cut)
+            with record_collectives() as log:
+                out = fn(dx)
+            assert len(log) == 0, f"{name} {cut}: {list(log)}"
+            torch.testing.assert_close(out.full_tensor(), fn(x), msg=f"{name} {cut}")
+    one_row = distribute_tensor(torch.zeros(1, 3), mesh, [Shard(0)])  # rank 1 holds an empty piece
+    assert one_row.any().full_tensor().item() is False and one_row.eq(0).all().full_tensor().item() is True
+    # a partial sum whose terms are nonzero but whose value is zero: reduced before the test
+    terms = torch.tensor([1.0, -2.0]) if rank == 0 else torch.tensor([-1.0, 2.0])
+    partial = DTensor.from_local(terms, mesh, [Partial("sum")])
+    assert partial.any().full_tensor().item() is False

@@ -107,6 +107,29 @@ def amin_rule(call: OpCall) -> Decision:
     return _reduce(call, "min")
 
 
+@register(aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims)
+def any_all_rule(call: OpCall) -> Decision:
+    """``any`` / ``all``: sharded reduced dims become ``Partial("max")`` / ``Partial("min")`` of booleans.
+
+    A piece's ``any`` is False and its ``all`` True when it is empty, the
+    identities of max and min over booleans, so uneven cuts need nothing. A
+    partial input is reduced first.
+    """
+    position = call.positions[0]
+    layout = call.layout(position)
+    if call.func in (aten.any.default, aten.all.default):
+        dims, keepdim = _reduced_dims(layout, None), False
+    else:
+        dims = _reduced_dims(layout, call.args[1] if len(call.args) > 1 else call.kwargs.get("dim"))
+        keepdim = bool(call.args[2]) if len(call.args) > 2 else bool(call.kwargs.get("keepdim", False))
+    kind = "max" if call.func in (aten.any.default, aten.any.dim, aten.any.dims) else "min"
+    inputs, out = reduce_decision(layout, dims, keepdim, kind, empty_ok=True)
+    for m, placement in enumerate(layout.placements):
+        if isinstance(placement, Partial):  # whether a sum's (or max's) value is nonzero is not per term
+            inputs[m] = out[m] = Replicate()
+    return Decision(inputs={position: tuple(inputs)}, outputs=[tuple(out)])
+
+
 # [Note: max with indices]
 # ``max(x, dim)`` returns values and the index of the maximum. With ``dim``
 # sharded, each rank reduces its piece; one ``all_reduce(max)`` of the values
