@@ -103,12 +103,10 @@ def _check_resume_across(
     rank: int, world: int, folder: Path, param_atol: float = 1e-6, **layout: Any
 ) -> None:
     """Each library resumes from the other's checkpoint and trains on exactly as the writer did."""
-    import torch.distributed as dist
+    import hp_core
 
     # one folder for every rank: under plain torchrun each rank's pytest has its own tmp_path
-    shared = [str(folder)]
-    dist.broadcast_object_list(shared, src=0)
-    folder = Path(shared[0])
+    folder = Path(hp_core.broadcast_object(str(folder), src=0))
     import hp_torchtitan
     from hp_torchtitan.checkpoint import TrainingRun
     from hp_torchtitan.data import text_file_batches
