@@ -21,7 +21,7 @@ import torch
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["contraction_placements"]
+__all__ = ["contraction_placements", "inplace_add_product_rule"]
 
 aten = torch.ops.aten
 R = Replicate()
@@ -224,3 +224,69 @@ def add_product_rule(call: OpCall) -> Decision | None:
     bias = call.args[0] if _all_dtensors(call, 0) else None
     inputs, out = _contract(call, call.args[1], call.args[2], _ADD_PRODUCTS[call.func], bias)
     return Decision(inputs=inputs, outputs=[out])
+
+
+# [Note: in-place add products]
+# ``addmm_`` and its kin write ``beta * self + alpha * (a @ b)`` into ``self``,
+# so the product must come out placed as ``self`` already is: an in-place op
+# that changed its argument's placement would change a tensor the caller
+# holds (a parameter, a buffer) behind their back, which torch's DTensor
+# refuses too. Per mesh dim the out-of-place plan is kept when its output is
+# ``self``'s placement (``self`` stays put, as the bias term's target is then
+# its own placement); otherwise the operands are placed for that output (cut
+# on the output's letter, or a linear partial carried by ``a``), which never
+# moves ``self``. A ``self`` that is a max / min / product partial cannot be
+# written term by term: refused, naming the fix.
+_INPLACE_ADD_PRODUCTS: dict[Any, Any] = {
+    aten.addmm_.default: aten.addmm.default,
+    aten.baddbmm_.default: aten.baddbmm.default,
+    aten.addbmm_.default: aten.addbmm.default,
+    aten.addmv_.default: aten.addmv.default,
+    aten.addr_.default: aten.addr.default,
+}
+
+
+def _inplace_targets(
+    letters: tuple[str, str, str],
+    own: Placement,
+    chosen: tuple[Placement, Placement, Placement, Placement | None],
+) -> tuple[Placement, Placement]:
+    """Operand targets on one mesh dim that make the product land on ``self``'s placement ``own``."""
+    ta, tb, out, _ = chosen
+    if out == own:
+        return ta, tb
+    ta, tb, _ = _from_out(letters, own)
+    return ta, tb
+
+
+@register(*_INPLACE_ADD_PRODUCTS)
+def inplace_add_product_rule(call: OpCall) -> Decision | None:
+    """``self.addmm_(a, b)`` and kin: the out-of-place plan with the output on ``self``'s placement.
+
+    See [Note: in-place add products].
+    """
+    if not _all_dtensors(call, 0, 1, 2):
+        return None
+    letters = _ADD_PRODUCTS[_INPLACE_ADD_PRODUCTS[call.func]]
+    own = call.layout(call.position_of(call.args[0]))
+    for placement in own.placements:
+        if isinstance(placement, Partial) and placement.reduce_op not in _LINEAR:
+            raise ValueError(
+                f"{call.func}: self has placements {list(own.placements)}; a {placement} value cannot take "
+                "beta * self + alpha * product term by term. Redistribute self to Shard/Replicate (or a "
+                "sum partial) first, or use the out-of-place op."
+            )
+    pa, pb = call.position_of(call.args[1]), call.position_of(call.args[2])
+    la, lb = call.layout(pa), call.layout(pb)
+    sizes = (call.args[1].numel(), call.args[2].numel())
+    ta: list[Placement] = []
+    tb: list[Placement] = []
+    for m, placement in enumerate(own.placements):
+        bias = (placement, tuple(own.shape))
+        a, b = la.placements[m], lb.placements[m]
+        chosen = contraction_placements(letters, a, b, sizes, la.mesh.shape[m], bias)
+        x, y = _inplace_targets(letters, placement, chosen)
+        ta.append(x)
+        tb.append(y)
+    inputs = {pa: tuple(ta), pb: tuple(tb), call.position_of(call.args[0]): own.placements}
+    return Decision(inputs=inputs, outputs=[own.placements], inplace=True)
