@@ -3,10 +3,10 @@
 A sum over a sharded dim is a sum of per-rank sums, so it stays local and
 gives ``Partial("sum")``; ``amax`` / ``max()`` give ``Partial("max")`` and
 ``amin`` / ``min()`` ``Partial("min")``. ``mean`` over a sharded dim gives
-``Partial("avg")`` only when every rank holds the same number of rows (the
-average of local means is the mean only then); an uneven cut is gathered
-first. Max and min of a cut with an empty piece are gathered first too (the
-maximum of nothing is undefined). Shards of dims that are not reduced pass
+``Partial("avg")`` when every rank holds the same number of rows, and a
+local sum over the global count, ``Partial("sum")``, when the cut is uneven
+([Note: mean over an uneven cut]). Max and min of a cut with an empty piece
+are gathered first (the maximum of nothing is undefined). Shards of dims that are not reduced pass
 through, renumbered when the reduced dims are dropped. ``max(x, dim)`` with
 ``dim`` sharded takes one all-reduce of the values and one of the indices
 ([Note: max with indices]).
@@ -14,6 +14,7 @@ through, renumbered when the reduced dims are dropped. ``max(x, dim)`` with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,10 +90,50 @@ def sum_rule(call: OpCall) -> Decision:
     return _reduce(call, "sum")
 
 
+# [Note: mean over an uneven cut]
+# The average of the pieces' means is the mean only when every piece holds
+# the same number of elements; 5 rows over 2 ranks would weigh a row of the
+# 2-row piece like 1.5 rows of the 3-row one. So when any mesh dim cuts a
+# reduced dim unevenly, each rank divides its piece's *sum* by the *global*
+# count of the reduced elements (known from the global shape) and the terms
+# are ``Partial("sum")`` on every mesh dim that cuts a reduced dim: they add up
+# to the mean however the rows are cut, an empty piece adds 0, and nothing is
+# gathered. ``l1_loss``, ``kl_div`` and the other losses torch writes as
+# pointwise ops then ``mean()`` take this path. Linear partial inputs stay as
+# they are (the kernel is linear). The backward is torch's (``expand`` of the
+# gradient divided by the count): pointwise, no communication.
+def _mean_over_count(dims: list[int], keepdim: bool, count: int) -> Callable[[LocalCall], torch.Tensor]:
+    """The local sum over ``dims`` divided by the global ``count`` (see [Note: mean over an uneven cut])."""
+
+    def run(call: LocalCall) -> torch.Tensor:
+        x = call.args[0]
+        total = torch.sum(x, dims, keepdim=keepdim, dtype=call.kwargs.get("dtype"))
+        return total / count
+
+    return run
+
+
 @register(aten.mean.default, aten.mean.dim)
 def mean_rule(call: OpCall) -> Decision:
-    """Mean: even sharded reduced dims become ``Partial("avg")``."""
-    return _reduce(call, "avg")
+    """Mean: even sharded reduced dims become ``Partial("avg")``, uneven ones a sum over the global count."""
+    position = call.positions[0]
+    layout = call.layout(position)
+    if call.func is aten.mean.default:
+        dims, keepdim = _reduced_dims(layout, None), False
+    else:
+        dims = _reduced_dims(layout, call.args[1] if len(call.args) > 1 else call.kwargs.get("dim"))
+        keepdim = bool(_kwarg(call, 2, "keepdim", False))
+    cutting = [m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim in dims]
+    uneven = any(
+        len(set(chunk_sizes(layout.shape[layout.placements[m].dim], layout.mesh.shape[m]))) > 1
+        for m in cutting
+    )
+    if not uneven:
+        return _reduce(call, "avg")
+    inputs, out = reduce_decision(layout, dims, keepdim, "sum")
+    count = math.prod(layout.shape[d] for d in dims)
+    kernel = _mean_over_count(dims, keepdim, count)
+    return Decision(inputs={position: tuple(inputs)}, outputs=[tuple(out)], kernel=kernel)
 
 
 @register(aten.amax.default, aten.max.default)
