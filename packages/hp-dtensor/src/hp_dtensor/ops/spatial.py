@@ -21,7 +21,9 @@ import torch
 
 from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
+from hp_dtensor.ops.halo import HaloDim
 from hp_dtensor.ops.holding import first_that_holds
+from hp_dtensor.ops.pool_halo import pool_halos, pool_kernel
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["grid_sampler_rule", "plane_rule", "shuffle_rule"]
@@ -97,7 +99,7 @@ _planes("reflection_pad1d_backward replication_pad1d_backward", 1)
 
 @register(*_PLANE_OPS)
 def plane_rule(call: OpCall) -> Decision:
-    """Leading (batch, channel) shards pass on every tensor; spatial shards are gathered."""
+    """Leading (batch, channel) shards pass on every tensor; spatial shards take a halo or are gathered."""
     k, size_arg, linear = _PLANE_OPS[call.func]
     positions = call.positions
     layouts = [call.layout(p) for p in positions]
@@ -108,21 +110,29 @@ def plane_rule(call: OpCall) -> Decision:
     mesh = layouts[0].mesh
     single = len(positions) == 1
     returns = max(_returns(call.func), 1)
+    halos = pool_halos(call, lead) if alike else {}
 
     def build(gathered: frozenset[int]) -> Decision:
         targets: list[Placement] = []
+        used: list[HaloDim] = []
         for m in range(mesh.ndim):
             current = [layout.placements[m] for layout in layouts]
             cut = next((p for p in current if isinstance(p, Shard) and p.dim < lead), None)
             if cut is not None and alike and m not in gathered:
                 targets.append(cut)
+            elif m in halos and m not in gathered:
+                targets.append(Shard(halos[m].dim))
+                used.append(halos[m])
             elif single and _linear_partial(current[0], linear):
                 targets.append(current[0])
             else:
                 targets.append(R)
         placements = tuple(targets)
         return Decision(
-            inputs={p: placements for p in positions}, outputs=[placements] * returns, size_arg=size_arg
+            inputs={p: placements for p in positions},
+            outputs=[placements] * returns,
+            size_arg=size_arg,
+            kernel=pool_kernel(call.func, used, lead) if used else None,
         )
 
     # see [Note: empty pieces]: no channel is refused on CPU, no batch only by some meta kernels

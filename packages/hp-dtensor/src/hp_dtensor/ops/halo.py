@@ -1,0 +1,339 @@
+"""Halo exchange: a sliding-window op (convolution, pooling) on an input cut along a spatial dim.
+
+A window that crosses a cut reads rows of the neighbour, so each rank first
+receives the few border rows it needs (its *halo*), runs the op on that
+extended piece and keeps its own share of the output, which stays cut on the
+same dim. The backward runs the op's own backward on the extended piece and
+sends the halo's gradient back to the rank that owns those rows, where it is
+added ([Note: halo plans], [Note: halo exchange]). A cut that does not line
+up (a piece too short for its neighbour's window, an empty piece) has no plan
+and the caller gathers that mesh dim instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import hp_core.collectives as hc
+import torch
+from hp_core.distributed import mesh_group
+
+from hp_dtensor.layout import Layout, chunk_sizes
+from hp_dtensor.placements import Shard
+
+__all__ = [
+    "HaloDim",
+    "extend",
+    "extended_shape",
+    "fold_back",
+    "full_args",
+    "global_indices",
+    "local_indices",
+    "narrow_output",
+    "pad_output_grad",
+    "per_dim",
+    "plan_halos",
+    "window_count",
+]
+
+
+def window_count(length: int, extent: int, stride: int, padding: int, ceil_mode: bool = False) -> int:
+    """How many windows of ``extent`` rows fit ``length`` rows padded by ``padding`` (PyTorch's rule)."""
+    span = length + 2 * padding - extent
+    if span < 0:
+        return 0
+    count = (span + stride - 1) // stride + 1 if ceil_mode else span // stride + 1
+    if ceil_mode and (count - 1) * stride >= length + padding:
+        count -= 1  # the last window must start inside the input or its left padding
+    return count
+
+
+# [Note: halo plans]
+# Along one spatial dim of global length ``L`` an output row ``o`` reads the
+# input rows ``o * s - p ... o * s - p + extent - 1`` (``extent = dilation *
+# (kernel - 1) + 1``). The output is cut by ``torch.chunk`` like any DTensor:
+# rank ``r`` owns outputs ``[O_r, O_r+1)``. It builds an extended piece of the
+# input rows ``[e0, e1)`` and runs the op there *with the op's own padding*:
+# ``e0`` is a multiple of the stride (so the local windows start where the
+# global ones do, shifted by ``c = e0 / s`` outputs) at or before the first
+# row its first window reads, and ``e1`` the last row its last window reads
+# (both clamped to the tensor). Windows that touch the op's padding then only
+# occur at the tensor's true ends, where the extended piece ends too: average
+# pooling's divisor (``count_include_pad``, ``ceil_mode``) and max pooling's
+# padding behave exactly as on the whole tensor. The local op yields outputs
+# ``c ...``; rank ``r`` keeps ``[O_r - c, O_r+1 - c)``. A plan exists when
+# every input and output piece is non-empty and each rank's rows come from
+# itself and its two neighbours only; otherwise the caller gathers.
+@dataclass(frozen=True)
+class HaloDim:
+    """The halo of one mesh dim's cut of one tensor dim ([Note: halo plans]); per-rank tuples."""
+
+    mesh_dim: int
+    dim: int
+    length: int
+    starts: tuple[int, ...]  # input piece starts, one per rank, then the length
+    ends: tuple[tuple[int, int], ...]  # (e0, e1): the rows each rank's extended piece covers
+    outs: tuple[int, ...]  # output piece starts, one per rank, then the output length
+    shift: tuple[int, ...]  # c: the global index of each rank's first local output
+    extent: int
+    stride: int
+    padding: int
+    ceil_mode: bool
+
+    @property
+    def to_left(self) -> int:
+        """Rows of the widest piece a rank sends to its left neighbour (that rank's right halo)."""
+        return max(self.right_need(r) for r in range(len(self.ends)))
+
+    @property
+    def to_right(self) -> int:
+        """Rows of the widest piece a rank sends to its right neighbour (that rank's left halo)."""
+        return max(self.left_need(r) for r in range(len(self.ends)))
+
+    def left_need(self, r: int) -> int:
+        """Rows rank ``r`` reads from its left neighbour."""
+        return max(0, self.starts[r] - self.ends[r][0])
+
+    def right_need(self, r: int) -> int:
+        """Rows rank ``r`` reads from its right neighbour."""
+        return max(0, self.ends[r][1] - self.starts[r + 1])
+
+    def local_outputs(self, r: int) -> int:
+        """How many outputs the op yields on rank ``r``'s extended piece."""
+        e0, e1 = self.ends[r]
+        return window_count(e1 - e0, self.extent, self.stride, self.padding, self.ceil_mode)
+
+
+def _plan_one(
+    mesh_dim: int,
+    dim: int,
+    length: int,
+    ranks: int,
+    geometry: tuple[int, int, int, bool],
+) -> HaloDim | None:
+    extent, stride, padding, ceil_mode = geometry
+    out_len = window_count(length, extent, stride, padding, ceil_mode)
+    sizes, out_sizes = chunk_sizes(length, ranks), chunk_sizes(out_len, ranks)
+    if ranks < 2 or min(sizes) == 0 or min(out_sizes) == 0:
+        return None
+    starts = tuple(sum(sizes[:r]) for r in range(ranks + 1))
+    outs = tuple(sum(out_sizes[:r]) for r in range(ranks + 1))
+    ends: list[tuple[int, int]] = []
+    shift: list[int] = []
+    for r in range(ranks):
+        first_row = max(0, outs[r] * stride - padding)
+        c = first_row // stride
+        e0 = c * stride
+        e1 = min(length, (outs[r + 1] - 1) * stride - padding + extent)
+        if e0 < starts[max(r - 1, 0)] or e1 > starts[min(r + 2, ranks)]:
+            return None  # rows from beyond a neighbour: gather instead
+        if max(e0, starts[r]) >= min(e1, starts[r + 1]):
+            return None  # reads none of its own rows: gather instead
+        ends.append((e0, e1))
+        shift.append(c)
+    plan = HaloDim(
+        mesh_dim, dim, length, starts, tuple(ends), outs, tuple(shift), extent, stride, padding, ceil_mode
+    )
+    for r in range(ranks):
+        if plan.local_outputs(r) < outs[r + 1] - shift[r]:
+            return None  # cannot happen for PyTorch's window rule; kept as a guard
+    return plan
+
+
+def plan_halos(
+    layout: Layout,
+    spatial: Sequence[int],
+    geometry: Sequence[tuple[int, int, int, bool]],
+) -> dict[int, HaloDim]:
+    """The halo of each mesh dim that cuts one of the ``spatial`` tensor dims of ``layout``, where one exists.
+
+    ``geometry[i]`` is ``(extent, stride, padding, ceil_mode)`` along
+    ``spatial[i]``. Mesh dims absent from the answer must be gathered; a dim
+    cut by two mesh dims has no plan.
+    """
+    plans: dict[int, HaloDim] = {}
+    for m, p in enumerate(layout.placements):
+        if not isinstance(p, Shard) or p.dim not in spatial:
+            continue
+        cutters = [k for k, q in enumerate(layout.placements) if isinstance(q, Shard) and q.dim == p.dim]
+        if len(cutters) != 1:
+            continue
+        plan = _plan_one(m, p.dim, layout.shape[p.dim], layout.mesh.shape[m], geometry[spatial.index(p.dim)])
+        if plan is not None:
+            plans[m] = plan
+    return plans
+
+
+def _gather_buffers(buffer: torch.Tensor, dim: int, layout: Layout, mesh_dim: int) -> list[torch.Tensor]:
+    """Every rank's ``buffer`` along mesh dim ``mesh_dim`` (one all-gather of border rows only)."""
+    ranks = layout.mesh.shape[mesh_dim]
+    moved = buffer.movedim(dim, 0).contiguous()
+    out = moved.new_empty((ranks * moved.shape[0], *moved.shape[1:]))
+    hc.all_gather_into_tensor(out, moved, mesh_group(layout.mesh, mesh_dim))
+    return [piece.movedim(0, dim) for piece in out.chunk(ranks)]
+
+
+def _pad_rows(rows: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    missing = size - rows.shape[dim]
+    if missing == 0:
+        return rows
+    shape = list(rows.shape)
+    shape[dim] = missing
+    return torch.cat([rows, rows.new_zeros(shape)], dim)
+
+
+# [Note: halo exchange]
+# Both directions are one ``all_gather_into_tensor`` over the mesh dim of
+# border rows only: each rank packs the rows its left neighbour reads and the
+# rows its right neighbour reads (each padded to the widest such border, so
+# the buffers have one shape) and picks its halos out of its neighbours'
+# buffers. A 3x3 convolution with padding 1 on two ranks gathers 4 rows: the
+# payload is the borders, never the tensor. The backward packs the halo's
+# gradient the other way and each owner adds what it receives to its border
+# rows. Several cut dims (H on one mesh dim, W on another) are extended one
+# after the other, so corner rows travel through the first exchange, and
+# folded back in the reverse order.
+def extend(local: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
+    """This rank's piece extended to the rows ``plan`` says it reads ([Note: halo exchange])."""
+    r = layout.my_coordinate()[plan.mesh_dim]
+    dim, (e0, e1) = plan.dim, plan.ends[r]
+    own0, own1 = plan.starts[r], plan.starts[r + 1]
+    to_left, to_right = plan.to_left, plan.to_right
+    middle = local.narrow(dim, max(e0, own0) - own0, min(e1, own1) - max(e0, own0))
+    parts = [middle]
+    if to_left or to_right:
+        for_left = plan.right_need(r - 1) if r > 0 else 0
+        for_right = plan.left_need(r + 1) if r + 1 < len(plan.ends) else 0
+        buffer = torch.cat(
+            [
+                _pad_rows(local.narrow(dim, 0, for_left), dim, to_left),
+                _pad_rows(local.narrow(dim, local.shape[dim] - for_right, for_right), dim, to_right),
+            ],
+            dim,
+        )
+        pieces = _gather_buffers(buffer, dim, layout, plan.mesh_dim)
+        if plan.left_need(r):
+            parts.insert(0, pieces[r - 1].narrow(dim, to_left, plan.left_need(r)))
+        if plan.right_need(r):
+            parts.append(pieces[r + 1].narrow(dim, 0, plan.right_need(r)))
+    return torch.cat(parts, dim) if len(parts) > 1 else middle
+
+
+def fold_back(grad: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
+    """The gradient of :func:`extend`: the extended piece's gradient summed back onto its owners."""
+    r = layout.my_coordinate()[plan.mesh_dim]
+    dim, e0 = plan.dim, plan.ends[r][0]
+    own0, own1 = plan.starts[r], plan.starts[r + 1]
+    left_n, right_n = plan.left_need(r), plan.right_need(r)
+    shape = list(grad.shape)
+    shape[dim] = own1 - own0
+    out = grad.new_zeros(shape)
+    middle = grad.narrow(dim, left_n, grad.shape[dim] - left_n - right_n)
+    out.narrow(dim, max(e0, own0) - own0, middle.shape[dim]).add_(middle)
+    to_left, to_right = plan.to_right, plan.to_left  # the halos travel back: sizes swap
+    if to_left or to_right:
+        mine_left = grad.narrow(dim, 0, left_n)  # rows of the left neighbour
+        mine_right = grad.narrow(dim, grad.shape[dim] - right_n, right_n)
+        buffer = torch.cat([_pad_rows(mine_left, dim, to_left), _pad_rows(mine_right, dim, to_right)], dim)
+        pieces = _gather_buffers(buffer, dim, layout, plan.mesh_dim)
+        if r > 0 and plan.right_need(r - 1):
+            n = plan.right_need(r - 1)
+            out.narrow(dim, 0, n).add_(pieces[r - 1].narrow(dim, to_left, n))
+        if r + 1 < len(plan.ends) and plan.left_need(r + 1):
+            n = plan.left_need(r + 1)
+            out.narrow(dim, out.shape[dim] - n, n).add_(pieces[r + 1].narrow(dim, 0, n))
+    return out
+
+
+def narrow_output(out: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
+    """This rank's share ``[O_r - c, O_r+1 - c)`` of the op's output on its extended piece."""
+    r = layout.my_coordinate()[plan.mesh_dim]
+    return out.narrow(plan.dim, plan.outs[r] - plan.shift[r], plan.outs[r + 1] - plan.outs[r])
+
+
+def pad_output_grad(grad: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
+    """The output gradient placed among the extended piece's outputs (zeros for outputs kept elsewhere)."""
+    r = layout.my_coordinate()[plan.mesh_dim]
+    before = plan.outs[r] - plan.shift[r]
+    after = plan.local_outputs(r) - before - grad.shape[plan.dim]
+    if before == 0 and after == 0:
+        return grad
+    shape = list(grad.shape)
+    parts = []
+    for n in (before, after):
+        shape[plan.dim] = n
+        parts.append(grad.new_zeros(shape))
+    return torch.cat([parts[0], grad, parts[1]], plan.dim)
+
+
+def _reindex(
+    indices: torch.Tensor, src: Sequence[int], dst: Sequence[int], offsets: Sequence[int]
+) -> torch.Tensor:
+    """Flat plane indices over spatial sizes ``src`` moved by ``offsets`` and flattened over ``dst``."""
+    rest = indices
+    coords = []
+    for size in reversed(src):
+        coords.append(rest % size)
+        rest = rest // size
+    out = torch.zeros_like(indices)
+    for coord, size, offset in zip(reversed(coords), dst, offsets, strict=True):
+        out = out * size + coord + offset
+    return out
+
+
+def _plane(layout: Layout, plans: Sequence[HaloDim], k: int) -> tuple[list[int], list[int]]:
+    """The whole plane's ``k`` spatial sizes, and where this rank's extended piece starts in each."""
+    first = layout.ndim - k
+    starts = [0] * k
+    for plan in plans:
+        starts[plan.dim - first] = plan.ends[layout.my_coordinate()[plan.mesh_dim]][0]
+    return [layout.shape[d] for d in range(first, layout.ndim)], starts
+
+
+def global_indices(
+    indices: torch.Tensor, extended: Sequence[int], layout: Layout, plans: Sequence[HaloDim]
+) -> torch.Tensor:
+    """Max pooling indices into an extended piece (spatial sizes ``extended``) as whole-plane indices."""
+    whole, starts = _plane(layout, plans, len(extended))
+    return _reindex(indices, extended, whole, starts)
+
+
+def local_indices(
+    indices: torch.Tensor, extended: Sequence[int], layout: Layout, plans: Sequence[HaloDim]
+) -> torch.Tensor:
+    """The inverse of :func:`global_indices`: whole-plane indices into this rank's extended piece."""
+    whole, starts = _plane(layout, plans, len(extended))
+    return _reindex(indices, whole, extended, [-s for s in starts])
+
+
+def full_args(func: object, args: tuple[object, ...], kwargs: dict[str, object]) -> list[object]:
+    """Every schema argument of ``func`` positionally: given ones, then keyword ones, then defaults."""
+    out: list[object] = []
+    for i, argument in enumerate(func._schema.arguments):  # type: ignore[attr-defined]
+        if i < len(args):
+            out.append(args[i])
+        elif argument.name in kwargs:
+            out.append(kwargs[argument.name])
+        else:
+            out.append(argument.default_value)
+    return out
+
+
+def per_dim(value: object, k: int, empty: Sequence[int] = ()) -> list[int]:
+    """An op's int-or-list window argument as ``k`` ints; an empty list gives ``empty`` (a pool's stride)."""
+    if isinstance(value, int):
+        return [value] * k
+    items = [int(v) for v in value]  # type: ignore[attr-defined]
+    if not items:
+        return list(empty)
+    return items * k if len(items) == 1 else items
+
+
+def extended_shape(local_shape: Sequence[int], layout: Layout, plans: Sequence[HaloDim]) -> list[int]:
+    """The shape of this rank's piece after :func:`extend` along every plan (no communication)."""
+    shape = list(local_shape)
+    for plan in plans:
+        e0, e1 = plan.ends[layout.my_coordinate()[plan.mesh_dim]]
+        shape[plan.dim] = e1 - e0
+    return shape
