@@ -418,6 +418,27 @@ def _empty_replicated(like: DTensor) -> DTensor:
     return DTensor(like._local.new_empty(0), layout)
 
 
+# [Note: batch norm without weight or bias]
+# ``F.batch_norm(x, running_mean, running_var, training=True)`` without
+# ``weight`` (or without ``bias``) reaches DTensor as ``native_batch_norm``,
+# which goes on to ``_batch_norm_with_update`` for training with running
+# statistics. torch's meta kernel of that op (which the dispatcher runs for
+# the output layouts) selects a backend with a call that needs real weight
+# and bias tensors, and fails on None. So a missing weight is given as ones
+# and a missing bias as zeros, replicated (cut for free to the channels'
+# placement by the rule): ``x_hat * 1 + 0`` is ``x_hat`` exactly, so the
+# outputs are the same to the bit. Autograd recorded ``native_batch_norm``
+# with the caller's None, so the backward (``native_batch_norm_backward``,
+# whose meta kernel takes None) returns no weight or bias gradient, as on
+# one process.
+def _filled(x: DTensor, stat: torch.Tensor, value: float) -> DTensor:
+    """A replicated ``(C,)`` DTensor of ``value`` in the running statistics' dtype (see the note)."""
+    mesh = x._layout.mesh
+    channels = x._layout.shape[1]
+    local = torch.full((channels,), value, dtype=stat.dtype, device=x._local.device)
+    return DTensor(local, Layout(mesh, (Replicate(),) * mesh.ndim, (channels,), (1,)))
+
+
 def _three_output_forward(args: tuple[Any, ...], kwargs: dict[str, Any], func: Any) -> Any:
     # Only the argument parsing is used: no mesh is needed (or set).
     call = LocalCall(func, tuple(args), kwargs, (), {}, cast("DeviceMesh", None))
@@ -428,6 +449,10 @@ def _three_output_forward(args: tuple[Any, ...], kwargs: dict[str, Any], func: A
     rv = args[spec.running_var] if spec.running_var is not None else None
     if spec.training or rm is None or rv is None:  # without running statistics: the batch's own
         if spec.training and rm is not None and rv is not None:
+            # see [Note: batch norm without weight or bias]
+            if isinstance(x, DTensor):
+                weight = _filled(x, rm, 1.0) if weight is None else weight
+                bias = _filled(x, rm, 0.0) if bias is None else bias
             out = aten._batch_norm_with_update.default(x, weight, bias, rm, rv, spec.momentum, spec.eps)
             return out[0], out[1], out[2]
         return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, spec.momentum, spec.eps)
