@@ -1,0 +1,144 @@
+"""Group normalisation (``native_group_norm`` and its backward) on batch and whole-group channel cuts.
+
+``group_norm`` normalises each ``(sample, group)`` block of a ``(N, C, *)``
+input over the group's ``C / group`` channels and every spatial position.
+A cut of the batch dim keeps whole blocks on each rank: every rank runs the
+op on its samples, and the statistics (``mean``, ``rstd``, ``(N, group)``)
+take the same cut. A cut of the channel dim keeps whole blocks only when
+each rank's channels start and end on group boundaries ([Note: whole groups
+per rank]); then the op runs on the rank's groups, with ``weight`` and
+``bias`` cut alike and the statistics cut on their group dim. Any other cut
+(a spatial dim, channels across a group boundary, a partial) is gathered on
+that mesh dim, a redistribution rather than the fallback.
+
+The op takes ``N``, ``C``, ``HxW`` and ``group`` as numbers, so a kernel
+passes the local ones. In the backward the batch cut makes the weight and
+bias gradients partial sums (each rank sums over its own samples); under a
+channel cut they keep the channel cut. torch's DTensor gathers the batch cut
+of this op (one all-gather each way), where this rule sends nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+
+from hp_dtensor.layout import Layout
+from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+
+__all__ = ["group_norm_backward_rule", "group_norm_rule"]
+
+aten = torch.ops.aten
+R = Replicate()
+SUM = Partial("sum")
+
+
+# [Note: whole groups per rank]
+# Channels ``[g * k, (g + 1) * k)`` form group ``g`` (``k = C / group``). A
+# rank whose channel piece starts at a multiple of ``k`` and holds a
+# non-zero multiple of ``k`` channels holds whole groups, and its statistics
+# are its groups' rows. The statistics are ``(N, group)`` tensors cut on dim
+# 1 like ``torch.chunk`` of ``group``, so that cut must give each rank
+# exactly its channel count over ``k``: checked for every mesh coordinate,
+# not assumed (``C = 6, group = 3`` over 2 ranks cuts channels 3 + 3, across
+# the middle group, and is gathered).
+def _coords(mesh: Any) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(n) for n in mesh.shape)))
+
+
+def _whole_groups(inp: Layout, placements: tuple[Placement, ...], group: int) -> bool:
+    """Whether the channel cut of ``placements`` gives every rank whole, non-empty groups."""
+    channels = inp.shape[1]
+    if group <= 0 or channels % group:
+        return False
+    per_group = channels // group
+    cut = inp.with_placements(placements)
+    stats = Layout(inp.mesh, [p if p == Shard(1) else R for p in placements], (inp.shape[0], group))
+    for coord in _coords(inp.mesh):
+        size, start = cut.local_shape_at(coord)[1], cut.local_offset_at(coord)[1]
+        if size == 0 or size % per_group or start % per_group:
+            return False
+        if stats.local_shape_at(coord)[1] != size // per_group:
+            return False
+    return True
+
+
+def _input_cuts(layouts: list[Layout], group: int) -> tuple[Placement, ...]:
+    """Per mesh dim the cut kept: Shard(0), Shard(1) (whole groups) or Replicate."""
+    inp = layouts[0]
+    cuts: list[Placement] = []
+    for m in range(inp.mesh.ndim):
+        seen = [layout.placements[m] for layout in layouts]
+        if Shard(0) in seen:
+            cuts.append(Shard(0))
+        elif Shard(1) in seen:
+            cuts.append(Shard(1))
+        else:
+            cuts.append(R)
+    kept = tuple(cuts)
+    if Shard(1) in kept and not _whole_groups(inp, kept, group):
+        kept = tuple(R if p == Shard(1) else p for p in kept)
+    return kept
+
+
+def _param_placements(cuts: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """``weight`` / ``bias`` (``(C,)``): cut with the channels, whole under a batch cut."""
+    return tuple(Shard(0) if p == Shard(1) else R for p in cuts)
+
+
+def _local_sizes(x: torch.Tensor, channels: int, group: int) -> tuple[int, int, int, int]:
+    """This rank's ``(N, C, HxW, group)`` for an input piece of a tensor with ``channels`` / ``group``."""
+    per_group = channels // group
+    return x.shape[0], x.shape[1], math.prod(x.shape[2:]), x.shape[1] // per_group
+
+
+def _forward_kernel(call: LocalCall) -> Any:
+    x, weight, bias = call.args[0], call.args[1], call.args[2]
+    n, c, hxw, group = _local_sizes(x, call.args[4], call.args[6])
+    return call.func(x, weight, bias, n, c, hxw, group, call.args[7])
+
+
+def _positions(call: OpCall, args: list[Any]) -> list[int | None]:
+    """Flat positions of the DTensor arguments among ``args`` (None for a missing one)."""
+    from hp_dtensor.dtensor import DTensor
+
+    return [call.position_of(a) if isinstance(a, DTensor) else None for a in args]
+
+
+@register(aten.native_group_norm.default)
+def group_norm_rule(call: OpCall) -> Decision:
+    """Batch cuts and whole-group channel cuts stay, with the local ``N, C, HxW, group``."""
+    x_pos, w_pos, b_pos = _positions(call, list(call.args[:3]))
+    assert x_pos is not None
+    cuts = _input_cuts([call.layout(x_pos)], call.args[6])
+    params = _param_placements(cuts)
+    inputs = {x_pos: cuts}
+    for pos in (w_pos, b_pos):
+        if pos is not None:
+            inputs[pos] = params
+    return Decision(inputs=inputs, outputs=[cuts, cuts, cuts], kernel=_forward_kernel)
+
+
+def _backward_kernel(call: LocalCall) -> Any:
+    grad, x, mean, rstd, weight = call.args[:5]
+    n, c, hxw, group = _local_sizes(x, call.args[6], call.args[8])
+    return call.func(grad, x, mean, rstd, weight, n, c, hxw, group, call.args[9])
+
+
+@register(aten.native_group_norm_backward.default)
+def group_norm_backward_rule(call: OpCall) -> Decision:
+    """The forward's cuts; a batch cut makes the weight and bias gradients partial sums."""
+    positions = _positions(call, list(call.args[:5]))
+    g_pos, x_pos, mean_pos, rstd_pos, w_pos = positions
+    assert g_pos is not None and x_pos is not None
+    cuts = _input_cuts([call.layout(x_pos), call.layout(g_pos)], call.args[8])
+    params = _param_placements(cuts)
+    param_grads = tuple(SUM if p == Shard(0) else q for p, q in zip(cuts, params, strict=True))
+    inputs = {p: cuts for p in (g_pos, x_pos, mean_pos, rstd_pos) if p is not None}
+    if w_pos is not None:
+        inputs[w_pos] = params
+    return Decision(inputs=inputs, outputs=[cuts, param_grads, param_grads], kernel=_backward_kernel)
