@@ -78,6 +78,8 @@ def test_convolutions_take_the_matmul_plans(rank, device_mesh_factory) -> None: 
                 check(fn, [x, w, b], placements, mesh, expect=[out])
             no_bias = lambda x, w, fn=fn: fn(x, w, None)  # noqa: E731
             check(no_bias, [x, w], [S0, R], mesh, expect=[S0])
+            # a batch of 1 over 2 ranks: one rank's piece is empty, and still nothing is sent
+            check(fn, [x[:1], w, b], [S0, R, R], mesh, expect=[S0])
 
 
 @pytest.mark.distributed(world_size=2)

@@ -5,10 +5,10 @@ These ops treat every ``(n, c)`` plane of a ``(N, C, *spatial)`` (or
 the answer for its own planes: each rank runs the op on its piece, forward
 and backward, with no communication (the backward's gradient, input and max
 pooling indices are cut alike; the indices count positions inside a plane,
-so they need no offset). A shard of a spatial dim would need a halo of the
-neighbours' rows (a window or stencil crossing the cut), so that mesh dim is
-gathered: a redistribution, not the fallback. torch's DTensor sends nothing
-in the same cases and gathers the same spatial dims. The shuffles, the grid
+so they need no offset). A shard of a spatial dim needs the neighbours'
+border rows: average and max pooling take a halo exchange and stay cut
+(:mod:`hp_dtensor.ops.pool_halo`); the other ops, and cuts without a halo
+plan, gather that mesh dim (a redistribution, not the fallback). The shuffles, the grid
 sampler and linear partials: [Note: spatial ops one by one], [Note: grid
 sampler gradients], [Note: grid sampler pieces].
 """
