@@ -5,7 +5,7 @@ parameter of a device and dtype in one kernel call. Why that call is right on
 each rank's pieces, and where each list is moved first:
 [Note: fused steps on pieces] (above :func:`fused_step`); the functional
 kernels ``torch.compile`` runs: [Note: functional fused kernels] (above
-:func:`_wrap_outputs`).
+:func:`_wrap_outputs`); the ``.out`` overloads: [Note: the .out variants].
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def fused_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return their output lists as DTensors placed like their arguments.
     """
     name = func._schema.name.split("::")[-1]
-    functional = not name.endswith("_")
+    out_variant = func._overloadname.endswith("out")  # see [Note: the .out variants]
+    functional = not name.endswith("_") and not out_variant
     following, scalars = _LISTS[name.rstrip("_")]
     params = list(args[0])
     local_lists: list[list[Any]] = [[] for _ in args]
@@ -135,11 +136,42 @@ def fused_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         for index in scalars:
             local_lists[index].append(_whole(args[index][i]))
     local_args = tuple(local_lists[i] if isinstance(a, (list, tuple)) else a for i, a in enumerate(args))
-    local_kwargs = {k: _whole(v) for k, v in kwargs.items()}
+    local_kwargs = {k: _whole(v) for k, v in kwargs.items() if k != "out"}
+    if out_variant:
+        local_kwargs["out"] = _out_locals(kwargs["out"], params, func)
     result = func(*local_args, **local_kwargs)
     if functional:
         return _wrap_outputs(result, args, params, following)
     return None
+
+
+# [Note: the .out variants]
+# ``_fused_adam.out`` and its kin (``tensor_lr_out`` too) are the overloads
+# torch generates beside each functional kernel; torch's optimizers never call
+# them (they call the in-place ``torch._fused_adam_``, and ``torch.compile``
+# functionalizes that into ``_fused_adam``), so they are reached only by
+# calling ``torch.ops.aten._fused_adam.out(...)`` by hand. They write each
+# stepped parameter into ``out[i]`` (on CPU torch 2.13 leaves the parameters
+# and the states as they were). Here the lists are placed as for the in-place
+# kernel (their schema marks the states mutable), each ``out[i]`` is moved to
+# its parameter's placements in place, and the kernel runs once over the
+# local tensors: whatever it writes lands in the caller's DTensors.
+def _out_locals(out: Any, params: list[DTensor], func: Any) -> list[torch.Tensor]:
+    """The local tensors of ``out``, each moved (in place) to its parameter's placements."""
+    if len(out) != len(params):
+        raise ValueError(
+            f"{func}: out has {len(out)} tensors for {len(params)} parameters; pass one output tensor per "
+            "parameter, placed like it."
+        )
+    locals_: list[torch.Tensor] = []
+    for i, (target, param) in enumerate(zip(out, params, strict=True)):
+        if not isinstance(target, DTensor):
+            raise TypeError(
+                f"{func}: out[{i}] is a plain {type(target).__name__} for a DTensor parameter; pass DTensors "
+                "placed like the parameters (for example torch.empty_like(param))."
+            )
+        locals_.append(_follow(target, param, func, in_place=True))
+    return locals_
 
 
 def _register() -> None:
@@ -148,8 +180,6 @@ def _register() -> None:
         if packet is None:  # an older torch without this kernel
             continue
         for overload in packet.overloads():
-            if overload.endswith("out"):  # the .out variants write caller-given lists: not handled here
-                continue
             op = getattr(packet, overload)
             # mypy cannot type a lambda with a bound default against SPECIAL's two-argument Callable.
             SPECIAL[op] = lambda args, kwargs, op=op: fused_step(op, args, kwargs)  # type: ignore[misc]
