@@ -13,6 +13,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (regis
     chunk_cat,
     complex_views,
     conv,
+    diagonals,
     distances,
     embedding,
     fft,
@@ -34,6 +35,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (regis
     sorting,
     sparse,
     spatial,
+    triangular,
     vector_norms,
     views,
 )

@@ -1,0 +1,102 @@
+"""tril / triu, trace and the diagonal ops on cut inputs, with no communication (2 and 4 ranks).
+
+Values and gradients against plain float64 tensors under the ``"error"``
+fallback policy, with the collectives of the forward and the backward
+counted. Sizes are odd, so row and column cuts are uneven (5 rows: 3 + 2).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hp_dtensor import Partial, Replicate, Shard, distribute_tensor, fallback_policy
+from hp_testing import record_collectives
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mesh_compare import check_placed
+
+S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
+
+
+def _x(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_tril_triu_shift_the_diagonal_by_the_piece_start(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    for op in (torch.tril, torch.triu):
+        for k in (-2, 0, 1, 3):
+            fn = lambda t, op=op, k=k: op(t, k)  # noqa: E731
+            for cut in (S0, S1):
+                out = check_placed(fn, [_x(5, 4)], [[cut]], mesh)
+                assert out.placements == (cut,)
+            for cut in (S0, S1, S2):  # batched: batch, row and column cuts
+                check_placed(fn, [_x(3, 5, 7)], [[cut]], mesh)
+    with fallback_policy("error"):  # a partial sum stays partial
+        x = _x(4, 4)
+        part = distribute_tensor(x, mesh, [R]).redistribute(mesh, [Partial("sum")])
+        with record_collectives() as log:
+            out = torch.tril(part, -1)
+        assert len(log) == 0 and out.placements == (Partial("sum"),)
+        torch.testing.assert_close(out.full_tensor(), torch.tril(x, -1))
+
+
+@pytest.mark.distributed(world_size=4)
+def test_tril_triu_and_trace_on_a_2d_mesh(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2, 2))
+    torch.manual_seed(0)
+    for op in (torch.tril, torch.triu):
+        out = check_placed(lambda t, op=op: op(t, 1), [_x(5, 7)], [[S0, S1]], mesh)
+        assert out.placements == (S0, S1)
+        check_placed(lambda t, op=op: op(t, -1), [_x(3, 5, 6)], [[S0, S2]], mesh)
+        check_placed(lambda t, op=op: op(t), [_x(7, 5)], [[S0, S0]], mesh)
+    out = check_placed(torch.trace, [_x(5, 7)], [[S1, S0]], mesh, backward_comms=None)
+    assert out.placements == (Partial("sum"), Partial("sum"))
+    check_placed(lambda t: torch.diagonal(t, 1, 1, 2), [_x(5, 4, 3)], [[S0, R]], mesh)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_trace_is_a_partial_sum(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    for shape in [(5, 5), (5, 3), (3, 6)]:
+        for cut in (S0, S1):
+            out = check_placed(torch.trace, [_x(*shape)], [[cut]], mesh, backward_comms=None)
+            assert out.placements == (Partial("sum"),)
+    with fallback_policy("error"):  # integers keep the op's result dtype
+        ints = torch.arange(20).reshape(5, 4)
+        got = torch.trace(distribute_tensor(ints, mesh, [S0]))
+        assert got.dtype == torch.int64 and got.full_tensor().item() == torch.trace(ints).item()
+
+
+@pytest.mark.distributed(world_size=2)
+def test_diagonal_ops_keep_batch_cuts(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    x = _x(3, 4, 5)
+    out = check_placed(lambda t: torch.diagonal(t, 0, 1, 2), [x], [[S0]], mesh)
+    assert out.placements == (S0,)
+    out = check_placed(lambda t: torch.diagonal(t, -1, 0, 2), [x], [[S1]], mesh)
+    assert out.placements == (S0,)
+    out = check_placed(lambda t: torch.linalg.diagonal(t, offset=1), [x], [[S0]], mesh)
+    assert out.placements == (S0,)
+    check_placed(lambda t: torch.diagonal_copy(t, 1, 2, 0), [x], [[S1]], mesh)
+    out = check_placed(lambda t: torch.diag_embed(t, 1), [x], [[S0]], mesh)
+    assert out.placements == (S0,)
+    out = check_placed(lambda t: torch.diag_embed(t, 0, 0, 2), [x], [[S1]], mesh)
+    assert out.placements == (Shard(3),)  # output dims 0 and 2 are new: input dim 1 lands on dim 3
+    src = _x(3, 4)
+    out = check_placed(lambda a, b: torch.diagonal_scatter(a, b, 0, 1, 2), [x, src], [[S0], [S0]], mesh)
+    assert out.placements == (S0,)
+    check_placed(lambda a, b: torch.diagonal_scatter(a, b, 0, 1, 2), [x, src], [[S0], [R]], mesh)
+    # diag / diagflat of a vector: the vector's own dim is the diagonal, gathered, not the fallback
+    check_placed(torch.diag, [_x(5)], [[S0]], mesh, forward_comms=1, backward_comms=None)
+    check_placed(torch.diagflat, [_x(2, 3)], [[S0]], mesh, forward_comms=None, backward_comms=None)
+    # a matrix-dim cut of diagonal is gathered (one all-gather), not the fallback
+    diagonal = lambda t: torch.diagonal(t, 0, 1, 2)  # noqa: E731
+    check_placed(diagonal, [x], [[S1]], mesh, forward_comms=1, backward_comms=None)
