@@ -90,6 +90,26 @@ _CONVS: list[tuple[Callable[..., torch.Tensor], tuple[int, ...], tuple[int, ...]
     (lambda x, w: F.conv2d(x, w, padding="same"), (1, 2, 9, 8), (3, 2, 3, 5), [S2, S3]),
     (lambda x, w: F.conv3d(x, w, stride=2, padding=1), (1, 2, 7, 6, 9), (2, 2, 3, 3, 3), [S2, S3, S4]),
     (lambda x, w: F.conv2d(x, w, padding=1, groups=2), (2, 4, 9, 7), (6, 2, 3, 3), [S2, S3]),
+    # transposed: each input row writes kernel rows of the output, stride apart
+    (
+        lambda x, w: F.conv_transpose1d(x, w, stride=2, padding=1, output_padding=1),
+        (2, 3, 9),
+        (3, 2, 3),
+        [S2],
+    ),
+    (lambda x, w: F.conv_transpose1d(x, w, stride=3, padding=4, dilation=2), (2, 3, 10), (3, 2, 4), [S2]),
+    (
+        lambda x, w: F.conv_transpose2d(x, w, stride=(1, 2), padding=(2, 0)),
+        (1, 2, 8, 7),
+        (2, 3, 5, 2),
+        [S2, S3],
+    ),
+    (
+        lambda x, w: F.conv_transpose3d(x, w, stride=2, groups=2),
+        (1, 2, 5, 4, 6),
+        (2, 1, 2, 3, 2),
+        [S2, S3, S4],
+    ),
 ]
 
 

@@ -24,6 +24,7 @@ from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
 from hp_dtensor.ops.halo import (
     HaloDim,
+    Window,
     extend,
     extended_shape,
     fold_back,
@@ -44,15 +45,22 @@ R = Replicate()
 SUM = Partial("sum")
 
 
-def _conv_halos(
-    x: Layout, weight_shape: Sequence[int], stride: Any, padding: Any, dilation: Any
-) -> dict[int, HaloDim]:
-    """Halo plans of the mesh dims that cut a spatial dim of the input ``x`` (a non-transposed conv)."""
+def _conv_halos(x: Layout, weight_shape: Sequence[int], args: Sequence[Any]) -> dict[int, HaloDim]:
+    """Halo plans of the mesh dims that cut a spatial dim of the input ``x``.
+
+    ``args`` are the convolution's ``stride, padding, dilation, transposed,
+    output_padding``.
+    """
+    stride, padding, dilation, transposed, output_padding = args
     k = len(weight_shape) - 2
     kernel = list(weight_shape[2:])
     strides, pads, dils = per_dim(stride, k), per_dim(padding, k), per_dim(dilation, k)
-    geometry = [(dils[i] * (kernel[i] - 1) + 1, strides[i], pads[i], False) for i in range(k)]
-    return plan_halos(x, list(range(x.ndim - k, x.ndim)), geometry)
+    extra = per_dim(output_padding, k) if transposed else [0] * k
+    windows = [
+        Window(dils[i] * (kernel[i] - 1) + 1, strides[i], pads[i], False, bool(transposed), extra[i])
+        for i in range(k)
+    ]
+    return plan_halos(x, list(range(x.ndim - k, x.ndim)), windows)
 
 
 def _channel_only(p: Placement) -> Placement:
@@ -88,9 +96,9 @@ def _bias_of(out: Placement) -> Placement:
 # rank runs its ``groups / W`` groups (depthwise convolutions are the common
 # case); any other channel cut of a grouped convolution is gathered. An input
 # cut on a spatial dim keeps that cut on the output through a halo exchange
-# ([Note: halo plans] in :mod:`hp_dtensor.ops.halo`) when the cut lines up
-# with the windows, the weight replicated there; a transposed convolution, a
-# cut kernel dim, or a spatial cut without a plan is gathered.
+# ([Note: halo plans] in :mod:`hp_dtensor.ops.halo`), transposed or not, the
+# weight replicated on that mesh dim; a cut kernel dim, or a spatial cut
+# without a plan, is gathered.
 def _local_groups(groups: int, splits: int) -> int:
     return groups // splits
 
@@ -117,13 +125,13 @@ def convolution_rule(call: OpCall) -> Decision | None:
     """Batch, output-channel and input-channel cuts as a matmul's; whole groups; halos for spatial cuts."""
     if call.kwargs:
         return None
-    x, w, bias, stride, padding, dilation, transposed, _, groups = call.args
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = call.args
     if x.ndim != w.ndim:
         return None  # an unbatched input: the fallback
     px, pw = call.position_of(x), call.position_of(w)
     pb = call.position_of(bias) if bias is not None else None
     lx, lw = call.layout(px), call.layout(pw)
-    halos = {} if transposed else _conv_halos(lx, w.shape, stride, padding, dilation)
+    halos = _conv_halos(lx, w.shape, (stride, padding, dilation, transposed, output_padding))
     letters = ("bi", "io" if transposed else "oi", "bo")
     sizes = (x.numel(), w.numel())
 
@@ -249,12 +257,12 @@ def convolution_backward_rule(call: OpCall) -> Decision | None:
     """The forward's cuts, weight and bias gradients partial over a batch or spatial cut."""
     args = full_args(call.func, call.args, call.kwargs)
     go, x, w = args[0], args[1], args[2]
-    stride, padding, dilation, transposed, groups = args[4], args[5], args[6], args[7], args[9]
+    transposed, groups = args[7], args[9]
     if x.ndim != w.ndim:
         return None
     positions = [call.position_of(t) for t in (go, x, w)]
     layouts = (call.layout(positions[0]), call.layout(positions[1]), call.layout(positions[2]))
-    halos = {} if transposed else _conv_halos(layouts[1], w.shape, stride, padding, dilation)
+    halos = _conv_halos(layouts[1], w.shape, args[4:9])
     mesh = layouts[1].mesh
 
     def build(gathered: frozenset[int]) -> Decision:

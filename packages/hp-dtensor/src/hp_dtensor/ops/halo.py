@@ -24,6 +24,8 @@ from hp_dtensor.placements import Shard
 
 __all__ = [
     "HaloDim",
+    "LinePlan",
+    "Window",
     "extend",
     "extended_shape",
     "fold_back",
@@ -34,19 +36,71 @@ __all__ = [
     "pad_output_grad",
     "per_dim",
     "plan_halos",
+    "plan_line",
     "window_count",
 ]
 
 
 def window_count(length: int, extent: int, stride: int, padding: int, ceil_mode: bool = False) -> int:
-    """How many windows of ``extent`` rows fit ``length`` rows padded by ``padding`` (PyTorch's rule)."""
-    span = length + 2 * padding - extent
-    if span < 0:
-        return 0
-    count = (span + stride - 1) // stride + 1 if ceil_mode else span // stride + 1
+    """How many windows of ``extent`` rows fit ``length`` rows padded by ``padding`` (PyTorch's rule).
+
+    With ``ceil_mode`` a last window may run past the end (even a first one
+    longer than the padded input), as long as it starts inside the input or
+    its left padding.
+    """
+    count = (length + 2 * padding - extent + (stride - 1 if ceil_mode else 0)) // stride + 1
     if ceil_mode and (count - 1) * stride >= length + padding:
-        count -= 1  # the last window must start inside the input or its left padding
-    return count
+        count -= 1
+    return max(count, 0)
+
+
+@dataclass(frozen=True)
+class Window:
+    """A sliding window along one dim: ``extent = dilation * (kernel - 1) + 1`` rows, stride, padding.
+
+    ``transposed`` is a transposed convolution's scatter (each input row
+    writes ``extent`` output rows, ``stride`` apart per input row), with its
+    ``output_padding``.
+    """
+
+    extent: int
+    stride: int
+    padding: int
+    ceil_mode: bool = False
+    transposed: bool = False
+    output_padding: int = 0
+
+    def count(self, rows: int) -> int:
+        """How many output rows the op gives for ``rows`` input rows."""
+        if not self.transposed:
+            return window_count(rows, self.extent, self.stride, self.padding, self.ceil_mode)
+        if rows == 0:
+            return 0
+        return max(0, (rows - 1) * self.stride - 2 * self.padding + self.extent + self.output_padding)
+
+    def reads(self, first: int, stop: int, length: int) -> tuple[int, int, int]:
+        """``(e0, e1, shift)``: the input rows outputs ``[first, stop)`` read, where the op on rows
+        ``[e0, e1)`` puts its first output (global index ``shift``); see [Note: halo plans]."""
+        s, p, extent = self.stride, self.padding, self.extent
+        if not self.transposed:
+            e0 = max(0, first * s - p) // s * s
+            return e0, min(length, (stop - 1) * s - p + extent), e0 // s
+        # output o sums input rows i with i * s <= o + p <= i * s + extent - 1
+        e0 = min(max(0, -((extent - 1 - first - p) // s)), first // s)
+        e1 = min(length, (stop - 1 + p) // s + 1)
+        while e1 < length and self.count(e1 - e0) < stop - e0 * s:
+            e1 += 1  # the local op crops its padding at the piece's end too: read further
+        return e0, e1, e0 * s
+
+
+@dataclass(frozen=True)
+class LinePlan:
+    """Per rank of one line of ranks: input pieces, extended pieces, output pieces, local output shift."""
+
+    starts: tuple[int, ...]  # input piece starts, one per rank, then the length
+    ends: tuple[tuple[int, int], ...]  # (e0, e1): the rows each rank's extended piece covers
+    outs: tuple[int, ...]  # output piece starts, one per rank, then the output length
+    shift: tuple[int, ...]  # c: the global index of each rank's first local output
 
 
 # [Note: halo plans]
@@ -62,24 +116,19 @@ def window_count(length: int, extent: int, stride: int, padding: int, ceil_mode:
 # occur at the tensor's true ends, where the extended piece ends too: average
 # pooling's divisor (``count_include_pad``, ``ceil_mode``) and max pooling's
 # padding behave exactly as on the whole tensor. The local op yields outputs
-# ``c ...``; rank ``r`` keeps ``[O_r - c, O_r+1 - c)``. A plan exists when
-# every input and output piece is non-empty and each rank's rows come from
-# itself and its two neighbours only; otherwise the caller gathers.
+# ``c ...``; rank ``r`` keeps ``[O_r - c, O_r+1 - c)``. A transposed
+# convolution is the same with the roles turned: output ``o`` sums the input
+# rows ``i`` with ``i * s <= o + p <= i * s + extent - 1``, and the local op on
+# rows ``[e0, e1)`` starts at output ``c = e0 * s``. A plan exists when every
+# input and output piece is non-empty, each rank reads some of its own rows,
+# and the rest come from its two neighbours only; otherwise the caller gathers.
 @dataclass(frozen=True)
-class HaloDim:
-    """The halo of one mesh dim's cut of one tensor dim ([Note: halo plans]); per-rank tuples."""
+class HaloDim(LinePlan):
+    """The halo of one mesh dim's cut of one tensor dim ([Note: halo plans]): a line plan, placed."""
 
-    mesh_dim: int
-    dim: int
-    length: int
-    starts: tuple[int, ...]  # input piece starts, one per rank, then the length
-    ends: tuple[tuple[int, int], ...]  # (e0, e1): the rows each rank's extended piece covers
-    outs: tuple[int, ...]  # output piece starts, one per rank, then the output length
-    shift: tuple[int, ...]  # c: the global index of each rank's first local output
-    extent: int
-    stride: int
-    padding: int
-    ceil_mode: bool
+    mesh_dim: int = 0
+    dim: int = 0
+    window: Window = Window(1, 1, 0)
 
     @property
     def to_left(self) -> int:
@@ -102,19 +151,12 @@ class HaloDim:
     def local_outputs(self, r: int) -> int:
         """How many outputs the op yields on rank ``r``'s extended piece."""
         e0, e1 = self.ends[r]
-        return window_count(e1 - e0, self.extent, self.stride, self.padding, self.ceil_mode)
+        return self.window.count(e1 - e0)
 
 
-def _plan_one(
-    mesh_dim: int,
-    dim: int,
-    length: int,
-    ranks: int,
-    geometry: tuple[int, int, int, bool],
-) -> HaloDim | None:
-    extent, stride, padding, ceil_mode = geometry
-    out_len = window_count(length, extent, stride, padding, ceil_mode)
-    sizes, out_sizes = chunk_sizes(length, ranks), chunk_sizes(out_len, ranks)
+def plan_line(length: int, ranks: int, window: Window) -> LinePlan | None:
+    """The halo of ``length`` rows cut by ``torch.chunk`` over ``ranks`` ([Note: halo plans]), or None."""
+    sizes, out_sizes = chunk_sizes(length, ranks), chunk_sizes(window.count(length), ranks)
     if ranks < 2 or min(sizes) == 0 or min(out_sizes) == 0:
         return None
     starts = tuple(sum(sizes[:r]) for r in range(ranks + 1))
@@ -122,35 +164,23 @@ def _plan_one(
     ends: list[tuple[int, int]] = []
     shift: list[int] = []
     for r in range(ranks):
-        first_row = max(0, outs[r] * stride - padding)
-        c = first_row // stride
-        e0 = c * stride
-        e1 = min(length, (outs[r + 1] - 1) * stride - padding + extent)
+        e0, e1, c = window.reads(outs[r], outs[r + 1], length)
         if e0 < starts[max(r - 1, 0)] or e1 > starts[min(r + 2, ranks)]:
             return None  # rows from beyond a neighbour: gather instead
         if max(e0, starts[r]) >= min(e1, starts[r + 1]):
             return None  # reads none of its own rows: gather instead
+        if not 0 <= outs[r] - c <= outs[r + 1] - c <= window.count(e1 - e0):
+            return None  # the local op would not give this rank's outputs: gather instead
         ends.append((e0, e1))
         shift.append(c)
-    plan = HaloDim(
-        mesh_dim, dim, length, starts, tuple(ends), outs, tuple(shift), extent, stride, padding, ceil_mode
-    )
-    for r in range(ranks):
-        if plan.local_outputs(r) < outs[r + 1] - shift[r]:
-            return None  # cannot happen for PyTorch's window rule; kept as a guard
-    return plan
+    return LinePlan(starts, tuple(ends), outs, tuple(shift))
 
 
-def plan_halos(
-    layout: Layout,
-    spatial: Sequence[int],
-    geometry: Sequence[tuple[int, int, int, bool]],
-) -> dict[int, HaloDim]:
+def plan_halos(layout: Layout, spatial: Sequence[int], windows: Sequence[Window]) -> dict[int, HaloDim]:
     """The halo of each mesh dim that cuts one of the ``spatial`` tensor dims of ``layout``, where one exists.
 
-    ``geometry[i]`` is ``(extent, stride, padding, ceil_mode)`` along
-    ``spatial[i]``. Mesh dims absent from the answer must be gathered; a dim
-    cut by two mesh dims has no plan.
+    ``windows[i]`` is the op's window along ``spatial[i]``. Mesh dims absent
+    from the answer must be gathered; a dim cut by two mesh dims has no plan.
     """
     plans: dict[int, HaloDim] = {}
     for m, p in enumerate(layout.placements):
@@ -159,9 +189,10 @@ def plan_halos(
         cutters = [k for k, q in enumerate(layout.placements) if isinstance(q, Shard) and q.dim == p.dim]
         if len(cutters) != 1:
             continue
-        plan = _plan_one(m, p.dim, layout.shape[p.dim], layout.mesh.shape[m], geometry[spatial.index(p.dim)])
-        if plan is not None:
-            plans[m] = plan
+        window = windows[spatial.index(p.dim)]
+        line = plan_line(layout.shape[p.dim], layout.mesh.shape[m], window)
+        if line is not None:
+            plans[m] = HaloDim(line.starts, line.ends, line.outs, line.shift, m, p.dim, window)
     return plans
 
 

@@ -18,6 +18,7 @@ import torch
 from hp_dtensor.ops.dispatch import LocalCall, OpCall
 from hp_dtensor.ops.halo import (
     HaloDim,
+    Window,
     extend,
     extended_shape,
     fold_back,
@@ -67,8 +68,8 @@ def pool_halos(call: OpCall, lead: int) -> dict[int, HaloDim]:
     if not len(kernel) == len(stride) == len(padding) == len(dilation) == k:
         return {}  # malformed sizes: the local op raises its own error on whole tensors
     ceil_mode = bool(args[ceil_at])
-    geometry = [(dilation[i] * (kernel[i] - 1) + 1, stride[i], padding[i], ceil_mode) for i in range(k)]
-    return plan_halos(layout, list(range(lead, layout.ndim)), geometry)
+    windows = [Window(dilation[i] * (kernel[i] - 1) + 1, stride[i], padding[i], ceil_mode) for i in range(k)]
+    return plan_halos(layout, list(range(lead, layout.ndim)), windows)
 
 
 # [Note: pooling on extended pieces]
