@@ -37,6 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hp_testing import _test_groups
 from hp_testing._lifetime import die_with_parent
 from hp_testing._torch_rank import RankSkip, install_adoption, rank_body
 
@@ -140,24 +141,6 @@ def _destroy_group() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-
-
-def _cached_groups() -> set[Any]:
-    """Groups hp_core keeps on purpose across tests (created once per rank set)."""
-    mesh_mod = sys.modules.get("hp_core.mesh")
-    cached = getattr(mesh_mod, "cached_groups", None)
-    if cached is None:
-        return set()
-    try:
-        return set(cached())
-    except Exception:
-        return set()
-
-
-def _live_groups() -> set[Any]:
-    if not dist.is_initialized():
-        return set()
-    return set(dist.distributed_c10d._world.pg_map.keys())
 
 
 def _import_test_module(name: str, path: str) -> ModuleType:
@@ -280,7 +263,7 @@ def _run_task(
     from hp_testing import emulation
 
     out, err = io.StringIO(), io.StringIO()
-    before = _live_groups()
+    before = _test_groups.mark(options.prefix or task.nodeid)  # the same on every rank
     start = time.perf_counter()
     result = TaskResult(rank=cfg.rank, ok=True)
     layer = emulation.active_layer()
@@ -328,11 +311,9 @@ def _run_task(
     if not dist.is_initialized():
         result.needs_reinit = True
     else:
-        # Groups the test made itself would pile up sockets test after test.
-        for group in _live_groups() - before - _cached_groups():
-            if group is not dist.GroupMember.WORLD:
-                with contextlib.suppress(Exception):
-                    dist.destroy_process_group(group)
+        # Groups the test made itself would pile up sockets test after test, and their names
+        # must not outlive them: [Note: group names across pooled tests].
+        _test_groups.release(before)
     return result
 
 
