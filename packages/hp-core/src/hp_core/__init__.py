@@ -57,6 +57,7 @@ from hp_core.platform import (
     set_platform,
     use_platform,
 )
+from hp_core.rank_shared import share_across_ranks, shared_across_ranks
 from hp_core.work import Work
 
 if _os.environ.get(
@@ -119,6 +120,8 @@ __all__ = [
     "set_debug_level",
     "set_debug_level_from_env",
     "set_platform",
+    "share_across_ranks",
+    "shared_across_ranks",
     "use_capabilities",
     "use_platform",
     "verify_across_ranks",

@@ -28,10 +28,18 @@ _PLAIN = (int, float, str, bool, bytes, tuple, frozenset, type(None))
 
 
 def _per_rank_globals(module: types.ModuleType) -> list[str]:
-    """Names of ``module``'s data globals: the values a process would own privately."""
+    """Names of ``module``'s data globals: the values a process would own privately.
+
+    Globals the module declared rank-independent (:func:`hp_core.share_across_ranks`)
+    are left out: every rank then sees the one object (see [Note: state shared
+    by a process's ranks] in :mod:`hp_core.rank_shared`).
+    """
+    from hp_core import shared_across_ranks
+
+    shared = shared_across_ranks(module.__name__)
     names = []
     for name, value in vars(module).items():
-        if name.startswith("__"):
+        if name.startswith("__") or name in shared:
             continue
         kind = type(value)  # not isinstance: it would touch deprecated module attributes that warn
         if kind in _CONTAINERS or kind in _PLAIN or issubclass(kind, (c10d._World, c10d.ProcessGroup)):
@@ -91,6 +99,9 @@ class Slots:
     def __init__(self, packages: Iterable[str] = ()) -> None:
         self.packages = (*_PER_RANK_PREFIXES, *packages)
         self.pairs: list[tuple[types.ModuleType, str]] = []
+        # (module namespace, name) per pair: a module's globals are its ``__dict__``, and indexing it
+        # costs a third of getattr / setattr (see [Note: cheap switches]).
+        self._slots: list[tuple[dict[str, Any], str]] = []
         self._known: set[str] = set()
         self._seen: tuple[int, str | None] = (-1, None)
         self.grow()
@@ -111,15 +122,26 @@ class Slots:
             self._known.add(module.__name__)
             added.extend((module, name) for name in _per_rank_globals(module))
         self.pairs.extend(added)
+        self._slots.extend((vars(module), name) for module, name in added)
         return [getattr(module, name) for module, name in added]
 
     def read(self) -> list[Any]:
-        return [getattr(module, name) for module, name in self.pairs]
+        return [namespace[name] for namespace, name in self._slots]
 
     def write(self, values: list[Any]) -> None:
         """Put ``values`` back; a shorter list (saved before more modules joined) covers its prefix."""
-        for (module, name), value in zip(self.pairs, values, strict=False):
-            setattr(module, name, value)
+        for (namespace, name), value in zip(self._slots, values, strict=False):
+            namespace[name] = value
+
+
+# [Note: cheap switches]
+# A 64-rank step switches ranks thousands of times (each collective costs one
+# switch per rank), so a switch must cost microseconds, not a hundred: slots
+# are read and written by indexing the modules' namespaces (a module's
+# globals are its ``__dict__``; ``getattr`` / ``setattr`` cost three times as
+# much), and only the torchrun variables whose value differs from the
+# environment's are set (each set is a ``putenv``). The scheduler wakes only
+# the rank that runs next (:mod:`hp_testing._local_world`).
 
 
 # [Note: one process, many ranks' state]
@@ -139,7 +161,9 @@ class Slots:
 #   and of every loaded ``hp_*`` module but hp_testing's
 #   (whose only per-rank global is ``record_collectives``' list of open logs):
 #   each rank starts from a copy of what the process had (containers copied one
-#   level, as ``fork`` would give it), then keeps its own;
+#   level, as ``fork`` would give it), then keeps its own; globals a module
+#   declared rank-independent (``hp_core.share_across_ranks``: caches keyed by
+#   global shapes, not by a rank or a mesh object) stay one object for all;
 # * the CPU RNG state and the default dtype;
 # * ``sys.stdout`` / ``sys.stderr`` (each rank writes to its own buffer) and
 #   ``sys.excepthook`` (``init_process_group`` installs a rank-prefixing one);
@@ -178,7 +202,10 @@ class RankState:
         torch.set_rng_state(self.rng)
         torch.set_default_dtype(self.dtype)
         sys.stdout, sys.stderr, sys.excepthook = self.stdout, self.stderr, self.excepthook
-        os.environ.update(self.env)
+        environ = os.environ
+        for key, value in self.env.items():
+            if environ.get(key) != value:  # see [Note: cheap switches]
+                environ[key] = value
 
     def leave(self) -> None:
         """Save what this rank changed, so the next rank can enter."""

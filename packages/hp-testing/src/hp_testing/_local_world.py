@@ -1,19 +1,18 @@
 """The scheduler of local mode: every rank a thread, one running at a time, switching where one blocks.
 
 [Note: cooperative ranks]
-A local world holds one lock, the baton. A rank runs only while it holds the
-baton and gives it up only where it would block in communication (waiting for
-a collective its peers have not all issued, a receive nobody sent yet). The
-rank that takes the baton next puts its own process state back first
-(:mod:`hp_testing._local_state`), so each rank sees the globals, RNG and
-environment it would have in its own process, and the run is deterministic
-apart from which runnable rank the OS wakes first.
+Only the rank that holds the turn runs; it gives the turn away only where it
+would block in communication (a collective its peers have not all issued, a
+receive nobody sent yet), to the next rank in rank order (after itself,
+wrapping) that can go on, and wakes that rank alone. The rank taking the turn
+puts its own process state back first (:mod:`hp_testing._local_state`), so
+each rank sees the globals, RNG and environment it would have in its own
+process, and a run is deterministic: the same ranks switch at the same points.
 
-Because nothing runs concurrently, a hang cannot hide: when every rank that
-has not ended is waiting and none of their waits can complete, no one will
-ever complete them. The world then fails every waiting rank at once with what
-each one waits in, and which ranks ended (returned or raised) before issuing
-what their peers wait for, instead of waiting for a timeout.
+When no live rank can go on, none ever will (nothing runs concurrently): the
+world fails every waiting rank with what each one waits in, and which ranks
+ended (returned or raised) before issuing what their peers wait for, instead
+of waiting for a timeout.
 """
 
 from __future__ import annotations
@@ -69,14 +68,13 @@ class _Wait:
 
 @dataclass
 class World:
-    """One local world: its ranks' states, the baton, and what each waiting rank waits for."""
+    """One local world: its ranks' states, the turn, and what each waiting rank waits for."""
 
     size: int
     slots: Slots
     p2p_tags: bool = True  # receives match sends by tag (gloo); False: in issue order (NCCL, HCCL)
-    baton: threading.Condition = field(default_factory=threading.Condition)
     states: dict[int, RankState] = field(default_factory=dict)
-    running: int | None = None
+    running: int | None = None  # the rank whose process state is in the process
     alive: set[int] = field(default_factory=set)
     ended: dict[int, str] = field(default_factory=dict)  # rank -> "returned" / "raised X"
     waiting: dict[int, _Wait] = field(default_factory=dict)
@@ -84,8 +82,12 @@ class World:
     # Shared by the backend's groups: rendezvous of collectives and p2p channels.
     pending: dict[Any, Any] = field(default_factory=dict)
     channels: dict[Any, Any] = field(default_factory=dict)
+    # One lock per rank, held (locked) while that rank may not run: releasing it gives that rank
+    # the turn, and a rank that gives the turn away blocks on its own ([Note: cooperative ranks]).
+    _turns: list[threading.Lock] = field(default_factory=list)
+    _fresh: set[int] = field(default_factory=set)  # ranks that have not run yet
 
-    # -- switching (called with the baton held) --------------------------------------------------
+    # -- switching (called by the rank that holds the turn) ----------------------------------------
 
     def switch_in(self, rank: int) -> None:
         if self.running == rank:
@@ -103,30 +105,42 @@ class World:
         self.running = rank
 
     def block_until(self, ready: Callable[[], bool], what: str) -> None:
-        """Give the baton away until ``ready()``; raise :class:`LocalHangError` if it never can be."""
+        """Give the turn away until ``ready()``; raise :class:`LocalHangError` if it never can be."""
         _, rank = current()
         if ready():
             return
         self.waiting[rank] = _Wait(ready, what)
         try:
-            self._detect_stall()
             while not ready():
                 if self.stalled is not None:
                     raise LocalHangError(self.stalled)
-                self.baton.wait()
+                following = self._next_after(rank)
+                if following is None:
+                    self._stall()
+                    continue
+                self._turns[following].release()
+                self._turns[rank].acquire()  # until a rank gives the turn back to this one
         finally:
             del self.waiting[rank]
             self.switch_in(rank)
 
     def wake(self) -> None:
-        """Tell the waiting ranks that something completed."""
-        self.baton.notify_all()
+        """Something completed: nothing to do, the next rank is chosen when the running one blocks."""
 
-    def _detect_stall(self) -> None:
-        if self.stalled is not None or set(self.waiting) != self.alive:
-            return
-        if any(wait.ready() for wait in self.waiting.values()):
-            return
+    def _next_after(self, rank: int) -> int | None:
+        """The first rank after ``rank`` (in rank order, wrapping) that can go on, or None."""
+        size, fresh, waiting, stalled = self.size, self._fresh, self.waiting, self.stalled is not None
+        for step in range(1, size):
+            other = (rank + step) % size
+            if other in fresh:
+                return other
+            wait = waiting.get(other)
+            if wait is not None and (stalled or wait.ready()):
+                return other
+        return None
+
+    def _stall(self) -> None:
+        """No live rank can go on: record why; every waiting rank raises it when it gets the turn."""
         lines = [f"rank {rank} waits in {wait.what}" for rank, wait in sorted(self.waiting.items())]
         lines += [f"rank {rank} {how}" for rank, how in sorted(self.ended.items())]
         self.stalled = (
@@ -136,28 +150,32 @@ class World:
             + "\nEvery rank of a group must issue the same collectives on it in the same order, and "
             "each send needs its receive."
         )
-        self.baton.notify_all()
 
     # -- rank threads -----------------------------------------------------------------------------
 
     def _rank_main(self, rank: int, body: Callable[[int], Any], out: RankOutcome) -> None:
         _tls.world, _tls.rank = self, rank
-        with self.baton:
-            self.switch_in(rank)
-            try:
-                out.value = body(rank)
-                self.ended[rank] = "returned (ended)"
-            except BaseException as exc:  # reported per rank, like a failing process
-                out.ok = False
-                out.exception = exc
-                out.error = "".join(traceback.format_exception(exc))
-                self.ended[rank] = f"raised {type(exc).__name__} (ended)"
-            finally:
-                state = self.states[rank]
-                out.stdout, out.stderr = state.stdout.getvalue(), state.stderr.getvalue()
-                self.alive.discard(rank)
-                self._detect_stall()
-                self.wake()
+        self._turns[rank].acquire()  # the first turn
+        self._fresh.discard(rank)
+        self.switch_in(rank)
+        try:
+            out.value = body(rank)
+            self.ended[rank] = "returned (ended)"
+        except BaseException as exc:  # reported per rank, like a failing process
+            out.ok = False
+            out.exception = exc
+            out.error = "".join(traceback.format_exception(exc))
+            self.ended[rank] = f"raised {type(exc).__name__} (ended)"
+        finally:
+            state = self.states[rank]
+            out.stdout, out.stderr = state.stdout.getvalue(), state.stderr.getvalue()
+            self.alive.discard(rank)
+            following = self._next_after(rank)
+            if following is None and self.alive:
+                self._stall()  # the ranks left all wait for something this one never issued
+                following = self._next_after(rank)
+            if following is not None:
+                self._turns[following].release()
 
     def run(self, body: Callable[[int], Any], env: Callable[[int], dict[str, str]]) -> list[RankOutcome]:
         """Run ``body(rank)`` on every rank; the calling thread's process state is put back after."""
@@ -166,6 +184,10 @@ class World:
         parent = self.slots.read()
         self.states = {rank: RankState(self.slots, parent, envs[rank]) for rank in range(self.size)}
         self.alive = set(range(self.size))
+        self._fresh = set(range(self.size))
+        self._turns = [threading.Lock() for _ in range(self.size)]
+        for turn in self._turns:
+            turn.acquire()
         outcomes = [RankOutcome(rank) for rank in range(self.size)]
         threads = [
             threading.Thread(
@@ -176,6 +198,7 @@ class World:
         try:
             for thread in threads:
                 thread.start()
+            self._turns[0].release()  # rank 0 goes first
             for thread in threads:
                 thread.join()
         finally:

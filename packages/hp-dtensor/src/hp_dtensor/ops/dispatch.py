@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hp_core import DeviceMesh, get_logger
+from hp_core import DeviceMesh, get_logger, share_across_ranks
 from torch.utils import _pytree as pytree
 
 from hp_dtensor import dtensor as _dtensor_module
@@ -156,7 +156,8 @@ UNCACHED: set[Any] = set()  # ops whose rule looks past the layouts: never cache
 # :data:`RULES` by hand must do the same if it reads scalar values.
 SCALAR_BLIND: set[Any] = set()  # float/complex scalars keyed by type only (see [Note: scalar-blind ops])
 _resolved: set[Any] = set()
-_meta_cache: dict[Any, Any] = {}
+_meta_cache: dict[Any, Any] = {}  # (op, argument keys) -> the op's output on global meta tensors
+share_across_ranks(__name__, "_meta_cache")  # no rank, mesh or group in a key or a value
 _decision_cache: dict[Any, Decision | None] = {}
 _problems: dict[Any, str] = {}  # why a rule's cached decision was dropped
 _MAX_ENTRIES = 8192
@@ -536,12 +537,22 @@ def _leaf_key(value: Any, blind: bool = False) -> Any:
 
 
 def _output_meta(func: Any, key: Any, flat: list[Any], spec: Any) -> Any:
-    if key is not None and key in _meta_cache:
-        return _meta_cache[key]
+    """The op's output on meta tensors at the arguments' global shapes, remembered.
+
+    Keyed by the op and its arguments' keys without the mesh (the meta run
+    never sees one), so the entry serves every mesh of a shape and, in a
+    simulator of many ranks (hp-testing's local mode), every rank: the cache
+    is declared rank-independent (:func:`hp_core.share_across_ranks`).
+    """
+    meta_key = None if key is None else key[:2]
+    if meta_key is not None:
+        found = _meta_cache.get(meta_key)
+        if found is not None:
+            return found
     meta_args, meta_kwargs = pytree.tree_unflatten([to_meta(v) for v in flat], spec)
     result = func(*meta_args, **meta_kwargs)
-    if key is not None:
-        _meta_cache[key] = result
+    if meta_key is not None:
+        _meta_cache[meta_key] = result
     return result
 
 
