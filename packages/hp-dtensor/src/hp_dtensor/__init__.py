@@ -23,7 +23,7 @@ from hp_dtensor.ops.fallback import (
     reset_fallback_stats,
     set_fallback_policy,
 )
-from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 from hp_dtensor.planner import RedistributePlan, RedistributeStep, explain_redistribute
 from hp_dtensor.registration import Decision, LocalCall, OpCall, register_rule, register_sharding
 from hp_dtensor.tp import (
@@ -51,6 +51,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "Shard",
+    "StridedShard",
     "__version__",
     "chunk_sizes",
     "distribute_module",

@@ -5,6 +5,8 @@ global shape and stride), so conversion re-wraps the same local tensor
 without communication. The torch mesh is ``DeviceMesh.to_torch()`` of the
 hp_core mesh, built on the same process groups. Ragged layouts have no torch
 equivalent (torch assumes ``torch.chunk`` sizes) and are refused.
+``StridedShard`` and torch's ``_StridedShard`` mean the same cut (torch's with
+split factor 1 is a ``Shard``).
 Both directions are differentiable.
 """
 
@@ -16,7 +18,7 @@ import torch
 from hp_core import DeviceMesh
 
 from hp_dtensor.dtensor import DTensor, _check_mesh
-from hp_dtensor.placements import PARTIAL_OPS, Partial, Placement, Replicate, Shard
+from hp_dtensor.placements import PARTIAL_OPS, Partial, Placement, Replicate, Shard, StridedShard
 
 __all__ = ["from_torch_dtensor", "to_torch_dtensor"]
 
@@ -30,6 +32,10 @@ def _to_torch_placement(placement: Placement) -> Any:
 
     if isinstance(placement, Shard):
         return TShard(placement.dim)
+    if isinstance(placement, StridedShard):
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        return _StridedShard(placement.dim, split_factor=placement.split_factor)
     if isinstance(placement, Partial):
         if placement.reduce_op == "norm":
             return _torch_norm_partial(cast(float, placement.norm_type))
@@ -52,15 +58,18 @@ def _torch_norm_partial(norm_type: float) -> Any:
 def _from_torch_placement(placement: Any, placements: Any) -> Placement:
     unsupported = ValueError(
         f"from_torch_dtensor: placement {placement!r} (of {list(placements)}) has no hp_dtensor equivalent; "
-        "hp_dtensor has Shard(dim), Replicate() and "
+        "hp_dtensor has Shard(dim), StridedShard(dim, split_factor), Replicate() and "
         "Partial('sum' | 'avg' | 'max' | 'min' | 'product' | 'norm'). "
         "Redistribute the torch DTensor to one of those first, e.g. "
         "t.redistribute(placements=[Replicate()] * mesh.ndim)."
     )
-    # _StridedShard (FSDP2 + TP) also answers is_shard(), but cuts in strides: mapping it to a plain
-    # Shard would silently describe the wrong elements.
+    # _StridedShard also answers is_shard(), but cuts in strides: it is our StridedShard, never a
+    # plain Shard (that would silently describe the wrong elements), unless its split factor is 1.
     if placement.is_shard() and type(placement).__name__ == "Shard":
         return Shard(placement.dim)
+    if type(placement).__name__ == "_StridedShard":
+        factor = int(placement.split_factor)
+        return Shard(placement.dim) if factor == 1 else StridedShard(placement.dim, factor)
     if placement.is_partial():
         # torch's p-norm partial says reduce_op "sum" but reduces |x|^p: read as a plain sum it would
         # silently give wrong values, so it maps to our norm partial; other subclasses are refused.
@@ -140,7 +149,7 @@ def from_torch_dtensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = No
     placements = [_from_torch_placement(p, tensor.placements) for p in tensor.placements]
     return (
         DTensor.from_local(tensor.to_local(), mesh, placements, shape=None, run_check=False)
-        if _even(tensor)
+        if _even(tensor) and not any(isinstance(p, StridedShard) for p in placements)
         else _from_uneven(tensor, mesh, placements)
     )
 
@@ -155,7 +164,8 @@ def _even(tensor: Any) -> bool:
 
 
 def _from_uneven(tensor: Any, mesh: DeviceMesh, placements: list[Placement]) -> DTensor:
-    # torch's uneven shards follow torch.chunk, which is our default rule: no gather needed.
+    # torch's uneven shards follow torch.chunk, which is our default rule: no gather needed. A strided
+    # cut comes here too: its global shape is torch's, not the local one times the mesh.
     from hp_dtensor.dtensor import _FromLocal
     from hp_dtensor.layout import Layout, normalize_placements
 

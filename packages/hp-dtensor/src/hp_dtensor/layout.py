@@ -15,9 +15,24 @@ from typing import Any
 import torch
 from hp_core import DeviceMesh
 
-from hp_dtensor.placements import Partial, Placement, Replicate, Shard, as_placement, is_torch_placement
+from hp_dtensor.placements import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    as_placement,
+    is_torch_placement,
+)
 
-__all__ = ["Layout", "chunk_sizes", "contiguous_stride", "normalize_placements"]
+__all__ = [
+    "Layout",
+    "chunk_sizes",
+    "contiguous_stride",
+    "normalize_placements",
+    "strided_rows",
+    "strided_sizes",
+]
 
 
 # [Note: uneven and ragged shards]
@@ -41,6 +56,31 @@ def chunk_sizes(size: int, parts: int) -> list[int]:
         start = min(index * step, size)
         out.append(min(step, size - start))
     return out
+
+
+def strided_sizes(size: int, split_factor: int, parts: int) -> list[int]:
+    """Rows of a dim of ``size`` each of ``parts`` ranks holds under ``StridedShard(_, split_factor)``.
+
+    Each rank holds its ``torch.chunk`` piece of every one of the
+    ``split_factor`` blocks ([Note: strided shards] in ``hp_dtensor.placements``).
+    """
+    totals = [0] * parts
+    for block in chunk_sizes(size, split_factor):
+        for rank, rows in enumerate(chunk_sizes(block, parts)):
+            totals[rank] += rows
+    return totals
+
+
+def strided_rows(size: int, split_factor: int, parts: int, index: int) -> list[int]:
+    """The rows of a dim of ``size`` that rank ``index`` of ``parts`` holds under ``StridedShard``."""
+    rows: list[int] = []
+    start = 0
+    for block in chunk_sizes(size, split_factor):
+        sizes = chunk_sizes(block, parts)
+        first = start + sum(sizes[:index])
+        rows.extend(range(first, first + sizes[index]))
+        start += block
+    return rows
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -91,17 +131,45 @@ def normalize_placements(
     out: list[Placement] = []
     for index, given in enumerate(values):
         placement = as_placement(given, f"{what}: placements[{index}]")
-        if isinstance(placement, Shard):
+        if isinstance(placement, (Shard, StridedShard)):
             dim = placement.dim
             if not -ndim <= dim < ndim:
+                given_text = f"Shard({dim})" if isinstance(placement, Shard) else repr(placement)
                 raise ValueError(
-                    f"{what}: placements[{index}]=Shard({dim}) is out of range for a {ndim}-D tensor; "
+                    f"{what}: placements[{index}]={given_text} is out of range for a {ndim}-D tensor; "
                     f"use a dim in [{-ndim}, {ndim - 1}]."
                 )
             if dim < 0:
-                placement = Shard(dim + ndim)
+                placement = (
+                    Shard(dim + ndim)
+                    if isinstance(placement, Shard)
+                    else StridedShard(dim + ndim, placement.split_factor)
+                )
         out.append(placement)
+    check_strided_order(out, what)
     return tuple(out)
+
+
+def check_strided_order(placements: Sequence[Placement], what: str) -> None:
+    """Refuse a ``StridedShard`` below which (on a lower mesh dim) another placement cuts the same dim.
+
+    The lower mesh dim cuts first ([Note: uneven and ragged shards]); a strided
+    cut of its pieces has no use (no view produces it) and redistribution
+    orders its steps by ``Shard`` alone, so it is refused rather than moved
+    wrongly. A ``StridedShard`` on the lower mesh dim with a ``Shard`` above it
+    (torch's FSDP2 + TP layout) is fine.
+    """
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, StridedShard):
+            continue
+        for lower in range(mesh_dim):
+            if placements[lower].is_shard(placement.dim):
+                raise ValueError(
+                    f"{what}: placements {list(placements)} cut tensor dim {placement.dim} on mesh dim "
+                    f"{lower} and again with {placement} on mesh dim {mesh_dim}; a StridedShard must be "
+                    "the first (lowest mesh dim) cut of its dim. Put it on the lower mesh dim or "
+                    "redistribute that dim to Replicate() first."
+                )
 
 
 class Layout:
@@ -145,6 +213,12 @@ class Layout:
         table = None if ragged is None else tuple(tuple(int(s) for s in row) for row in ragged)
         if table is not None and table == self._default_table():
             table = None  # a table equal to the default rule is the default rule
+        if table is not None and any(isinstance(p, StridedShard) for p in self.placements):
+            raise ValueError(
+                f"Layout: placements {list(self.placements)} with per-rank sizes {table} that differ from "
+                "torch.chunk's: a StridedShard is always cut like torch.chunk in every block; give "
+                "the sizes that rule gives, or use Shard placements for ragged pieces."
+            )
         self.ragged = table
         self._local_shape: tuple[int, ...] | None = None
         self._hash: int | None = None
@@ -234,6 +308,10 @@ class Layout:
                 sizes[placement.dim] = chunk_sizes(sizes[placement.dim], mesh_shape[mesh_dim])[
                     coord[mesh_dim]
                 ]
+            elif isinstance(placement, StridedShard):
+                sizes[placement.dim] = strided_sizes(
+                    sizes[placement.dim], placement.split_factor, mesh_shape[mesh_dim]
+                )[coord[mesh_dim]]
         return tuple(sizes)
 
     def _default_table(self) -> tuple[tuple[int, ...], ...]:
@@ -263,7 +341,18 @@ class Layout:
         return self._local_shape
 
     def local_offset_at(self, coord: Sequence[int]) -> tuple[int, ...]:
-        """Where the rank at ``coord`` starts in each tensor dim (see [Note: uneven and ragged shards])."""
+        """Where the rank at ``coord`` starts in each tensor dim (see [Note: uneven and ragged shards]).
+
+        A ``StridedShard`` piece is not one run of rows, so it has no offset:
+        that raises (callers that meet one redistribute first).
+        """
+        strided = [p for p in self.placements if isinstance(p, StridedShard)]
+        if strided:
+            raise ValueError(
+                f"{self} holds {strided[0]}: each rank's rows of dim {strided[0].dim} are a piece of every "
+                "one of its blocks, not one run with an offset; redistribute that mesh dim to Shard() or "
+                "Replicate() first."
+            )
         offsets = [0] * self.ndim
         for dim in range(self.ndim):
             sharding = [m for m, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim]

@@ -9,7 +9,11 @@ that mesh dim hold of the global tensor:
 * ``Partial(reduce_op)``: every rank holds a term, and the global value is the
   reduction (``sum``, ``avg``, ``max``, ``min`` or ``product``) of the terms;
 * ``Partial("norm", p)``: every rank holds the p-norm of its piece, and the
-  global value is the p-norm of those terms (see [Note: norm partials]).
+  global value is the p-norm of those terms (see [Note: norm partials]);
+* ``StridedShard(dim, split_factor)``: tensor dim ``dim`` is cut into
+  ``split_factor`` blocks and every rank holds its ``torch.chunk`` piece of
+  each block (what a view merging a cut inner dim leaves; see [Note: strided
+  shards]).
 
 Placements are frozen dataclasses: equal by value and hashable, so layouts
 built from them can key caches of sharding decisions and redistribution plans.
@@ -28,6 +32,7 @@ from torch.distributed.tensor.placement_types import Partial as _TorchPartial
 from torch.distributed.tensor.placement_types import Placement as _TorchPlacement
 from torch.distributed.tensor.placement_types import Replicate as _TorchReplicate
 from torch.distributed.tensor.placement_types import Shard as _TorchShard
+from torch.distributed.tensor.placement_types import _StridedShard as _TorchStridedShard
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +43,7 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
+    "StridedShard",
     "as_placement",
     "is_torch_placement",
     "torch_equivalent",
@@ -59,6 +65,11 @@ class StepRunner(Protocol):
     def chunk(self, local: torch.Tensor, dim: int) -> torch.Tensor: ...
     def to_partial(self, local: torch.Tensor, target: Partial) -> torch.Tensor: ...
     def reduce(self, local: torch.Tensor, source: Partial, shard_dim: int | None) -> torch.Tensor: ...
+    def strided_gather(self, local: torch.Tensor, dim: int, split_factor: int) -> torch.Tensor: ...
+    def strided_chunk(self, local: torch.Tensor, dim: int, split_factor: int) -> torch.Tensor: ...
+    def strided_to_shard(
+        self, local: torch.Tensor, src_dim: int, split_factor: int, dst_dim: int
+    ) -> torch.Tensor: ...
 
 
 class Placement:
@@ -67,7 +78,7 @@ class Placement:
     __slots__ = ()
 
     def is_shard(self, dim: int | None = None) -> bool:
-        """Whether this is a ``Shard`` (on ``dim`` when given)."""
+        """Whether this cuts a tensor dim (``dim`` when given): a ``Shard`` or a ``StridedShard``."""
         return False
 
     def is_replicate(self) -> bool:
@@ -100,6 +111,17 @@ class Placement:
         return f"hp_dtensor.placements.{self!r}", {"hp_dtensor": importlib.import_module("hp_dtensor")}
 
 
+def _step_from_cut(dim: int, target: Placement, free: Callable[[int], bool]) -> str | None:
+    """The step from a cut of ``dim``: gathered to R, or re-cut to a ``Shard`` of a free dim; else None."""
+    if not free(dim):
+        return None
+    if isinstance(target, Replicate):
+        return "all_gather"
+    if isinstance(target, Shard) and free(target.dim):
+        return "all_to_all"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Shard(Placement):
     """Pieces of tensor dim ``dim``, one per rank along the mesh dim, cut like ``torch.chunk``.
@@ -122,13 +144,7 @@ class Shard(Placement):
         return dim is None or dim == self.dim
 
     def step_to(self, target: Placement, free: Callable[[int], bool]) -> str | None:
-        if not free(self.dim):
-            return None
-        if isinstance(target, Replicate):
-            return "all_gather"
-        if isinstance(target, Shard) and free(target.dim):
-            return "all_to_all"
-        return None  # S -> P goes through R
+        return _step_from_cut(self.dim, target, free)  # S -> P goes through R
 
     def run_step(self, target: Placement, local: torch.Tensor, runner: StepRunner) -> torch.Tensor:
         if isinstance(target, Replicate):
@@ -160,13 +176,15 @@ class Replicate(Placement):
         return True
 
     def step_to(self, target: Placement, free: Callable[[int], bool]) -> str | None:
-        if isinstance(target, Shard):
+        if isinstance(target, (Shard, StridedShard)):
             return "local_chunk" if free(target.dim) else None
         return "local" if isinstance(target, Partial) else None
 
     def run_step(self, target: Placement, local: torch.Tensor, runner: StepRunner) -> torch.Tensor:
         if isinstance(target, Shard):
             return runner.chunk(local, target.dim)
+        if isinstance(target, StridedShard):
+            return runner.strided_chunk(local, target.dim, target.split_factor)
         if isinstance(target, Partial):
             return runner.to_partial(local, target)
         return Placement.run_step(self, target, local, runner)
@@ -184,6 +202,80 @@ class Replicate(Placement):
 
     def __str__(self) -> str:
         return "R"
+
+
+# [Note: strided shards]
+# A view that merges dims (``(b, s, h, d) -> (b, s, h * d)``, ``flatten``)
+# with a cut dim that is not the outermost of the merged group leaves every
+# rank a piece of each outer index: with ``h`` cut in two, rank 0 holds rows
+# ``[0, d * h / 2)`` of every one of the ``b * s`` blocks of the merged dim.
+# No ``Shard`` describes that, so the view used to gather. ``StridedShard(dim,
+# split_factor)`` does: tensor dim ``dim`` is cut into ``split_factor`` blocks
+# (``torch.chunk``), and each rank holds its ``torch.chunk`` piece of every
+# block, in block order. It is torch's ``_StridedShard`` (same meaning, same
+# uneven rule), so interop maps one to the other. ``split_factor=1`` is plain
+# ``Shard(dim)``; the constructor refuses it so that one cut has one spelling.
+# The view that splits the dim again gives back ``Shard`` with no
+# communication; redistribution gathers it (all-gather plus a local reorder of
+# the rows), cuts it from a replicated value locally, and moves it to a
+# ``Shard`` of another dim in one all-to-all plus the reorder.
+@dataclass(frozen=True, slots=True)
+class StridedShard(Placement):
+    """``split_factor`` blocks of tensor dim ``dim``, each cut like ``torch.chunk``: a piece of each per rank.
+
+    Rank ``r`` of a mesh dim of size ``n`` holds, for every block ``j`` of
+    ``torch.chunk(t, split_factor, dim)``, the piece ``torch.chunk(block_j, n,
+    dim)[r]``, concatenated in block order. ``is_shard()`` answers True (the
+    dim is cut, as torch's ``_StridedShard`` answers), but it is not a
+    ``Shard``: ``isinstance(p, Shard)`` is False, so code written for
+    contiguous pieces never mistakes it for one. See [Note: strided shards].
+    """
+
+    dim: int
+    split_factor: int
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "split_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(
+                    f"StridedShard({name}={value!r}): {name} must be an int, got {type(value).__name__}; "
+                    "e.g. StridedShard(0, split_factor=4)."
+                )
+        if self.split_factor < 2:
+            raise ValueError(
+                f"StridedShard(dim={self.dim}, split_factor={self.split_factor}): split_factor must be at "
+                f"least 2 (split_factor=1 is Shard({self.dim}); use that)."
+            )
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def step_to(self, target: Placement, free: Callable[[int], bool]) -> str | None:
+        if isinstance(target, Shard) and target.dim == self.dim:
+            return None  # the same dim cut another way: through R
+        return _step_from_cut(self.dim, target, free)
+
+    def run_step(self, target: Placement, local: torch.Tensor, runner: StepRunner) -> torch.Tensor:
+        if isinstance(target, Replicate):
+            return runner.strided_gather(local, self.dim, self.split_factor)
+        if isinstance(target, Shard):
+            return runner.strided_to_shard(local, self.dim, self.split_factor, target.dim)
+        return Placement.run_step(self, target, local, runner)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return self.dim == other.dim and self.split_factor == other.split_factor  # type: ignore[attr-defined]
+        return _equal_to_torch(self, other)
+
+    def __hash__(self) -> int:
+        return hash((self.dim, self.split_factor))  # torch's _StridedShard's hash ([Note: torch placements])
+
+    def __repr__(self) -> str:
+        return f"StridedShard(dim={self.dim}, split_factor={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
 
 
 # [Note: norm partials]
@@ -286,15 +378,18 @@ def _float_repr(value: float | None) -> str:
 
 
 def torch_equivalent(value: Any) -> Placement | None:
-    """Our placement for torch's ``Shard(d)``, ``Replicate()`` or ``Partial(op)``; None for anything else.
+    """Our placement for one of torch's placements we have; None for anything else.
 
-    Exact types only: torch's subclasses describe other data (``_StridedShard``,
-    ``_MaskPartial``) and have no equivalent here, except ``_NormPartial``,
-    which is our ``Partial("norm", p)``.
+    Exact types only: torch's ``_MaskPartial`` describes other data and has
+    no equivalent here; ``_NormPartial`` is our ``Partial("norm", p)`` and
+    ``_StridedShard`` our ``StridedShard`` (``Shard`` when its split factor is 1).
     """
     kind = type(value)
     if kind is _TorchShard:
         return Shard(value.dim)
+    if kind is _TorchStridedShard:
+        factor = int(value.split_factor)
+        return Shard(value.dim) if factor == 1 else StridedShard(value.dim, factor)
     if kind is _TorchReplicate:
         return Replicate()
     if kind is _TorchPartial and value.reduce_op in PARTIAL_OPS and value.reduce_op != "norm":
@@ -320,9 +415,11 @@ def is_torch_placement(value: Any) -> bool:
 # ``__eq__`` answers NotImplemented for a type it does not know, so Python asks
 # ours in both orders (``torch == ours`` and ``ours == torch``). Equal values
 # must share a hash, so ours hash as torch's do (``hash(dim)``, ``-1`` and
-# ``1 + hash(op)``): a set or dict mixing both stays consistent. torch's
-# subclasses that mean something else (``_StridedShard``, ``_NormPartial``,
-# ``_MaskPartial``) are neither equal to ours nor accepted.
+# ``1 + hash(op)``, ``hash((dim, split_factor))``): a set or dict mixing both
+# stays consistent. torch's ``_StridedShard`` is our ``StridedShard`` (equal,
+# and accepted; one with split factor 1 is accepted as ``Shard`` but, as in
+# torch, equal to no ``Shard``). Its subclasses that mean something else
+# (``_NormPartial``, ``_MaskPartial``) are neither equal to ours nor accepted.
 def as_placement(value: Any, what: str) -> Placement:
     """``value`` as our placement: ours as they are, torch's equivalents converted; else a TypeError.
 
@@ -338,7 +435,8 @@ def as_placement(value: Any, what: str) -> Placement:
         raise TypeError(
             f"{what}={value!r} is torch's {kind.__module__}.{kind.__qualname__}, which has no hp_dtensor "
             "equivalent; hp_dtensor takes Shard(d), Replicate() and "
-            "Partial('sum' | 'avg' | 'max' | 'min' | 'product'), torch's or its own. "
+            "Partial('sum' | 'avg' | 'max' | 'min' | 'product'), torch's or its own (and StridedShard, "
+            "torch's _StridedShard). "
             "Redistribute to one of those first."
         )
     raise TypeError(
@@ -351,6 +449,8 @@ def _equal_to_torch(ours: Placement, other: object) -> bool:
     """``ours == other`` for an ``other`` of another class: True only for torch's equivalent."""
     if isinstance(other, Placement) or type(other) is _TorchNormPartial:
         return False  # torch's _NormPartial compares unequal to ours: keep == symmetric
+    if type(other) is _TorchStridedShard and not isinstance(ours, StridedShard):
+        return False  # torch's _StridedShard(d, 1) is not equal to its Shard(d): keep hashes consistent
     converted = torch_equivalent(other)
     if converted is None:
         return NotImplemented

@@ -18,6 +18,7 @@ input's placements, except that mesh dims where the input was ``Partial`` get
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -30,9 +31,9 @@ from hp_core.distributed import mesh_group
 from hp_core.work import Work
 from torch.distributed._functional_collectives import _are_we_tracing
 
-from hp_dtensor.layout import Layout, chunk_sizes
+from hp_dtensor.layout import Layout, check_strided_order, chunk_sizes, strided_rows
 from hp_dtensor.pending import PendingTensor, pending, then
-from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 from hp_dtensor.planner import RedistributeStep, plan_redistribute
 
 _log = get_logger("hp_dtensor")  # one line per plan built ([Note: debug levels] in hp_core.debug)
@@ -159,6 +160,34 @@ def _to_partial(local: torch.Tensor, dst: Partial, mesh: Any, mesh_dim: int) -> 
 _INF = float("inf")
 
 
+# [Note: strided gather order]
+# Collectives concatenate the ranks' pieces in rank order. Under
+# ``StridedShard`` a rank's piece is one run from each block, so that order
+# is not the tensor's: the rows are put back with one ``index_select`` by a
+# permutation computed from the sizes alone (:func:`_gathered_order`; no
+# communication, the same on every rank).
+@functools.lru_cache(maxsize=1024)
+def _gathered_order(size: int, split_factor: int, parts: int) -> tuple[int, ...]:
+    """For each row of the whole dim, its position in the rank-order concatenation of the strided pieces."""
+    concatenated = [row for rank in range(parts) for row in strided_rows(size, split_factor, parts, rank)]
+    order = [0] * size
+    for position, row in enumerate(concatenated):
+        order[row] = position
+    return tuple(order)
+
+
+def _pick(dim: int, rows: Sequence[int]) -> Post:
+    """``index_select`` of ``rows`` along ``dim`` (the index built on the value's device, meta included)."""
+    return lambda value: value.index_select(dim, torch.tensor(rows, dtype=torch.long, device=value.device))
+
+
+def _after(value: torch.Tensor, post: Post) -> torch.Tensor:
+    """``post(value)``, still pending when ``value`` is (see [Note: asynchronous redistribution])."""
+    if isinstance(value, PendingTensor):
+        return then(value, post)
+    return post(value)
+
+
 def _reduce_partial(local: torch.Tensor, src: Partial, run: Any) -> torch.Tensor:
     """``run(terms, op)`` (one collective) for ``src``; a norm's power before it and root after it.
 
@@ -191,6 +220,25 @@ class _Runner:
 
     def to_partial(self, local: torch.Tensor, target: Partial) -> torch.Tensor:
         return _to_partial(local, target, self.layout.mesh, self.mesh_dim)
+
+    def strided_gather(self, local: torch.Tensor, dim: int, split_factor: int) -> torch.Tensor:
+        size = sum(self.layout.line_sizes(self.mesh_dim, dim))
+        order = _gathered_order(size, split_factor, self.layout.mesh.size(self.mesh_dim))
+        return _after(self.all_gather(local, dim), _pick(dim, order))
+
+    def strided_chunk(self, local: torch.Tensor, dim: int, split_factor: int) -> torch.Tensor:
+        mesh = self.layout.mesh
+        rows = strided_rows(
+            local.shape[dim], split_factor, mesh.size(self.mesh_dim), mesh.get_local_rank(self.mesh_dim)
+        )
+        return _pick(dim, rows)(local)
+
+    def strided_to_shard(
+        self, local: torch.Tensor, src_dim: int, split_factor: int, dst_dim: int
+    ) -> torch.Tensor:
+        size = sum(self.layout.line_sizes(self.mesh_dim, src_dim))
+        order = _gathered_order(size, split_factor, self.layout.mesh.size(self.mesh_dim))
+        return _after(self.all_to_all(local, src_dim, dst_dim), _pick(src_dim, order))
 
     def reduce(self, local: torch.Tensor, source: Partial, shard_dim: int | None) -> torch.Tensor:
         mesh, m, async_op = self.layout.mesh, self.mesh_dim, self.async_op
@@ -230,14 +278,36 @@ def _next_layout(layout: Layout, mesh_dim: int, target: Placement) -> Layout:
 
 def slice_for_layout(full: torch.Tensor, layout: Layout) -> torch.Tensor:
     """This rank's piece of the full (replicated) value under ``layout``, partial terms included."""
-    local = full
-    for dim, (offset, size) in enumerate(zip(layout.local_offset(), layout.local_shape(), strict=True)):
-        if size != full.shape[dim]:
-            local = local.narrow(dim, offset, size)
+    if any(isinstance(p, StridedShard) for p in layout.placements):
+        local = _cut_in_mesh_order(full, layout)
+    else:
+        local = full
+        for dim, (offset, size) in enumerate(zip(layout.local_offset(), layout.local_shape(), strict=True)):
+            if size != full.shape[dim]:
+                local = local.narrow(dim, offset, size)
     for mesh_dim, placement in enumerate(layout.placements):
         if isinstance(placement, Partial):
             local = _to_partial(local, placement, layout.mesh, mesh_dim)
     return local.contiguous()
+
+
+def _cut_in_mesh_order(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This rank's piece of ``full``, cut one mesh dim at a time, lower first (for ``StridedShard``).
+
+    Such layouts are never ragged (``Layout`` refuses it), so every cut is the
+    default one of what the lower mesh dims left.
+    """
+    mesh = layout.mesh
+    local = full
+    for mesh_dim, placement in enumerate(layout.placements):
+        n, index = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+        if isinstance(placement, Shard):
+            sizes = chunk_sizes(local.shape[placement.dim], n)
+            local = local.narrow(placement.dim, sum(sizes[:index]), sizes[index])
+        elif isinstance(placement, StridedShard):
+            rows = strided_rows(local.shape[placement.dim], placement.split_factor, n, index)
+            local = _pick(placement.dim, rows)(local)
+    return local
 
 
 def redistribute_local(
@@ -314,7 +384,10 @@ def _program(layout: Layout, placements: tuple[Placement, ...], itemsize: int) -
     if program is None:
         steps = []
         current = layout
-        for step in plan_redistribute(layout, placements, itemsize).steps:
+        planned = plan_redistribute(layout, placements, itemsize).steps
+        if not _strided_order_kept(layout.placements, planned):
+            planned = _gather_then_cut(layout.placements, placements)
+        for step in planned:
             after = _next_layout(current, step.mesh_dim, step.dst)
             steps.append((step, current, after))
             current = after
@@ -324,6 +397,52 @@ def _program(layout: Layout, placements: tuple[Placement, ...], itemsize: int) -
             _PROGRAMS.clear()
         _PROGRAMS[key] = program
     return program
+
+
+def _strided_order_kept(start: tuple[Placement, ...], steps: Sequence[RedistributeStep]) -> bool:
+    """Whether no state of the plan has a ``StridedShard`` above another cut of its dim.
+
+    The planner orders the steps of nested cuts by ``Shard`` alone ([Note:
+    nested shard order] in :mod:`hp_dtensor.planner`); a plan through such a
+    state could gather a lower mesh dim under a strided cut of the same dim.
+    """
+    state = list(start)
+    for step in steps:
+        state[step.mesh_dim] = step.dst
+        try:
+            check_strided_order(state, "redistribute")
+        except ValueError:
+            return False
+    return True
+
+
+def _gather_then_cut(start: tuple[Placement, ...], target: tuple[Placement, ...]) -> list[RedistributeStep]:
+    """A plan right whatever cuts what: gather the changed mesh dims highest first, then cut lowest first.
+
+    Used when the planner's plan would pass through a state
+    :func:`_strided_order_kept` refuses. Every gather meets no cut above it
+    and every cut none either, so no step depends on nesting.
+    """
+    first = next((m for m in range(len(start)) if start[m] != target[m]), len(start))
+    state = list(start)
+    steps: list[RedistributeStep] = []
+
+    def move(mesh_dim: int, placement: Placement) -> None:
+        def free(dim: int) -> bool:
+            return not any(p.is_shard(dim) for p in state[mesh_dim + 1 :])
+
+        collective = state[mesh_dim].step_to(placement, free)
+        assert collective is not None, f"no step {state[mesh_dim]} -> {placement} in {state}"
+        steps.append(RedistributeStep(mesh_dim, state[mesh_dim], placement, collective, 0))
+        state[mesh_dim] = placement
+
+    for mesh_dim in reversed(range(first, len(start))):
+        if not isinstance(state[mesh_dim], Replicate):
+            move(mesh_dim, Replicate())
+    for mesh_dim in range(first, len(start)):
+        if not isinstance(target[mesh_dim], Replicate):
+            move(mesh_dim, target[mesh_dim])
+    return steps
 
 
 def _run_plan(

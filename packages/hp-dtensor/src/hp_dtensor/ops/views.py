@@ -2,11 +2,13 @@
 
 These ops only relabel or regroup dims, so a shard survives when its dim
 maps to an output dim whose pieces are the same elements: a transpose moves
-``Shard(d)`` to the new position of ``d``; a view that merges or splits dims
-keeps a shard on the outermost dim of a group only when the ``torch.chunk``
-cut of the input dim and of the output dim select the same rows (checked
-exactly, uneven sizes included). Otherwise that mesh dim is gathered first.
-Partial and replicated values pass through every shape op.
+``Shard(d)`` (or ``StridedShard(d, k)``) to the new position of ``d``; a view
+that merges or splits dims keeps the cut when the ``torch.chunk`` cut of the
+input dim and of the output dim select the same rows (checked exactly, uneven
+sizes included): as a ``Shard`` when the cut dim is the outermost of its group,
+as a ``StridedShard`` when outer dims merge into it ([Note: views of a cut
+dim]). Otherwise that mesh dim is gathered first. Partial and replicated
+values pass through every shape op.
 
 The ``*_copy`` forms (``t_copy``, ``view_copy``, ``squeeze_copy``, ...) move
 the same elements as their views into new storage, so they share the views'
@@ -22,28 +24,36 @@ import torch
 
 from hp_dtensor.layout import Layout, chunk_sizes
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
-from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+from hp_dtensor.ops.strided import may_produce_strided, reads_strided
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 
 __all__ = ["covers", "map_dims", "view_groups"]
 
 aten = torch.ops.aten
 
 
+def _moved(placement: Shard | StridedShard, dim: int) -> Placement:
+    """The same cut on tensor dim ``dim``."""
+    if isinstance(placement, StridedShard):
+        return StridedShard(dim, placement.split_factor)
+    return Shard(dim)
+
+
 def map_dims(call: OpCall, mapping: Sequence[int | None], out_ndim: int) -> Decision:
-    """Shard(d) -> Shard(mapping[d]); a None entry means the dim cannot stay sharded."""
+    """Shard(d) -> Shard(mapping[d]) (a StridedShard likewise); a None entry means the dim cannot stay cut."""
     position = call.positions[0]
     layout = call.layout(position)
     inputs: list[Placement] = []
     out: list[Placement] = []
     for placement in layout.placements:
-        if isinstance(placement, Shard):
+        if isinstance(placement, (Shard, StridedShard)):
             target = mapping[placement.dim]
             if target is None:
                 inputs.append(Replicate())
                 out.append(Replicate())
             else:
                 inputs.append(placement)
-                out.append(Shard(target))
+                out.append(_moved(placement, target))
         else:
             inputs.append(placement)
             out.append(placement)
@@ -51,6 +61,7 @@ def map_dims(call: OpCall, mapping: Sequence[int | None], out_ndim: int) -> Deci
 
 
 @register(aten.t.default, aten.transpose.int, aten.t_copy.default, aten.transpose_copy.int)
+@reads_strided
 def transpose_rule(call: OpCall) -> Decision:
     """Swap two dims; the shard follows its dim."""
     ndim = call.layout(call.positions[0]).ndim
@@ -66,6 +77,7 @@ def transpose_rule(call: OpCall) -> Decision:
 
 
 @register(aten.permute.default, aten.permute_copy.default)
+@reads_strided
 def permute_rule(call: OpCall) -> Decision:
     """Reorder dims; the shard follows its dim."""
     ndim = call.layout(call.positions[0]).ndim
@@ -77,6 +89,7 @@ def permute_rule(call: OpCall) -> Decision:
 
 
 @register(aten.unsqueeze.default, aten.unsqueeze_copy.default)
+@reads_strided
 def unsqueeze_rule(call: OpCall) -> Decision:
     """Insert a size-1 dim; later dims shift by one."""
     ndim = call.layout(call.positions[0]).ndim
@@ -93,6 +106,7 @@ _SQUEEZE_DIMS = {
 
 
 @register(*_SQUEEZE_DIMS)
+@reads_strided
 def squeeze_rule(call: OpCall) -> Decision:
     """Drop the dims of global size 1.
 
@@ -125,6 +139,7 @@ def squeeze_rule(call: OpCall) -> Decision:
 
 
 @register(aten.expand.default, aten.expand_copy.default)
+@reads_strided
 def expand_rule(call: OpCall) -> Decision:
     """Broadcast size-1 dims; existing dims keep their shard (an expanded dim had size 1, never cut)."""
     layout = call.layout(call.positions[0])
@@ -164,37 +179,93 @@ def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int],
     return groups
 
 
+# [Note: views of a cut dim]
+# Take the group of input dims a view merges or splits (:func:`view_groups`),
+# its elements numbered row-major, and a cut of input dim ``d`` in it: ``P``
+# elements of outer dims before ``d``, ``b`` rows of ``d``, ``I`` elements of
+# inner dims after. Rank ``r`` holds, in each of the ``P`` outer blocks, the
+# run of ``torch.chunk(b, n)[r] * I`` elements. In the output group, the dim
+# ``k`` where that outer boundary falls (``Q = P / prefix`` outer blocks of it,
+# ``prefix`` the product of the output dims before it, ``J`` the elements
+# after it) holds the same elements in each of its ``Q`` blocks exactly when
+# ``torch.chunk(b, n)`` times ``I`` equals ``torch.chunk(b * I / J, n)`` times
+# ``J``: the cut is ``Shard(k)`` for ``Q = 1`` and ``StridedShard(k, Q)``
+# otherwise. A ``StridedShard(d, k)`` input is read as a ``Shard`` of the
+# second dim of ``d`` split into ``(k, size / k)`` (when ``k`` divides the
+# size, its blocks are then equal), so the view that splits the merged dim
+# again finds that ``Shard``. Anything else is gathered.
+def _cut_after_view(
+    shape: Sequence[int], placement: Shard | StridedShard, out_shape: Sequence[int], n: int, strided_ok: bool
+) -> Placement:
+    """The placement of the view's output for one mesh dim of size ``n`` cutting ``placement.dim``."""
+    d = placement.dim
+    if isinstance(placement, StridedShard):
+        factor = placement.split_factor
+        if shape[d] % factor:
+            return Replicate()
+        shape = [*shape[:d], factor, shape[d] // factor, *shape[d + 1 :]]
+        d += 1
+    group = next(((gi, gj) for gi, gj in view_groups(shape, out_shape) if d in gi), None)
+    if group is None:
+        return Replicate()
+    gi, gj = group
+    outer = math.prod(shape[x] for x in gi if x < d)
+    inner = math.prod(shape[x] for x in gi if x > d)
+    rows = shape[d]
+    if outer == 1:  # the cut dim leads its group: the first output dim of size > 1 takes it
+        lead = [x for x in gj if out_shape[x] != 1]
+        if not lead:
+            return Replicate()
+        k = lead[0]
+        after = math.prod(out_shape[x] for x in gj if x > k)
+        if [s * inner for s in chunk_sizes(rows, n)] == [s * after for s in chunk_sizes(out_shape[k], n)]:
+            return Shard(k)
+        return Replicate()
+    if not strided_ok or outer == 0:
+        return Replicate()
+    prefix = 1
+    for k in gj:
+        if prefix * out_shape[k] > outer:
+            break
+        prefix *= out_shape[k]
+    else:
+        return Replicate()
+    after = math.prod(out_shape[x] for x in gj if x > k)
+    if outer % prefix or (rows * inner) % after:
+        return Replicate()
+    blocks, block = outer // prefix, rows * inner // after
+    if out_shape[k] != blocks * block:
+        return Replicate()
+    if [s * inner for s in chunk_sizes(rows, n)] != [s * after for s in chunk_sizes(block, n)]:
+        return Replicate()
+    return StridedShard(k, blocks)
+
+
 def _view_decision(call: OpCall, layout: Layout, out_shape: Sequence[int]) -> Decision:
-    groups = view_groups(layout.shape, out_shape)
     mesh = layout.mesh
+    strided_ok = may_produce_strided()
     inputs: list[Placement] = []
     out: list[Placement] = []
     for m, placement in enumerate(layout.placements):
-        if not isinstance(placement, Shard):
+        if not isinstance(placement, (Shard, StridedShard)):
             inputs.append(placement)
             out.append(placement)
             continue
-        d = placement.dim
-        keep: Placement = Replicate()
-        shared = sum(1 for p in layout.placements if p == placement) > 1
-        for gi, gj in groups:
-            if d not in gi or shared:
-                continue
-            lead_in = [x for x in gi if layout.shape[x] != 1]
-            lead_out = [x for x in gj if out_shape[x] != 1]
-            if not lead_in or lead_in[0] != d or not lead_out:
-                break
-            o = lead_out[0]
-            inner_in = math.prod(layout.shape[x] for x in gi if x > d)
-            inner_out = math.prod(out_shape[x] for x in gj if x > o)
-            n = mesh.shape[m]
-            a = [s * inner_in for s in chunk_sizes(layout.shape[d], n)]
-            b = [s * inner_out for s in chunk_sizes(out_shape[o], n)]
-            if a == b:
-                keep = Shard(o)
-            break
-        inputs.append(placement if isinstance(keep, Shard) else Replicate())
+        shared = any(p.is_shard(placement.dim) for i, p in enumerate(layout.placements) if i != m)
+        keep = (
+            Replicate()
+            if shared
+            else _cut_after_view(layout.shape, placement, out_shape, mesh.shape[m], strided_ok)
+        )
+        inputs.append(placement if not isinstance(keep, Replicate) else Replicate())
         out.append(keep)
+    for m, placement in enumerate(out):
+        # Each mesh dim's cut was derived alone; a strided cut nested with another cut of the same
+        # output dim would need both derived together (the higher one cuts the lower one's piece).
+        if isinstance(placement, StridedShard) and any(
+            p.is_shard(placement.dim) for i, p in enumerate(out) if i != m
+        ):
+            inputs[m] = out[m] = Replicate()
     return Decision(inputs={call.positions[0]: tuple(inputs)}, outputs=[tuple(out)], size_arg=1)
 
 
@@ -207,6 +278,7 @@ def _infer(shape: Sequence[int], sizes: Sequence[int]) -> list[int]:
 
 
 @register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
+@reads_strided
 def view_rule(call: OpCall) -> Decision:
     """Regroup dims; see the module docstring for when a shard survives."""
     layout = call.layout(call.positions[0])
@@ -221,11 +293,12 @@ def view_rule(call: OpCall) -> Decision:
     aten.split_copy.Tensor,
     aten.split_with_sizes_copy.default,
 )
+@reads_strided
 def split_rule(call: OpCall) -> Decision:
     """Split along one dim: that dim must be whole; other shards carry over to every piece."""
     layout = call.layout(call.positions[0])
     dim = (int(call.args[2]) if len(call.args) > 2 else int(call.kwargs.get("dim", 0))) % layout.ndim
-    inputs = tuple(Replicate() if p == Shard(dim) else p for p in layout.placements)
+    inputs = tuple(Replicate() if p.is_shard(dim) else p for p in layout.placements)
     sizes = call.args[1] if len(call.args) > 1 else call.kwargs["split_size"]
     if isinstance(sizes, (list, tuple)):
         pieces = len(sizes)
@@ -235,6 +308,7 @@ def split_rule(call: OpCall) -> Decision:
 
 
 @register(aten.unbind.int, aten.unbind_copy.int)
+@reads_strided
 def unbind_rule(call: OpCall) -> Decision:
     """One output per index of a dim: that dim must be whole; other shards carry over, shifted down."""
     layout = call.layout(call.positions[0])
@@ -250,6 +324,7 @@ def _dropping(ndim: int, dim: int, dropped: bool = True) -> list[int | None]:
 
 
 @register(aten.cat.default)
+@reads_strided
 def cat_rule(call: OpCall) -> Decision:
     """Concatenate along one dim: that dim must be whole; other dims follow the first input's cut."""
     tensors = [t for t in call.args[0]]
@@ -259,7 +334,7 @@ def cat_rule(call: OpCall) -> Decision:
     dim %= ref.ndim
     target: list[Placement] = []
     for placement in ref.placements:
-        if placement == Shard(dim) or not (isinstance(placement, (Shard, Replicate))):
+        if placement.is_shard(dim) or not (isinstance(placement, (Shard, StridedShard, Replicate))):
             target.append(Replicate())
         else:
             target.append(placement)
@@ -272,6 +347,7 @@ def cat_rule(call: OpCall) -> Decision:
 
 
 @register(aten.stack.default)
+@reads_strided
 def stack_rule(call: OpCall) -> Decision:
     """Stack along a new dim: every input takes the first's cut of the existing dims, which keep it.
 
@@ -295,8 +371,11 @@ def stack_rule(call: OpCall) -> Decision:
         if len(partials) == 1 and all(isinstance(p, (Partial, Replicate)) for p in seen):
             target.append(partials[0])
         else:
-            target.append(placement if isinstance(placement, (Shard, Replicate)) else Replicate())
-    out = tuple(Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in target)
+            kept = isinstance(placement, (Shard, StridedShard, Replicate))
+            target.append(placement if kept else Replicate())
+    out = tuple(
+        _moved(p, p.dim + (p.dim >= dim)) if isinstance(p, (Shard, StridedShard)) else p for p in target
+    )
     return Decision(inputs={call.position_of(t): tuple(target) for t in tensors}, outputs=[out])
 
 
@@ -314,6 +393,7 @@ def _whole_slice(call: OpCall, size: int) -> bool:
 
 
 @register(aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.narrow_copy.default)
+@reads_strided
 def slice_rule(call: OpCall) -> Decision:
     """Take part of one dim: that dim must be whole; other shards carry over (select drops the dim).
 
@@ -334,6 +414,7 @@ def slice_rule(call: OpCall) -> Decision:
 
 
 @register(aten.alias_copy.default)
+@reads_strided
 def alias_copy_rule(call: OpCall) -> Decision:
     """A copy of the whole tensor: every placement carries over."""
     return map_dims(call, list(range(call.layout(call.positions[0]).ndim)), 0)

@@ -1,0 +1,193 @@
+"""What op rules see of ``StridedShard`` inputs ([Note: rules and strided shards]).
+
+The dispatcher asks a rule through :func:`decide`. Rules marked with
+:func:`reads_strided` (the shape ops of :mod:`hp_dtensor.ops.views`) see
+``StridedShard`` as it is and may produce it. Elementwise ops and the plain
+reductions see it as the ``Shard`` of the same dim and their answer is
+mapped back. Every other rule sees a replicated input there, and the input is
+moved to whatever that rule asked for a replicated input: such a rule never
+has to know the placement, and cannot misread it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from torch.utils import _pytree as pytree
+
+from hp_dtensor.dtensor import DTensor
+from hp_dtensor.layout import Layout, chunk_sizes, strided_sizes
+from hp_dtensor.placements import Placement, Replicate, Shard, StridedShard
+
+if TYPE_CHECKING:
+    from hp_dtensor.ops.dispatch import Decision, OpCall
+
+__all__ = ["STRIDED_RULES", "decide", "may_produce_strided", "reads_strided"]
+
+Rule = Callable[["OpCall"], "Decision | None"]
+
+STRIDED_RULES: set[Any] = set()  # rules that read (and may produce) StridedShard themselves
+
+_STATE = threading.local()
+
+
+def reads_strided(rule: Rule) -> Rule:
+    """Mark ``rule`` as one that handles ``StridedShard`` inputs and may produce the placement."""
+    STRIDED_RULES.add(rule)
+    return rule
+
+
+def may_produce_strided() -> bool:
+    """Whether the rule now running was asked through :func:`decide` (so its outputs are handled).
+
+    A rule that produces ``StridedShard`` checks this: a dispatcher that does
+    not ask through :func:`decide` would hand the placement to rules that
+    never heard of it, so there the rule gathers as it did before.
+    """
+    return getattr(_STATE, "depth", 0) > 0
+
+
+@contextmanager
+def _producing() -> Iterator[None]:
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+
+
+# [Note: rules and strided shards]
+# ``StridedShard`` is produced by views that merge a cut inner dim (see [Note:
+# strided shards] in :mod:`hp_dtensor.placements`). Most rules test
+# ``isinstance(p, Shard)`` and ``Partial`` and pass anything else through as
+# it is, which for a strided cut would be wrong (a transpose must move its dim,
+# a full reduction must not keep it). So :func:`decide` stands between the
+# dispatcher and every rule:
+#
+# * a rule marked :func:`reads_strided` gets the call as it is;
+# * an elementwise op (``pointwise_rule``) over operands of one shape, or a
+#   sum / mean / amax / amin / any / all whose strided pieces have the sizes
+#   of a ``Shard`` of the same dim, sees ``Shard(d)`` for ``StridedShard(d,
+#   k)``, and every ``Shard`` it then names on that mesh dim is read back as
+#   ``StridedShard(_, k)``: such ops treat every element (or every row of the
+#   cut dim) alike, so any one assignment of rows to ranks, the same for
+#   every operand and the result, is as good as another. (The sizes matter
+#   to the reductions only: a mean keeps ``Partial("avg")`` on equal pieces.)
+# * any other rule sees ``Replicate()`` on that mesh dim, and the input is
+#   redistributed to the placements the rule asked for a replicated input
+#   (kept replicated when it named none): an all-gather plus a reorder, which
+#   is what the view that made the placement used to cost, now paid only by
+#   the consumer that needs it.
+#
+# Decisions are cached by layouts, and the answer depends on the layouts
+# alone, so caching holds.
+def decide(rule: Rule, call: OpCall) -> Decision | None:
+    """``rule``'s decision for ``call``, with ``StridedShard`` inputs shown as the rule can read them."""
+    if rule in STRIDED_RULES:
+        with _producing():
+            return rule(call)
+    strided = [p for p in call.positions if _strided_dims(call.layout(p))]
+    if not strided:
+        return rule(call)
+    if _reads_as_shard(rule, call, strided):
+        return _as_shard(rule, call, strided)
+    return _as_replicated(rule, call, strided)
+
+
+def _strided_dims(layout: Layout) -> dict[int, StridedShard]:
+    return {m: p for m, p in enumerate(layout.placements) if isinstance(p, StridedShard)}
+
+
+def _shard_like_rules() -> tuple[set[Any], set[Any]]:
+    """(elementwise rules, reduction rules) that may see a ``StridedShard`` as a ``Shard``."""
+    from hp_dtensor.ops.pointwise import pointwise_rule
+    from hp_dtensor.ops.reductions import amax_rule, amin_rule, any_all_rule, mean_rule, sum_rule
+
+    return {pointwise_rule}, {sum_rule, mean_rule, amax_rule, amin_rule, any_all_rule}
+
+
+def _reads_as_shard(rule: Rule, call: OpCall, strided: list[int]) -> bool:
+    elementwise, reductions = _shard_like_rules()
+    if rule not in elementwise and rule not in reductions:
+        return False
+    layouts = [call.layout(p) for p in call.positions]
+    if rule in elementwise and len({layout.shape for layout in layouts}) != 1:
+        return False  # a broadcast operand would meet rows of another dim
+    for m in range(layouts[0].mesh.ndim):
+        cuts = {layout.placements[m] for layout in layouts if isinstance(layout.placements[m], StridedShard)}
+        if len(cuts) > 1:
+            return False
+        if not cuts:
+            continue
+        (cut,) = cuts
+        for layout in layouts:
+            if any(p.is_shard(cut.dim) for i, p in enumerate(layout.placements) if i != m):
+                return False  # nested cuts of one dim: the shard view would change the rows
+            if rule in reductions and isinstance(layout.placements[m], StridedShard):
+                size, n = layout.shape[cut.dim], layout.mesh.size(m)
+                if strided_sizes(size, cut.split_factor, n) != chunk_sizes(size, n):
+                    return False
+    return True
+
+
+def _as_shard(rule: Rule, call: OpCall, strided: list[int]) -> Decision | None:
+    factors: dict[int, int] = {}
+    shown: dict[int, tuple[Placement, ...]] = {}
+    for p in strided:
+        layout = call.layout(p)
+        for m, cut in _strided_dims(layout).items():
+            factors[m] = cut.split_factor
+        shown[p] = tuple(Shard(x.dim) if isinstance(x, StridedShard) else x for x in layout.placements)
+    decision = rule(_with_placements(call, shown))
+    if decision is None:
+        return None
+
+    def back(placements: tuple[Placement, ...] | None) -> tuple[Placement, ...] | None:
+        if placements is None:
+            return None
+        return tuple(
+            StridedShard(x.dim, factors[m]) if m in factors and isinstance(x, Shard) else x
+            for m, x in enumerate(placements)
+        )
+
+    inputs = {p: back(t) for p, t in decision.inputs.items()}
+    return dataclasses.replace(
+        decision,
+        inputs={p: t for p, t in inputs.items() if t is not None},
+        outputs=[back(t) for t in decision.outputs],
+    )
+
+
+def _as_replicated(rule: Rule, call: OpCall, strided: list[int]) -> Decision | None:
+    shown = {
+        p: tuple(Replicate() if isinstance(x, StridedShard) else x for x in call.layout(p).placements)
+        for p in strided
+    }
+    decision = rule(_with_placements(call, shown))
+    if decision is None:
+        return None
+    inputs = dict(decision.inputs)
+    for p, placements in shown.items():
+        inputs.setdefault(p, placements)  # "stays as it is" meant replicated: move it there
+    return dataclasses.replace(decision, inputs=inputs)
+
+
+def _with_placements(call: OpCall, shown: dict[int, tuple[Placement, ...]]) -> OpCall:
+    """``call`` with the DTensors at ``shown``'s positions relabelled (same local tensor, other placements).
+
+    Only the rule sees these stand-ins; the dispatcher moves the real inputs.
+    """
+    flat = list(call.flat)
+    swap: dict[int, DTensor] = {}
+    for p, placements in shown.items():
+        real = flat[p]
+        layout = real._layout
+        stand_in = DTensor(real._local, Layout(layout.mesh, placements, layout.shape, layout.stride))
+        flat[p] = stand_in
+        swap[id(real)] = stand_in
+    args, kwargs = pytree.tree_map(lambda v: swap.get(id(v), v), (call.args, call.kwargs))
+    return dataclasses.replace(call, args=args, kwargs=kwargs, flat=flat)
