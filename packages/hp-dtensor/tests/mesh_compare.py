@@ -18,6 +18,11 @@ from local_compare import _loss
 from torch.utils import _pytree as pytree
 
 
+def randn(*shape: int) -> torch.Tensor:
+    """A float64 random tensor (the tests compare in float64)."""
+    return torch.randn(*shape, dtype=torch.float64)
+
+
 def check_placed(
     fn: Callable[..., Any],
     inputs: Sequence[torch.Tensor],

@@ -18,41 +18,37 @@ import torch.nn.functional as F
 from hp_dtensor import Replicate, Shard
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mesh_compare import check_placed
+from mesh_compare import check_placed, randn
 
 S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
-
-
-def _x(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, dtype=torch.float64)
 
 
 @pytest.mark.distributed(world_size=2)
 def test_group_norm_batch_and_whole_group_cuts_are_local(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
-    w, b = _x(8), _x(8)
+    w, b = randn(8), randn(8)
     with_affine = lambda x, w, b: F.group_norm(x, 4, w, b)  # noqa: E731
     # batch cut, even (4 samples) and uneven (3 samples: 2 + 1), 2-D to 4-D inputs
     for shape in [(4, 8, 5), (3, 8, 5), (3, 8), (3, 8, 2, 3)]:
-        check_placed(with_affine, [_x(*shape), w, b], [[S0], [R], [R]], mesh)
-    check_placed(lambda x: F.group_norm(x, 2), [_x(3, 8, 5)], [[S0]], mesh)
+        check_placed(with_affine, [randn(*shape), w, b], [[S0], [R], [R]], mesh)
+    check_placed(lambda x: F.group_norm(x, 2), [randn(3, 8, 5)], [[S0]], mesh)
     # a sample dim of 1 over 2 ranks: one rank's piece is empty
-    check_placed(with_affine, [_x(1, 8, 3), w, b], [[S0], [R], [R]], mesh)
+    check_placed(with_affine, [randn(1, 8, 3), w, b], [[S0], [R], [R]], mesh)
     # channel cut on group boundaries: 8 channels, 4 groups of 2, cut 4 + 4; weight and bias cut too
-    out = check_placed(with_affine, [_x(3, 8, 5), w, b], [[S1], [S0], [S0]], mesh)
+    out = check_placed(with_affine, [randn(3, 8, 5), w, b], [[S1], [S0], [S0]], mesh)
     assert out.placements == (S1,)
     # weight and bias replicated: cut locally, still no communication
-    check_placed(with_affine, [_x(3, 8, 5), w, b], [[S1], [R], [R]], mesh)
+    check_placed(with_affine, [randn(3, 8, 5), w, b], [[S1], [R], [R]], mesh)
     # 10 channels in 5 groups over 2 ranks cut 5 + 5, across group 2: gathered (not the fallback)
-    w10, b10 = _x(10), _x(10)
+    w10, b10 = randn(10), randn(10)
     fn10 = lambda x, w, b: F.group_norm(x, 5, w, b)  # noqa: E731
     check_placed(
-        fn10, [_x(3, 10, 4), w10, b10], [[S1], [S0], [S0]], mesh, forward_comms=None, backward_comms=None
+        fn10, [randn(3, 10, 4), w10, b10], [[S1], [S0], [S0]], mesh, forward_comms=None, backward_comms=None
     )
     # a spatial cut is gathered by a redistribution, not the fallback
     check_placed(
-        with_affine, [_x(3, 8, 5), w, b], [[S2], [R], [R]], mesh, forward_comms=1, backward_comms=None
+        with_affine, [randn(3, 8, 5), w, b], [[S2], [R], [R]], mesh, forward_comms=1, backward_comms=None
     )
 
 
@@ -60,8 +56,8 @@ def test_group_norm_batch_and_whole_group_cuts_are_local(rank, device_mesh_facto
 def test_group_norm_on_a_2d_mesh(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2, 2))
     torch.manual_seed(0)
-    w, b = _x(8), _x(8)
+    w, b = randn(8), randn(8)
     fn = lambda x, w, b: F.group_norm(x, 4, w, b)  # noqa: E731
-    out = check_placed(fn, [_x(5, 8, 3), w, b], [[S0, S1], [R, S0], [R, S0]], mesh)
+    out = check_placed(fn, [randn(5, 8, 3), w, b], [[S0, S1], [R, S0], [R, S0]], mesh)
     assert out.placements == (S0, S1)
-    check_placed(fn, [_x(5, 8, 3), w, b], [[S1, S0], [S0, R], [S0, R]], mesh)
+    check_placed(fn, [randn(5, 8, 3), w, b], [[S1, S0], [S0, R], [S0, R]], mesh)

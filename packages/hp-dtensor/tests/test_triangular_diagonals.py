@@ -16,13 +16,9 @@ from hp_dtensor import Partial, Replicate, Shard, distribute_tensor, fallback_po
 from hp_testing import record_collectives
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mesh_compare import check_placed
+from mesh_compare import check_placed, randn
 
 S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
-
-
-def _x(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, dtype=torch.float64)
 
 
 @pytest.mark.distributed(world_size=2)
@@ -33,12 +29,12 @@ def test_tril_triu_shift_the_diagonal_by_the_piece_start(rank, device_mesh_facto
         for k in (-2, 0, 1, 3):
             fn = lambda t, op=op, k=k: op(t, k)  # noqa: E731
             for cut in (S0, S1):
-                out = check_placed(fn, [_x(5, 4)], [[cut]], mesh)
+                out = check_placed(fn, [randn(5, 4)], [[cut]], mesh)
                 assert out.placements == (cut,)
             for cut in (S0, S1, S2):  # batched: batch, row and column cuts
-                check_placed(fn, [_x(3, 5, 7)], [[cut]], mesh)
+                check_placed(fn, [randn(3, 5, 7)], [[cut]], mesh)
     with fallback_policy("error"):  # a partial sum stays partial
-        x = _x(4, 4)
+        x = randn(4, 4)
         part = distribute_tensor(x, mesh, [R]).redistribute(mesh, [Partial("sum")])
         with record_collectives() as log:
             out = torch.tril(part, -1)
@@ -51,13 +47,13 @@ def test_tril_triu_and_trace_on_a_2d_mesh(rank, device_mesh_factory) -> None:  #
     mesh = device_mesh_factory((2, 2))
     torch.manual_seed(0)
     for op in (torch.tril, torch.triu):
-        out = check_placed(lambda t, op=op: op(t, 1), [_x(5, 7)], [[S0, S1]], mesh)
+        out = check_placed(lambda t, op=op: op(t, 1), [randn(5, 7)], [[S0, S1]], mesh)
         assert out.placements == (S0, S1)
-        check_placed(lambda t, op=op: op(t, -1), [_x(3, 5, 6)], [[S0, S2]], mesh)
-        check_placed(lambda t, op=op: op(t), [_x(7, 5)], [[S0, S0]], mesh)
-    out = check_placed(torch.trace, [_x(5, 7)], [[S1, S0]], mesh, backward_comms=None)
+        check_placed(lambda t, op=op: op(t, -1), [randn(3, 5, 6)], [[S0, S2]], mesh)
+        check_placed(lambda t, op=op: op(t), [randn(7, 5)], [[S0, S0]], mesh)
+    out = check_placed(torch.trace, [randn(5, 7)], [[S1, S0]], mesh, backward_comms=None)
     assert out.placements == (Partial("sum"), Partial("sum"))
-    check_placed(lambda t: torch.diagonal(t, 1, 1, 2), [_x(5, 4, 3)], [[S0, R]], mesh)
+    check_placed(lambda t: torch.diagonal(t, 1, 1, 2), [randn(5, 4, 3)], [[S0, R]], mesh)
 
 
 @pytest.mark.distributed(world_size=2)
@@ -66,7 +62,7 @@ def test_trace_is_a_partial_sum(rank, device_mesh_factory) -> None:  # type: ign
     torch.manual_seed(0)
     for shape in [(5, 5), (5, 3), (3, 6)]:
         for cut in (S0, S1):
-            out = check_placed(torch.trace, [_x(*shape)], [[cut]], mesh, backward_comms=None)
+            out = check_placed(torch.trace, [randn(*shape)], [[cut]], mesh, backward_comms=None)
             assert out.placements == (Partial("sum"),)
     with fallback_policy("error"):  # integers keep the op's result dtype
         ints = torch.arange(20).reshape(5, 4)
@@ -78,7 +74,7 @@ def test_trace_is_a_partial_sum(rank, device_mesh_factory) -> None:  # type: ign
 def test_diagonal_ops_keep_batch_cuts(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
-    x = _x(3, 4, 5)
+    x = randn(3, 4, 5)
     out = check_placed(lambda t: torch.diagonal(t, 0, 1, 2), [x], [[S0]], mesh)
     assert out.placements == (S0,)
     out = check_placed(lambda t: torch.diagonal(t, -1, 0, 2), [x], [[S1]], mesh)
@@ -90,13 +86,13 @@ def test_diagonal_ops_keep_batch_cuts(rank, device_mesh_factory) -> None:  # typ
     assert out.placements == (S0,)
     out = check_placed(lambda t: torch.diag_embed(t, 0, 0, 2), [x], [[S1]], mesh)
     assert out.placements == (Shard(3),)  # output dims 0 and 2 are new: input dim 1 lands on dim 3
-    src = _x(3, 4)
+    src = randn(3, 4)
     out = check_placed(lambda a, b: torch.diagonal_scatter(a, b, 0, 1, 2), [x, src], [[S0], [S0]], mesh)
     assert out.placements == (S0,)
     check_placed(lambda a, b: torch.diagonal_scatter(a, b, 0, 1, 2), [x, src], [[S0], [R]], mesh)
     # diag / diagflat of a vector: the vector's own dim is the diagonal, gathered, not the fallback
-    check_placed(torch.diag, [_x(5)], [[S0]], mesh, forward_comms=1, backward_comms=None)
-    check_placed(torch.diagflat, [_x(2, 3)], [[S0]], mesh, forward_comms=None, backward_comms=None)
+    check_placed(torch.diag, [randn(5)], [[S0]], mesh, forward_comms=1, backward_comms=None)
+    check_placed(torch.diagflat, [randn(2, 3)], [[S0]], mesh, forward_comms=None, backward_comms=None)
     # a matrix-dim cut of diagonal is gathered (one all-gather), not the fallback
     diagonal = lambda t: torch.diagonal(t, 0, 1, 2)  # noqa: E731
     check_placed(diagonal, [x], [[S1]], mesh, forward_comms=1, backward_comms=None)

@@ -36,6 +36,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (regis
     sparse,
     spatial,
     triangular,
+    unfold,
     vector_norms,
     views,
 )
