@@ -222,3 +222,54 @@ def test_halos_on_four_ranks_and_two_mesh_dims(rank, device_mesh_factory) -> Non
         out = conv(distribute_tensor(x, mesh, [S0, S2]), distribute_tensor(w, mesh, [R, R]))
     assert out.placements == (S0, S2)
     torch.testing.assert_close(out.full_tensor(), ref.detach())
+
+
+@pytest.mark.distributed(world_size=2)
+def test_spatially_parallel_cnn_trains_like_one_process(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """conv, relu, max pool, conv, avg pool on images cut by height: 2 SGD steps against one process.
+
+    The forward sends border rows for the two convolutions only (the 2x2 pools line up with the
+    pieces), never an activation.
+    """
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+
+    def net() -> torch.nn.Sequential:
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(4, 4, 3, padding=1),
+            torch.nn.AvgPool2d(2),
+        ).double()
+
+    ref, ours = net(), net()
+    ours.load_state_dict(ref.state_dict())
+    for module in (ours[0], ours[3]):
+        for name, param in list(module.named_parameters()):
+            setattr(module, name, torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [R])))
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    with fallback_policy("error"):
+        for _ in range(2):
+            x = _t(2, 3, 16, 12)
+            loss_ref = ref(x).square().mean()
+            loss_ref.backward()
+            images = distribute_tensor(x, mesh, [S2])
+            with record_collectives() as log:
+                out = ours(images)
+            assert out.placements == (S2,)
+            assert log.counts() == {GATHER: 2}, list(log)
+            assert log.nbytes() == 2 * 2 * (_row_bytes((2, 3, 16, 12), 2) + _row_bytes((2, 4, 8, 6), 2))
+            loss = out.square().mean()
+            loss.backward()
+            torch.testing.assert_close(loss.full_tensor(), loss_ref.detach())
+            for p in ours.parameters():
+                assert p.grad.placements == (SUM,)  # each rank's rows' terms
+                p.grad = p.grad.redistribute(placements=[R])
+            opt_ref.step()
+            opt.step()
+            opt_ref.zero_grad()
+            opt.zero_grad()
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.detach())
