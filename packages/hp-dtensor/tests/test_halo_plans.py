@@ -65,7 +65,7 @@ def _cases(seed: int, n: int) -> list[tuple[str, Window, Callable[[torch.Tensor]
 def test_each_rank_computes_its_own_outputs_from_its_extended_rows() -> None:
     torch.manual_seed(0)
     planned = tried = 0
-    for kind, window, fn, length, ranks in _cases(0, 600):
+    for kind, window, fn, length, ranks in _cases(0, 300):
         x = torch.randn(1, 2, length, dtype=torch.float64)
         try:
             whole = fn(x)
@@ -85,7 +85,7 @@ def test_each_rank_computes_its_own_outputs_from_its_extended_rows() -> None:
             where = f"{kind} {window} L={length} ranks={ranks} r={r} rows [{e0}, {e1})"
             got, want = local[..., first:stop], whole[..., plan.outs[r] : plan.outs[r + 1]]
             assert got.shape == want.shape and torch.allclose(got, want), where
-    assert tried > 300 and planned > tried // 2, (tried, planned)
+    assert tried > 150 and planned > tried // 2, (tried, planned)
 
 
 def test_plans_need_rows_from_neighbours_only_and_no_empty_pieces() -> None:
