@@ -49,16 +49,30 @@ _LINEAR_UNARY = {
 }
 _LINEAR_ADD = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}
 _LINEAR_MUL = {aten.mul.Tensor, aten.div.Tensor, aten.mul_.Tensor, aten.div_.Tensor}
+_ZERO_FILLS = {aten.masked_fill.Scalar, aten.masked_fill_.Scalar}
 
 
 # [Note: linear partials]
 # A ``Partial(sum)`` value is a sum of terms, so ``f(sum x_r) = sum f(x_r)``
 # only for linear ``f``: negation, scaling by a replicated value or scalar,
-# casts, and adding two partials of the same op. Those keep the partial (and
-# save a reduction); every other op reduces first. Max/min partials are reduced
-# before any pointwise op.
+# casts, zeroing masked elements (``masked_fill(mask, 0)``, as cross-entropy's
+# label smoothing does to ignored rows), and adding partials of the same op. A
+# replicated (or plain) operand of an add or sub is made a partial of that op
+# first, locally: for a sum one rank keeps the value and the others hold
+# zeros, so ``partial + replicated`` costs no reduction (the mixed losses of
+# label smoothing add a partial nll to a replicated smoothing term). A product
+# or quotient of two partials reduces only the second factor (the divisor) and
+# keeps the first one's terms: one reduction instead of two. Those
+# keep the partial (and save a reduction); every other op reduces first. A
+# number operand (``x + 1.0``, or a 0-d plain tensor) has no placement to make
+# partial, so it reduces. Max/min partials are reduced before any pointwise op.
 def _keeps_partial(
-    func: Any, placements: list[Placement], first_partial: int, n_plain: int, n_scalar: int = 0
+    func: Any,
+    placements: list[Placement],
+    first_partial: int,
+    n_plain: int,
+    n_scalar: int = 0,
+    zero_fill: bool = False,
 ) -> bool:
     """Whether ``func`` is linear in its partial inputs on this mesh dim ([Note: linear partials])."""
     partials = [p for p in placements if isinstance(p, Partial)]
@@ -69,11 +83,16 @@ def _keeps_partial(
         # copy_ keeps its destination's terms only when the source holds terms of the same sum.
         return len(placements) == 1 or (func is aten.copy_.default and len(partials) == len(placements))
     if func in _LINEAR_ADD:
-        # A scalar or plain-tensor operand is a whole value, not a partial term: adding it to
-        # every rank's term would count it once per rank.
-        return len(partials) == len(placements) and n_plain == 0 and n_scalar == 0
+        # A number operand is a whole value with no placement: adding it to every rank's term
+        # would count it once per rank. Replicated operands are made partial (see the note).
+        others_whole = all(isinstance(p, (Partial, Replicate)) for p in placements)
+        return others_whole and n_plain == 0 and n_scalar == 0
     if func in _LINEAR_MUL:
-        return len(partials) == 1 and (func not in (aten.div.Tensor, aten.div_.Tensor) or first_partial == 0)
+        # Linear in one factor: a second partial factor is reduced, the first keeps its terms
+        # (a divisor never does: ``a / sum(b_r)`` is not ``sum(a / b_r)``).
+        return func not in (aten.div.Tensor, aten.div_.Tensor) or first_partial == 0
+    if func in _ZERO_FILLS:
+        return zero_fill and len(partials) == 1 and first_partial == 0
     return False
 
 
@@ -97,6 +116,7 @@ def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bo
     n_plain = sum(1 for v in call.flat if isinstance(v, torch.Tensor) and not isinstance(v, DTensor))
     # Positional numbers are operands (add(x, 1.0)); keyword numbers (alpha=) only scale one.
     n_scalar = sum(1 for v in call.args if isinstance(v, (int, float, complex)) and not isinstance(v, bool))
+    zero_fill = func in _ZERO_FILLS and _arg(call, 2, "value", None) == 0  # the value is in the cache key
     out_ndim = len(out_shape)
     targets: list[list[Placement]] = [list(layout.placements) for layout in layouts]
     out: list[Placement] = []
@@ -130,7 +150,7 @@ def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bo
             continue
         if any(isinstance(p, Partial) for p in current):
             first = next(i for i, p in enumerate(current) if isinstance(p, Partial))
-            keep = _keeps_partial(func, current, first, n_plain, n_scalar)
+            keep = _keeps_partial(func, current, first, n_plain, n_scalar, zero_fill)
             if inplace and not isinstance(current[0], Partial):
                 keep = False
             if keep:
@@ -140,6 +160,10 @@ def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bo
                 for i, placement in enumerate(current):
                     if isinstance(placement, Shard):
                         targets[i][m] = Replicate()
+                    elif func in _LINEAR_ADD and isinstance(placement, Replicate):
+                        targets[i][m] = current[first]  # a whole addend made terms: see the note
+                    elif func in _LINEAR_MUL and isinstance(placement, Partial) and i != first:
+                        targets[i][m] = Replicate()  # the other factor, whole: see the note
                 out.append(current[first])
                 continue
         for i in range(len(layouts)):
@@ -187,8 +211,14 @@ def resolve_by_tag(func: Any) -> Any:
 register(aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, keeps_layout=True)(
     lambda call: pointwise_rule(call, inplace=True)
 )
-register(aten.masked_fill.Tensor, keeps_layout=True)(lambda call: pointwise_rule(call, inplace=False))
-register(aten.masked_fill_.Tensor, keeps_layout=True)(lambda call: pointwise_rule(call, inplace=True))
+# The .Scalar forms are registered by name so their value is part of the decision's key (a fill
+# with 0 keeps a partial, see [Note: linear partials]), which a rule found by tag would not be.
+register(aten.masked_fill.Tensor, aten.masked_fill.Scalar, keeps_layout=True)(
+    lambda call: pointwise_rule(call, inplace=False)
+)
+register(aten.masked_fill_.Tensor, aten.masked_fill_.Scalar, keeps_layout=True)(
+    lambda call: pointwise_rule(call, inplace=True)
+)
 register(aten._to_copy.default, keeps_layout=True)(lambda call: pointwise_rule(call, inplace=False))
 
 
