@@ -263,3 +263,65 @@ def test_repeat_interleave_without_dim(rank, device_mesh_factory) -> None:  # ty
     torch.manual_seed(0)
     with through_decide():
         check(lambda t: t.repeat_interleave(2), [torch.randn(3, 4, dtype=torch.float64)], [[Shard(1)]], mesh)
+
+
+# name: (fn, inputs' shapes, their placements, output placements, forward collectives)
+CATS = {
+    "cat([R, S(1)], 0) cuts the replicated input": (
+        lambda a, b: torch.cat([a, b], 0),
+        [(3, 4), (5, 4)],
+        [[R], [Shard(1)]],
+        [Shard(1)],
+    ),
+    "cat([S(0), S(0)], 0) of equal sizes is strided": (
+        lambda a, b: torch.cat([a, b], 0),
+        [(5, 2), (5, 2)],
+        [[Shard(0)], [Shard(0)]],
+        [StridedShard(0, 2)],
+    ),
+    "cat([R, S(0), S(0)], 0) of equal sizes": (
+        lambda a, b, c: torch.cat([a, b, c], 0) * 2,
+        [(4, 3), (4, 3), (4, 3)],
+        [[R], [Shard(0)], [Shard(0)]],
+        [StridedShard(0, 3)],
+    ),
+    "cat then split back": (
+        lambda a, b: torch.cat([a, b], 0).view(2, 6, 3)[1],
+        [(6, 3), (6, 3)],
+        [[Shard(0)], [R]],
+        [Shard(0)],
+    ),
+    "stack([R, S(0)])": (lambda a, b: torch.stack([a, b]), [(5, 3), (5, 3)], [[R], [Shard(0)]], [Shard(1)]),
+    "stack([R, S(1)], 1)": (
+        lambda a, b: torch.stack([a, b], 1),
+        [(5, 3), (5, 3)],
+        [[R], [Shard(1)]],
+        [Shard(2)],
+    ),
+}
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("name", list(CATS))
+def test_cat_and_stack_of_mixed_cuts_move_nothing(rank, device_mesh_factory, name) -> None:  # type: ignore[no-untyped-def]
+    fn, shapes, placements, expect = CATS[name]
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    inputs = [torch.randn(*shape, dtype=torch.float64) for shape in shapes]
+    with through_decide(), fallback_policy("error"):
+        check(fn, inputs, placements, mesh, expect=expect, forward_collectives=NO_COMM, tag=name)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_cat_on_a_2d_mesh_and_uneven_cats(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2, 2))
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    with through_decide(), fallback_policy("error"):
+        cat = lambda x, y: torch.cat([x, y], 0)  # noqa: E731
+        expect = [StridedShard(0, 2), Shard(1)]
+        check(cat, [a, b], [[Shard(0), R], [R, Shard(1)]], mesh, expect=expect, forward_collectives=NO_COMM)
+        # sizes that differ along the cat dim: no strided cut describes it, the cut inputs are gathered
+        c = torch.randn(3, 4, dtype=torch.float64)
+        out = check(cat, [a, c], [[Shard(0), R], [Shard(0), R]], mesh)
+        assert out.placements == (R, R)
