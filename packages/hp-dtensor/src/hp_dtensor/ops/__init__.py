@@ -22,6 +22,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (regis
     indexing,
     inplace_views,
     loss,
+    margin_losses,
     matrix,
     moments,
     norms,
