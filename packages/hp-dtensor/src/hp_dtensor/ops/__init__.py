@@ -37,6 +37,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (regis
     sparse,
     spatial,
     triangular,
+    trilinear,
     unfold,
     vector_norms,
     views,
