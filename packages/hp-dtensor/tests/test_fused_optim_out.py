@@ -93,7 +93,10 @@ def test_out_variant_moves_a_misplaced_out_and_refuses_a_plain_one(rank, device_
         _call("sgd", lists, [], out)
     assert out[0].placements == (Shard(0),)
     torch.testing.assert_close(out[0].full_tensor(), plain_out[0])
+    # refused before anything moves: a replicated gradient stays replicated
+    lists[1] = [distribute_tensor(plain[1][0].clone(), mesh, [Replicate()])]
     with pytest.raises(TypeError, match=r"out\[0\] is a plain Tensor for a DTensor parameter"):
         _call("sgd", lists, [], [torch.zeros(5, 3, dtype=torch.float64)])
     with pytest.raises(ValueError, match="out has 2 tensors for 1 parameters"):
         _call("sgd", lists, [], out + out)
+    assert lists[1][0].placements == (Replicate(),)

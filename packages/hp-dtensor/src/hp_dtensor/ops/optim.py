@@ -110,6 +110,8 @@ def fused_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     functional = not name.endswith("_") and not out_variant
     following, scalars = _LISTS[name.rstrip("_")]
     params = list(args[0])
+    if out_variant:
+        _check_out(kwargs["out"], params, func)
     local_lists: list[list[Any]] = [[] for _ in args]
     for i, param in enumerate(params):
         if not isinstance(param, DTensor):
@@ -156,22 +158,24 @@ def fused_step(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 # kernel (their schema marks the states mutable), each ``out[i]`` is moved to
 # its parameter's placements in place, and the kernel runs once over the
 # local tensors: whatever it writes lands in the caller's DTensors.
-def _out_locals(out: Any, params: list[DTensor], func: Any) -> list[torch.Tensor]:
-    """The local tensors of ``out``, each moved (in place) to its parameter's placements."""
+def _check_out(out: Any, params: list[Any], func: Any) -> None:
+    """``out`` holds one DTensor per parameter; checked before anything is moved."""
     if len(out) != len(params):
         raise ValueError(
             f"{func}: out has {len(out)} tensors for {len(params)} parameters; pass one output tensor per "
             "parameter, placed like it."
         )
-    locals_: list[torch.Tensor] = []
-    for i, (target, param) in enumerate(zip(out, params, strict=True)):
+    for i, target in enumerate(out):
         if not isinstance(target, DTensor):
             raise TypeError(
                 f"{func}: out[{i}] is a plain {type(target).__name__} for a DTensor parameter; pass DTensors "
                 "placed like the parameters (for example torch.empty_like(param))."
             )
-        locals_.append(_follow(target, param, func, in_place=True))
-    return locals_
+
+
+def _out_locals(out: Any, params: list[DTensor], func: Any) -> list[torch.Tensor]:
+    """The local tensors of ``out``, each moved (in place) to its parameter's placements."""
+    return [_follow(target, param, func, in_place=True) for target, param in zip(out, params, strict=True)]
 
 
 def _register() -> None:
