@@ -325,3 +325,33 @@ def test_cat_on_a_2d_mesh_and_uneven_cats(rank, device_mesh_factory) -> None:  #
         c = torch.randn(3, 4, dtype=torch.float64)
         out = check(cat, [a, c], [[Shard(0), R], [Shard(0), R]], mesh)
         assert out.placements == (R, R)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_slices_of_whole_blocks_move_nothing(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """A slice taking whole blocks of a strided dim is local, so a strided cat's backward is too."""
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    a, b, c = (torch.randn(5, 3, dtype=torch.float64) for _ in range(3))
+    cat = lambda x, y, z: torch.cat([x, y, z])  # noqa: E731
+    with through_decide(), fallback_policy("error"):
+        for name, fn, expect in (
+            ("one block", lambda x, y, z: cat(x, y, z)[5:10], Shard(0)),
+            ("two blocks", lambda x, y, z: cat(x, y, z)[5:], StridedShard(0, 2)),
+            ("narrow a block", lambda x, y, z: cat(x, y, z).narrow(0, 10, 5), Shard(0)),
+            ("narrow_copy", lambda x, y, z: cat(x, y, z).narrow_copy(0, 0, 10), StridedShard(0, 2)),
+        ):
+            placements = [[Shard(0)]] * 3
+            check(fn, [a, b, c], placements, mesh, expect=[expect], forward_collectives=NO_COMM, tag=name)
+        d = [distribute_tensor(t, mesh, [Shard(0)]).requires_grad_() for t in (a, b, c)]
+        out = cat(*d)
+        g = torch.randn(15, 3, dtype=torch.float64)
+        grad = distribute_tensor(g, mesh, [StridedShard(0, 3)])
+        with record_collectives() as log:
+            out.backward(grad)
+        assert len(log) == 0, dict(log.counts())
+        assert [t.grad.placements for t in d] == [(Shard(0),)] * 3
+        for i, t in enumerate(d):
+            torch.testing.assert_close(t.grad.full_tensor(), g[5 * i : 5 * i + 5], rtol=0, atol=0)
+        # a slice that cuts a block is gathered, and right
+        check(lambda x, y, z: cat(x, y, z)[3:12], [a, b, c], [[Shard(0)]] * 3, mesh, expect=[R])

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from hp_dtensor.layout import Layout, chunk_sizes
-from hp_dtensor.ops.dispatch import Decision, OpCall, register
+from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
 from hp_dtensor.ops.strided import may_produce_strided, reads_strided
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 
@@ -323,33 +323,77 @@ def _dropping(ndim: int, dim: int, dropped: bool = True) -> list[int | None]:
     return [None if d == dim else d - 1 if dropped and d > dim else d for d in range(ndim)]
 
 
+def _cut_elsewhere(layouts: Sequence[Layout], m: int, dim: int) -> Placement | None:
+    """The first input's cut on mesh dim ``m`` of a dim other than ``dim`` (what the output can keep)."""
+    for layout in layouts:
+        placement = layout.placements[m]
+        if isinstance(placement, (Shard, StridedShard)) and placement.dim != dim:
+            return placement
+    return None
+
+
+# [Note: concatenating cut tensors]
+# ``cat`` and ``stack`` move no element across ranks when every input is cut
+# the same way on the dims they keep, so on each mesh dim the output takes a
+# cut that some input has on such a dim (not only the first input's), and
+# replicated inputs are cut to it locally: ``cat([R, S(1)], 0)`` is ``S(1)``
+# with no communication, where gathering the cut input would move it whole.
+# ``cat`` along the cut dim itself, of ``k`` inputs of one size there, each
+# cut ``S(d)`` (or replicated, then cut locally), is ``StridedShard(d, k)``:
+# rank ``r`` holds piece ``r`` of every input, in input order, which is piece
+# ``r`` of each of the ``k`` equal blocks of the result.
 @register(aten.cat.default)
 @reads_strided
 def cat_rule(call: OpCall) -> Decision:
-    """Concatenate along one dim: that dim must be whole; other dims follow the first input's cut."""
+    """Concatenate along one dim: other dims keep a cut, the cat dim strided or gathered.
+
+    See [Note: concatenating cut tensors].
+    """
     tensors = [t for t in call.args[0]]
     dim = int(call.args[1]) if len(call.args) > 1 else int(call.kwargs.get("dim", 0))
     layouts = [call.layout(call.position_of(t)) for t in tensors]
     ref = next((lay for lay in layouts if lay.ndim > 1 or lay.shape != (0,)), layouts[0])
     dim %= ref.ndim
+    joined = [lay for lay in layouts if lay.ndim == ref.ndim]  # torch.cat skips legacy empty (0,) tensors
     target: list[Placement] = []
-    for placement in ref.placements:
-        if placement.is_shard(dim) or not (isinstance(placement, (Shard, StridedShard, Replicate))):
-            target.append(Replicate())
-        else:
-            target.append(placement)
+    out: list[Placement] = []
+    strided_at = _strided_cat_mesh_dim(joined, dim)
+    for m, placement in enumerate(ref.placements):
+        kept = _cut_elsewhere(joined, m, dim)
+        if m == strided_at:
+            target.append(Shard(dim))
+            out.append(Shard(dim) if len(joined) == 1 else StridedShard(dim, len(joined)))
+            continue
+        if kept is None:
+            kept = placement if isinstance(placement, Replicate) else Replicate()
+        target.append(kept)
+        out.append(kept)
     inputs = {
         call.position_of(t): tuple(target)
         for t, lay in zip(tensors, layouts, strict=True)
         if lay.ndim == ref.ndim
     }
-    return Decision(inputs=inputs, outputs=[tuple(target)])
+    return Decision(inputs=inputs, outputs=[tuple(out)])
+
+
+def _strided_cat_mesh_dim(layouts: Sequence[Layout], dim: int) -> int | None:
+    """The mesh dim whose ``S(dim)`` inputs a ``cat`` along ``dim`` keeps as a ``StridedShard``, if any."""
+    if not may_produce_strided() or len({lay.shape[dim] for lay in layouts}) != 1:
+        return None
+    for m in range(layouts[0].mesh.ndim):
+        seen = {lay.placements[m] for lay in layouts}
+        if Shard(dim) not in seen or not seen <= {Shard(dim), Replicate()}:
+            continue
+        if any(p.is_shard(dim) for lay in layouts for i, p in enumerate(lay.placements) if i != m):
+            return None  # another mesh dim cuts the dim too: the pieces would nest
+        return m
+    return None
 
 
 @register(aten.stack.default)
 @reads_strided
 def stack_rule(call: OpCall) -> Decision:
-    """Stack along a new dim: every input takes the first's cut of the existing dims, which keep it.
+    """Stack along a new dim: the inputs' cuts of the existing dims are kept.
 
     Stacking moves no element across ranks: a shard of dim ``d`` stays a shard
     of the same rows, at ``d + 1`` when the new dim comes before it. On a mesh
@@ -357,7 +401,8 @@ def stack_rule(call: OpCall) -> Decision:
     that partial: each element reduces on its own, so the stack of terms is
     the term of the stack, and a replicated input becomes a term locally (no
     communication; ``clip_grad_norm_`` stacks partial per-tensor norms).
-    Other partial terms are summed first (as for ``cat``).
+    Other partial terms are summed first (as for ``cat``). A replicated input
+    is cut like a cut one ([Note: concatenating cut tensors]).
     """
     tensors = list(call.args[0])
     layouts = [call.layout(call.position_of(t)) for t in tensors]
@@ -368,11 +413,13 @@ def stack_rule(call: OpCall) -> Decision:
     for m, placement in enumerate(ref.placements):
         seen = {layout.placements[m] for layout in layouts}
         partials = [p for p in seen if isinstance(p, Partial)]
+        cut = _cut_elsewhere(layouts, m, -1)
         if len(partials) == 1 and all(isinstance(p, (Partial, Replicate)) for p in seen):
             target.append(partials[0])
+        elif cut is not None:
+            target.append(cut)
         else:
-            kept = isinstance(placement, (Shard, StridedShard, Replicate))
-            target.append(placement if kept else Replicate())
+            target.append(placement if isinstance(placement, Replicate) else Replicate())
     out = tuple(
         _moved(p, p.dim + (p.dim >= dim)) if isinstance(p, (Shard, StridedShard)) else p for p in target
     )
@@ -410,7 +457,60 @@ def slice_rule(call: OpCall) -> Decision:
         if call.func in (aten.narrow.default, aten.narrow_copy.default):
             func = call.func  # a piece is shorter than the global length: narrow it to its own
             decision.kernel = lambda local: func(local.args[0], dim, 0, local.args[0].shape[dim])
+    elif not dropped and layout.ndim:
+        _keep_strided_blocks(call, layout, dim, decision)
     return decision
+
+
+def _slice_range(call: OpCall, size: int) -> tuple[int, int] | None:
+    """``(start, end)`` of a step-1 ``slice`` / ``narrow`` of a dim of ``size``; None for another step."""
+    if call.func in (aten.narrow.default, aten.narrow_copy.default):
+        start, length = int(call.args[2]), int(call.args[3])
+        start = start + size if start < 0 else start
+        return start, start + length
+    named = dict(zip(("self", "dim", "start", "end", "step"), call.args, strict=False)) | call.kwargs
+    start, end, step = slice(named.get("start"), named.get("end"), named.get("step") or 1).indices(size)
+    return (start, max(start, end)) if step == 1 else None
+
+
+# [Note: slicing whole blocks]
+# Under ``StridedShard(d, k)`` each rank holds, block after block, its piece
+# of each of the ``k`` equal blocks of dim ``d``. A slice of ``d`` that takes
+# whole blocks ``j0 .. j1`` is, on every rank, the run of its own rows of
+# those blocks: ``Shard(d)`` for one block, ``StridedShard(d, j1 - j0)`` for
+# more, with no communication. That is the backward of a ``cat`` kept strided
+# ([Note: concatenating cut tensors]): each input's gradient is its block.
+def _keep_strided_blocks(call: OpCall, layout: Layout, dim: int, decision: Decision) -> None:
+    """Turn ``decision`` (which gathers ``dim``) into a local slice when it takes whole strided blocks."""
+    placements = layout.placements
+    cuts = [m for m, p in enumerate(placements) if p.is_shard(dim)]
+    if len(cuts) != 1 or not isinstance(placements[cuts[0]], StridedShard):
+        return
+    m, placement = cuts[0], placements[cuts[0]]
+    size, factor = layout.shape[dim], placements[cuts[0]].split_factor
+    span = _slice_range(call, size)
+    if size % factor or span is None:
+        return
+    block = size // factor
+    (start, end) = span
+    if block == 0 or start % block or end % block or end <= start:
+        return
+    first, count = start // block, (end - start) // block
+    decision.inputs[call.positions[0]] = tuple(
+        placement if i == m else p for i, p in enumerate(decision.inputs[call.positions[0]])
+    )
+    out = list(decision.outputs[0] or ())
+    out[m] = Shard(dim) if count == 1 else StridedShard(dim, count)
+    decision.outputs = [tuple(out)]
+    rows = chunk_sizes(block, layout.mesh.size(m))
+    func = call.func
+
+    def kernel(local: LocalCall) -> torch.Tensor:
+        own = rows[local.layout(0).my_coordinate()[m]]
+        piece = local.args[0].narrow(dim, first * own, count * own)
+        return piece if func is aten.slice.Tensor or func is aten.narrow.default else piece.clone()
+
+    decision.kernel = kernel
 
 
 @register(aten.alias_copy.default)
