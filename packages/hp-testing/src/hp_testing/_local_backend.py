@@ -5,16 +5,13 @@ processes); the ranks of one group meet in the world's ``pending`` table
 under (group name, sequence number), which is how NCCL matches collectives
 too: the k-th collective a rank issues on a group meets the k-th of each
 peer. The last rank to arrive checks that all agree (the same collective,
-reduce op, root, dtype and shapes) and then computes every rank's output at
-once from the inputs; a disagreement fails the collective on every rank of
-the group with each rank's arguments. Point-to-point messages match in issue
-order per (group, source, destination) and tag, as gloo does (tags ignored
-under ``emulate="nccl"`` / ``"hccl"``, as those backends do); a send
-completes when its receive took it.
-
-``wait()`` on the returned work hands the baton to another rank until the
-result is there (see [Note: cooperative ranks] in :mod:`hp_testing._local_world`).
-"""
+reduce op, root, dtype and element counts), then computes every rank's output;
+a disagreement fails it on every rank of the group with each rank's arguments.
+Point-to-point messages match in issue order per (group, source, destination)
+and tag, as gloo does (tags ignored under ``emulate="nccl"`` / ``"hccl"``, whose
+other p2p rules :mod:`hp_testing._local_contract` checks); a send completes
+when its receive took it. ``wait()`` hands the baton to another rank until the
+result is there (see [Note: cooperative ranks] in :mod:`hp_testing._local_world`)."""
 
 from __future__ import annotations
 
@@ -27,7 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp_testing import _p2p_notes
+from hp_testing._local_contract import End, contract
 from hp_testing._local_world import World, current
+from hp_testing._sidechannel import CollectiveMismatchError, P2PMismatchError
 
 __all__ = ["BACKEND", "register"]
 
@@ -43,6 +43,10 @@ _REDUCE: dict[Any, tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tenso
     dist.ReduceOp.BOR: ("bor", torch.bitwise_or),
     dist.ReduceOp.BXOR: ("bxor", torch.bitwise_xor),
 }
+
+
+#: An error to raise on a rank at ``wait()``: the multi-process mode's error class for the rule, and the text.
+Problem = tuple[type[RuntimeError], str]
 
 
 def _reduce_name(op: Any) -> str:
@@ -70,10 +74,22 @@ def _sig(tensor: torch.Tensor) -> str:
     return f"{str(tensor.dtype).removeprefix('torch.')}{tuple(tensor.shape)}"
 
 
+def _count(tensor: torch.Tensor) -> str:
+    """What must agree across ranks: the element count and dtype, not the shape, as NCCL and gloo
+    see a buffer ([Note: what must match across ranks] in :mod:`hp_testing._calls`)."""
+    return f"{tensor.dtype}[{tensor.numel()}]"
+
+
 class LocalWork(dist.Work):
     """A handle whose ``wait()`` lets the other ranks run until the operation completed."""
 
-    def __init__(self, world: World, done: Callable[[], bool], error: Callable[[], str | None], what: str):
+    def __init__(
+        self,
+        world: World,
+        done: Callable[[], bool],
+        error: Callable[[], Problem | None],
+        what: str,
+    ):
         super().__init__()
         self._world, self._done, self._error, self._what = world, done, error, what
 
@@ -81,7 +97,8 @@ class LocalWork(dist.Work):
         self._world.block_until(self._done, self._what)
         problem = self._error()
         if problem is not None:
-            raise RuntimeError(problem)
+            kind, text = problem
+            raise kind(text)  # a fresh error per rank: each gets its own traceback
         return True
 
     def is_completed(self) -> bool:
@@ -107,7 +124,7 @@ class _Meeting:
     size: int
     calls: dict[int, _Call] = field(default_factory=dict)
     done: bool = False
-    error: str | None = None
+    error: Problem | None = None
 
 
 @dataclass
@@ -116,7 +133,8 @@ class _Message:
     buffer: torch.Tensor | None = None  # a receive's destination
     shown: str = ""
     done: bool = False
-    error: str | None = None
+    error: Problem | None = None
+    end: End | None = None  # what the contract checks know of this end
 
 
 class LocalGroup(dist.ProcessGroup):
@@ -157,6 +175,7 @@ class LocalGroup(dist.ProcessGroup):
         key = (self._name, self._seq)
         meeting = self._world.pending.setdefault(key, _Meeting(len(self._ranks)))
         meeting.calls[self._group_rank] = _Call(self._group_rank, kind, agree, shown, payload)
+        contract(self._world).collective(self._name, self._ranks[self._group_rank], shown)
         where = f"collective #{self._seq} on group {list(self._ranks)}"
         if len(meeting.calls) == meeting.size:
             del self._world.pending[key]
@@ -164,14 +183,20 @@ class LocalGroup(dist.ProcessGroup):
             if any((c.kind, c.agree) != (calls[0].kind, calls[0].agree) for c in calls):
                 per_rank = "; ".join(f"rank {self._ranks[c.group_rank]}: {c.shown}" for c in calls)
                 meeting.error = (
-                    f"hp_testing local mode: the ranks disagree in {where}: {per_rank}. Every rank of "
-                    "a group must issue the same collective, with the same op, root, dtype and shapes, "
-                    "in the same order."
+                    CollectiveMismatchError,
+                    (
+                        f"hp_testing local mode: the ranks disagree in {where}: {per_rank}. Every rank of "
+                        "a group must issue the same collective, with the same op, root, dtype and element "
+                        "counts, in the same order."
+                    ),
                 )
             else:
                 problem = compute(calls)
                 if problem is not None:
-                    meeting.error = f"hp_testing local mode: {shown} ({where}): {problem}"
+                    meeting.error = (
+                        CollectiveMismatchError,
+                        f"hp_testing local mode: {shown} ({where}): {problem}",
+                    )
             meeting.done = True
             self._world.wake()
         return LocalWork(self._world, lambda: meeting.done, lambda: meeting.error, f"{shown} ({where})")
@@ -181,12 +206,12 @@ class LocalGroup(dist.ProcessGroup):
         op = _reduce_name(opts.reduceOp)
 
         def compute(calls: list[_Call]) -> None:
-            result = _reduce(op, [c.payload[0] for c in calls])
+            result = _reduce(op, [c.payload[0].reshape(-1) for c in calls])
             for c in calls:
-                c.payload[0].copy_(result)
+                c.payload[0].copy_(result.view(c.payload[0].shape))
 
         return self._meet(
-            "all_reduce", (op, _sig(tensor)), f"all_reduce({_sig(tensor)}, {op})", (tensor,), compute
+            "all_reduce", (op, _count(tensor)), f"all_reduce({_sig(tensor)}, {op})", (tensor,), compute
         )
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> LocalWork:  # type: ignore[override]
@@ -194,12 +219,12 @@ class LocalGroup(dist.ProcessGroup):
         root = opts.rootRank
 
         def compute(calls: list[_Call]) -> None:
-            source = calls[root].payload[0].clone()
+            source = calls[root].payload[0].reshape(-1).clone()
             for c in calls:
-                c.payload[0].copy_(source)
+                c.payload[0].copy_(source.view(c.payload[0].shape))
 
         shown = f"broadcast({_sig(tensor)}, group_src={root})"
-        return self._meet("broadcast", (root, _sig(tensor)), shown, (tensor,), compute)
+        return self._meet("broadcast", (root, _count(tensor)), shown, (tensor,), compute)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> LocalWork:  # type: ignore[override]
         def compute(calls: list[_Call]) -> None:
@@ -208,7 +233,7 @@ class LocalGroup(dist.ProcessGroup):
                 c.payload[0].view(-1).copy_(gathered)
 
         shown = f"all_gather_into_tensor({_sig(input)} -> {_sig(output)})"
-        return self._meet("all_gather", (_sig(input), _sig(output)), shown, (output, input), compute)
+        return self._meet("all_gather", (_count(input), _count(output)), shown, (output, input), compute)
 
     def allgather(  # type: ignore[override]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
@@ -227,12 +252,13 @@ class LocalGroup(dist.ProcessGroup):
         op = _reduce_name(opts.reduceOp)
 
         def compute(calls: list[_Call]) -> None:
-            result = _reduce(op, [c.payload[1] for c in calls]).reshape(len(calls), -1)
+            result = _reduce(op, [c.payload[1].reshape(-1) for c in calls]).reshape(len(calls), -1)
             for c in calls:
                 c.payload[0].view(-1).copy_(result[c.group_rank])
 
         shown = f"reduce_scatter_tensor({_sig(input)} -> {_sig(output)}, {op})"
-        return self._meet("reduce_scatter", (op, _sig(input), _sig(output)), shown, (output, input), compute)
+        agree = (op, _count(input), _count(output))
+        return self._meet("reduce_scatter", agree, shown, (output, input), compute)
 
     def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
@@ -299,30 +325,54 @@ class LocalGroup(dist.ProcessGroup):
                     "and HCCL) match in issue order, so issue the receives in the order of the sends, "
                     "with matching sizes."
                 )
-                send.error = recv.error = problem
+                send.error = recv.error = P2PMismatchError, problem
             else:
-                recv.buffer.view(-1).copy_(send.tensor.reshape(-1))
+                errors = self._contract_errors(send, recv)
+                if errors is not None:
+                    send.error, recv.error = ((type(e), str(e)) for e in errors)
+                else:
+                    recv.buffer.view(-1).copy_(send.tensor.reshape(-1))
             send.tensor = None
             send.done = recv.done = True
         self._world.wake()
+
+    def _contract_errors(self, send: _Message, recv: _Message) -> tuple[RuntimeError, RuntimeError] | None:
+        if send.end is None or recv.end is None:
+            return None
+        return contract(self._world).meet(self._name, send.end, recv.end)
+
+    def _post(self, message: _Message, send: bool, peer: int, tag: int) -> LocalWork:
+        """Post one end of a message; it meets its other end now or when that is posted.
+
+        The contract's records come first: the op's note from the layer, NCCL's
+        wait for the group's communicator at a first batch, its place among the
+        pair's ops ([Note: p2p notes for the local backend] in :mod:`hp_testing._p2p_notes`).
+        """
+        note = _p2p_notes.take()
+        me, other = self._ranks[self._group_rank], self._ranks[peer]
+        record = contract(self._world)
+        record.first_batch(self._world, self._name, self._ranks, me, note)
+        message.end = record.end(self._name, me, other, send, note, message.shown, tag)
+        src, dst = (self._group_rank, peer) if send else (peer, self._group_rank)
+        sends, recvs = self._channel(src, dst, tag)
+        (sends if send else recvs).append(message)
+        self._pair(sends, recvs)
+        if message.error is not None:
+            kind, text = message.error
+            raise kind(text)  # met its other end now: raised at issue, as the side channel does
+        return LocalWork(self._world, lambda: message.done, lambda: message.error, message.shown)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> LocalWork:
         (tensor,) = tensors
         me, peer = self._ranks[self._group_rank], self._ranks[dst]
         message = _Message(tensor=tensor.clone(), shown=f"rank {me} send({_sig(tensor)}) to rank {peer}")
-        sends, recvs = self._channel(self._group_rank, dst, tag)
-        sends.append(message)
-        self._pair(sends, recvs)
-        return LocalWork(self._world, lambda: message.done, lambda: message.error, message.shown)
+        return self._post(message, True, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> LocalWork:
         (tensor,) = tensors
         me, peer = self._ranks[self._group_rank], self._ranks[src]
         message = _Message(buffer=tensor, shown=f"rank {me} recv({_sig(tensor)}) from rank {peer}")
-        sends, recvs = self._channel(src, self._group_rank, tag)
-        recvs.append(message)
-        self._pair(sends, recvs)
-        return LocalWork(self._world, lambda: message.done, lambda: message.error, message.shown)
+        return self._post(message, False, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> LocalWork:
         raise RuntimeError(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hp_testing import _p2p_notes
 from hp_testing._local_backend import BACKEND
 from hp_testing.profiles import Profile
 
@@ -56,13 +57,14 @@ def _local_backend(factory: Callable[..., Any]) -> Callable[..., Any]:
 # message at once and compares them there (argument agreement, shapes and
 # dtypes, group membership by the group's own ranks, p2p matching in issue
 # order, hangs). The layer maps tags to 0 under NCCL / HCCL, so the backend
-# matches messages in issue order as those backends do.
+# matches messages in issue order as those backends do; the layer's wrappers
+# leave the backend a note of each op (the user's tag, batch and line), from
+# which it checks the rest of NCCL's / HCCL's p2p contract with the side
+# channel's errors (:mod:`hp_testing._local_contract`): tags that differ, a
+# pair's ops posted in opposite orders, and NCCL's first batch on a group.
 #
 # What stays with the multi-process mode is what needs concurrency or the
-# store: async hazards (strict mode), faults, timeouts, NCCL's first
-# ``batch_isend_irecv`` on a group (it is about when a communicator is
-# created), and reporting a send and a receive that meet with different tags
-# (the layer drops the tags before the backend sees them).
+# store: async hazards (strict mode), faults, timeouts.
 @contextmanager
 def emulated(emulate: str | None) -> Iterator[Profile]:
     """The layer installed for the run, with gloo's profile or ``emulate``'s; yields the profile."""
@@ -83,9 +85,11 @@ def emulated(emulate: str | None) -> Iterator[Profile]:
     saved = {name: getattr(dist, name) for name in _GROUP_FACTORIES}
     for name, factory in saved.items():
         setattr(dist, name, _local_backend(factory))
+    notes = _p2p_notes.enable(True)
     try:
         yield layer.profile
     finally:
+        _p2p_notes.enable(notes)
         for name, factory in saved.items():
             setattr(dist, name, factory)
         uninstall()

@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from hp_testing import _routes
+from hp_testing import _p2p_notes, _routes
 from hp_testing._funcol import install_functional, uninstall_functional
 from hp_testing._funcol_ops import install_functional_ops, uninstall_functional_ops
 from hp_testing._layer import Layer
@@ -82,6 +82,7 @@ def original(name: str) -> Any:
 def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(orig)
     route = _ROUTES[name]
+    p2p = name in P2P
 
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -90,8 +91,12 @@ def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        if p2p:  # [Note: p2p notes for the local backend] in hp_testing._p2p_notes
+            with _Nested(), _p2p_notes.issuing(name, arguments):
+                return route(layer, name, orig, arguments)
         with _Nested():  # [Note: one call through the layer]
-            return route(layer, name, orig, dict(bound.arguments))
+            return route(layer, name, orig, arguments)
 
     wrapper.__hp_original__ = orig  # type: ignore[attr-defined]
     return wrapper
@@ -104,8 +109,9 @@ def _wrap_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
         if layer is None or _depth():
             return orig([_routes.torch_op(op) for op in p2p_op_list])
         c10d._check_p2p_op_list(p2p_op_list)
-        with _Nested():
-            return _routes.run_batch(layer, orig, list(p2p_op_list), _ORIGINALS["isend"])
+        ops = list(p2p_op_list)
+        with _Nested(), _p2p_notes.issuing("batch_isend_irecv", ops, _ORIGINALS["isend"]):
+            return _routes.run_batch(layer, orig, ops, _ORIGINALS["isend"])
 
     return batch_isend_irecv
 
