@@ -15,8 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import hp_core
 import hp_core.collectives as hc
 import torch
+import torch.distributed as dist
+from hp_core import P2POp
 from hp_core.distributed import mesh_group
 
 from hp_dtensor.layout import Layout, chunk_sizes
@@ -196,13 +199,47 @@ def plan_halos(layout: Layout, spatial: Sequence[int], windows: Sequence[Window]
     return plans
 
 
-def _gather_buffers(buffer: torch.Tensor, dim: int, layout: Layout, mesh_dim: int) -> list[torch.Tensor]:
-    """Every rank's ``buffer`` along mesh dim ``mesh_dim`` (one all-gather of border rows only)."""
+def _swap_borders(
+    for_left: torch.Tensor, for_right: torch.Tensor, dim: int, layout: Layout, mesh_dim: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Send ``for_left`` / ``for_right`` to the neighbours; what they sent this way ([Note: halo exchange]).
+
+    Every rank's buffers have one shape per direction (padded to the widest
+    border). Returns the left neighbour's ``for_right`` and the right
+    neighbour's ``for_left`` (``None`` at the line's ends).
+    """
     ranks = layout.mesh.shape[mesh_dim]
-    moved = buffer.movedim(dim, 0).contiguous()
-    out = moved.new_empty((ranks * moved.shape[0], *moved.shape[1:]))
-    hc.all_gather_into_tensor(out, moved, mesh_group(layout.mesh, mesh_dim))
-    return [piece.movedim(0, dim) for piece in out.chunk(ranks)]
+    r = layout.my_coordinate()[mesh_dim]
+    group = mesh_group(layout.mesh, mesh_dim)
+    if ranks == 2:
+        moved = torch.cat([for_left, for_right], dim).movedim(dim, 0).contiguous()
+        out = moved.new_empty((ranks * moved.shape[0], *moved.shape[1:]))
+        hc.all_gather_into_tensor(out, moved, group)
+        pieces = [piece.movedim(0, dim) for piece in out.chunk(ranks)]
+        n = for_left.shape[dim]
+        return (
+            pieces[0].narrow(dim, n, for_right.shape[dim]) if r == 1 else None,
+            pieces[1].narrow(dim, 0, n) if r == 0 else None,
+        )
+    # [Note: neighbour exchange]; a direction of zero rows (the same on every rank) is not posted
+    peers = dist.get_process_group_ranks(group)
+    ops: list[P2POp] = []
+    from_left = from_right = None
+    if r > 0:
+        if for_left.numel():
+            ops.append(P2POp("isend", for_left.contiguous(), peers[r - 1], group))
+        if for_right.numel():
+            from_left = for_right.new_empty(for_right.shape)
+            ops.append(P2POp("irecv", from_left, peers[r - 1], group))
+    if r + 1 < ranks:
+        if for_right.numel():
+            ops.append(P2POp("isend", for_right.contiguous(), peers[r + 1], group))
+        if for_left.numel():
+            from_right = for_left.new_empty(for_left.shape)
+            ops.append(P2POp("irecv", from_right, peers[r + 1], group))
+    if ops:
+        hp_core.batch_isend_irecv(ops).wait()
+    return from_left, from_right
 
 
 def _pad_rows(rows: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -215,16 +252,33 @@ def _pad_rows(rows: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 # [Note: halo exchange]
-# Both directions are one ``all_gather_into_tensor`` over the mesh dim of
-# border rows only: each rank packs the rows its left neighbour reads and the
-# rows its right neighbour reads (each padded to the widest such border, so
-# the buffers have one shape) and picks its halos out of its neighbours'
-# buffers. A 3x3 convolution with padding 1 on two ranks gathers 4 rows: the
-# payload is the borders, never the tensor. The backward packs the halo's
-# gradient the other way and each owner adds what it receives to its border
-# rows. Several cut dims (H on one mesh dim, W on another) are extended one
-# after the other, so corner rows travel through the first exchange, and
-# folded back in the reverse order.
+# Each rank packs the rows its left neighbour reads and the rows its right
+# neighbour reads, each padded to the widest such border so every rank's
+# buffers have one shape per direction, and picks its halos out of what its
+# neighbours packed. On a line of two ranks both directions are one
+# ``all_gather_into_tensor`` of the two buffers: a 3x3 convolution with
+# padding 1 gathers 4 rows, the borders, never the tensor. On longer lines
+# the ranks swap buffers with their two neighbours only ([Note: neighbour
+# exchange]). The backward packs the halo's gradient the other way and each
+# owner adds what it receives to its border rows. Several cut dims (H on one
+# mesh dim, W on another) are extended one after the other, so corner rows
+# travel through the first exchange, and folded back in the reverse order.
+#
+# [Note: neighbour exchange]
+# An all-gather gives every rank all ``W`` buffers, ``W - 1`` of them from
+# ranks whose rows it never reads, so the bytes each rank receives grow with
+# the line. With ``W > 2`` each rank instead posts, in one
+# ``batch_isend_irecv``, a send of each buffer to the neighbour that reads it
+# and a receive from each neighbour: two borders in, two out, whatever ``W``.
+# All sends and receives of a rank are posted together before any wait, so the
+# ring of exchanges cannot deadlock on a backend whose sends block until
+# matched (NCCL runs the batch as one group). Each direction has one width on
+# every rank of the line, so a receive is posted exactly where the neighbour
+# posts its send. With two ranks the all-gather stays: it is already just one
+# buffer each way between the same two ranks (no more messages, a few padding
+# rows at most), and it runs on the group's collective channels, while NCCL
+# and HCCL set up separate point-to-point connections and buffers on a
+# communicator's first send between a pair of ranks.
 def extend(local: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
     """This rank's piece extended to the rows ``plan`` says it reads ([Note: halo exchange])."""
     r = layout.my_coordinate()[plan.mesh_dim]
@@ -236,18 +290,17 @@ def extend(local: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
     if to_left or to_right:
         for_left = plan.right_need(r - 1) if r > 0 else 0
         for_right = plan.left_need(r + 1) if r + 1 < len(plan.ends) else 0
-        buffer = torch.cat(
-            [
-                _pad_rows(local.narrow(dim, 0, for_left), dim, to_left),
-                _pad_rows(local.narrow(dim, local.shape[dim] - for_right, for_right), dim, to_right),
-            ],
+        from_left, from_right = _swap_borders(
+            _pad_rows(local.narrow(dim, 0, for_left), dim, to_left),
+            _pad_rows(local.narrow(dim, local.shape[dim] - for_right, for_right), dim, to_right),
             dim,
+            layout,
+            plan.mesh_dim,
         )
-        pieces = _gather_buffers(buffer, dim, layout, plan.mesh_dim)
         if plan.left_need(r):
-            parts.insert(0, pieces[r - 1].narrow(dim, to_left, plan.left_need(r)))
+            parts.insert(0, from_left.narrow(dim, 0, plan.left_need(r)))
         if plan.right_need(r):
-            parts.append(pieces[r + 1].narrow(dim, 0, plan.right_need(r)))
+            parts.append(from_right.narrow(dim, 0, plan.right_need(r)))
     return torch.cat(parts, dim) if len(parts) > 1 else middle
 
 
@@ -266,14 +319,19 @@ def fold_back(grad: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor
     if to_left or to_right:
         mine_left = grad.narrow(dim, 0, left_n)  # rows of the left neighbour
         mine_right = grad.narrow(dim, grad.shape[dim] - right_n, right_n)
-        buffer = torch.cat([_pad_rows(mine_left, dim, to_left), _pad_rows(mine_right, dim, to_right)], dim)
-        pieces = _gather_buffers(buffer, dim, layout, plan.mesh_dim)
+        from_left, from_right = _swap_borders(
+            _pad_rows(mine_left, dim, to_left),
+            _pad_rows(mine_right, dim, to_right),
+            dim,
+            layout,
+            plan.mesh_dim,
+        )
         if r > 0 and plan.right_need(r - 1):
             n = plan.right_need(r - 1)
-            out.narrow(dim, 0, n).add_(pieces[r - 1].narrow(dim, to_left, n))
+            out.narrow(dim, 0, n).add_(from_left.narrow(dim, 0, n))
         if r + 1 < len(plan.ends) and plan.left_need(r + 1):
             n = plan.left_need(r + 1)
-            out.narrow(dim, out.shape[dim] - n, n).add_(pieces[r + 1].narrow(dim, 0, n))
+            out.narrow(dim, out.shape[dim] - n, n).add_(from_right.narrow(dim, 0, n))
     return out
 
 
