@@ -144,14 +144,14 @@ def test_vocab_parallel_cross_entropy(rank, device_mesh_factory) -> None:  # typ
     target_nd = target.clamp(min=0)
     weight = torch.rand(10, dtype=torch.float64) + 0.5
     psum = [Partial("sum")]
-    # mean: one max and one sum all-reduce (the log-softmax), nothing gathered
+    # mean: one all-gather of each row's max and sum of exponentials (the log-softmax), no logits moved
     check(
         lambda x, t: F.cross_entropy(x, t),
         [logits, target],
         [S1, R],
         line,
         expect=psum,
-        forward_collectives={"all_reduce": 2},
+        forward_collectives={"all_gather_into_tensor": 1},
     )
     check(lambda x, t: F.cross_entropy(x, t, reduction="sum"), [logits, target], [S1, R], line, expect=psum)
     check(lambda x, t: F.cross_entropy(x, t, reduction="none"), [logits, target], [S1, R], line, expect=psum)
@@ -162,7 +162,7 @@ def test_vocab_parallel_cross_entropy(rank, device_mesh_factory) -> None:  # typ
         [S1, R, S0],
         line,
         expect=psum,
-        forward_collectives={"all_reduce": 3},
+        forward_collectives={"all_gather_into_tensor": 1, "all_reduce": 1},
         constant=[2],
     )
     check(lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1), [logits, target], [S1, R], line)
@@ -265,14 +265,14 @@ def test_softmax_over_a_sharded_dim(rank, device_mesh_factory) -> None:  # type:
     line = device_mesh_factory((4,))
     torch.manual_seed(4)
     x = torch.randn(3, 6, dtype=torch.float64)  # 6 columns over 4 ranks: 2, 2, 2, 0
-    two = {"all_reduce": 2}
-    check(lambda a: torch.softmax(a, -1), [x], [S1], line, expect=S1, forward_collectives=two)
-    check(lambda a: torch.log_softmax(a, 1), [x], [S1], line, expect=S1, forward_collectives=two)
+    one = {"all_gather_into_tensor": 1}  # each row's max and sum of exponentials, per rank
+    check(lambda a: torch.softmax(a, -1), [x], [S1], line, expect=S1, forward_collectives=one)
+    check(lambda a: torch.log_softmax(a, 1), [x], [S1], line, expect=S1, forward_collectives=one)
     check(lambda a: torch.softmax(a, 0), [x], [S1], line, expect=S1, forward_collectives=NO_COMM)
     x32 = x.float()
     check(lambda a: torch.log_softmax(a, -1, dtype=torch.float64), [x32], [S1], line, expect=S1)
     masked = x.masked_fill(torch.tensor([True, False, False]).view(3, 1), float("-inf"))  # a row all -inf
-    check(lambda a: torch._safe_softmax(a, -1), [masked], [S1], line, expect=S1, forward_collectives=two)
+    check(lambda a: torch._safe_softmax(a, -1), [masked], [S1], line, expect=S1, forward_collectives=one)
 
 
 @pytest.mark.distributed(world_size=4)

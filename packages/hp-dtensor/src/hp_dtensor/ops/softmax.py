@@ -30,24 +30,44 @@ def softmax_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ..
 
 def _groups(call: LocalCall, index: int, dim: int) -> list[Any]:
     """The process groups of the mesh dims that shard ``dim`` of argument ``index``."""
+    return [group for group, _ in _lines(call, index, dim)]
+
+
+def _lines(call: LocalCall, index: int, dim: int) -> list[tuple[Any, int]]:
+    """(process group, size) of each mesh dim that shards ``dim`` of argument ``index``."""
     layout = call.layout(index)
     return [
-        mesh_group(layout.mesh, m)
+        (mesh_group(layout.mesh, m), layout.mesh.shape[m])
         for m, p in enumerate(layout.placements)
         if isinstance(p, Shard) and p.dim == dim
     ]
 
 
-def _row_max(x: torch.Tensor, dim: int, groups: list[Any]) -> torch.Tensor:
+def _shift(best: torch.Tensor) -> torch.Tensor:
+    """The row maximum as a shift: rows with no finite maximum (all ``-inf``, or empty) shift by 0."""
+    return best.masked_fill(best == float("-inf"), 0.0)
+
+
+def _row_stats(x: torch.Tensor, dim: int, lines: list[tuple[Any, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row maximum ``m`` and ``sum exp(x - m)`` over every piece: one all_gather per line.
+
+    See [Note: sharded softmax].
+    """
     if x.shape[dim] == 0:
         shape = list(x.shape)
         shape[dim] = 1
-        best = x.new_full(shape, float("-inf"))
+        best, total = x.new_full(shape, float("-inf")), x.new_zeros(shape)
     else:
-        best = x.amax(dim, keepdim=True).contiguous()
-    for group in groups:
-        hc.all_reduce(best, "max", group)
-    return best
+        best = x.amax(dim, keepdim=True)
+        total = (x - _shift(best)).exp().sum(dim, keepdim=True)
+    for group, size in lines:
+        mine = torch.stack([best, total]).contiguous()
+        gathered = mine.new_empty((size, *mine.shape))
+        hc.all_gather_into_tensor(gathered, mine, group)
+        maxes, totals = gathered.unbind(1)
+        best = maxes.amax(0)
+        total = (totals * (maxes - _shift(best)).exp()).sum(0)
+    return best, total
 
 
 def _row_sum(x: torch.Tensor, dim: int, groups: list[Any]) -> torch.Tensor:
@@ -60,20 +80,25 @@ def _row_sum(x: torch.Tensor, dim: int, groups: list[Any]) -> torch.Tensor:
 # [Note: sharded softmax]
 # ``softmax(x)_i = exp(x_i - m) / sum_j exp(x_j - m)`` for any ``m``; taking
 # ``m`` as the row maximum keeps ``exp`` in range. With the row spread over
-# ranks, each rank takes the maximum of its piece and one ``all_reduce(max)``
-# gives the row maximum; each rank sums ``exp(x - m)`` over its piece and one
-# ``all_reduce(sum)`` gives the denominator. The output keeps the input's
-# shards. The backward needs one more row sum each (``sum_j g_j`` for
-# log-softmax, ``sum_j g_j y_j`` for softmax), again one ``all_reduce(sum)``.
-# Communication is a row vector per all-reduce, against a whole shard per
-# rank for gathering the dim: two collectives where torch's DTensor issues one
-# all-gather, chosen because bytes, not the number of calls, bound the cost
-# (for (rows, V) logits over n ranks: 2 rows of values against
-# ``rows * V * (n - 1) / n``). ``max(x, dim)`` / ``min`` with ``dim`` sharded
-# make the same trade (two all-reduces of the output's size, see
-# :mod:`hp_dtensor.ops.reductions`). A rank whose piece of the row is empty (uneven
-# shards) contributes ``-inf`` to the maximum and 0 to the sums. Half-precision
-# inputs are computed in float32, as PyTorch's kernels accumulate.
+# ranks, each rank takes the maximum ``m_r`` of its piece and the sum ``s_r``
+# of ``exp(x - m_r)`` over it, and one ``all_gather`` of those two numbers per
+# row gives every rank all of them: the row maximum is ``m = max_r m_r`` and
+# the denominator ``sum_r s_r exp(m_r - m)`` (each factor at most 1, so
+# nothing overflows). That is one collective where a max then a sum
+# all-reduce took two: ``F.cross_entropy`` on class-cut logits communicates
+# once in the forward (its ``nll_loss`` and label-smoothing terms are local,
+# see [Note: vocab-parallel nll] in :mod:`hp_dtensor.ops.loss`). The output
+# keeps the input's shards. The backward needs one more row sum each (``sum_j
+# g_j`` for log-softmax, ``sum_j g_j y_j`` for softmax): one
+# ``all_reduce(sum)``. Communication is 2 numbers per row and rank, against a
+# whole shard per rank for gathering the dim as torch's DTensor does (for
+# (rows, V) logits over n ranks: ``2 rows n`` values against ``rows V (n - 1)
+# / n``). A softmax dim cut over two mesh dims combines over one, then the
+# other. ``max(x, dim)`` / ``min`` with ``dim`` sharded take two all-reduces
+# of the output's size (see :mod:`hp_dtensor.ops.reductions`). A rank whose
+# piece of the row is empty (uneven shards) offers ``-inf`` and 0, which
+# weigh nothing. Half-precision inputs are computed in float32, as PyTorch's
+# kernels accumulate.
 def _forward_kernel(kind: str) -> Callable[[LocalCall], torch.Tensor]:
     def run(call: LocalCall) -> torch.Tensor:
         x = call.args[0]
@@ -84,15 +109,12 @@ def _forward_kernel(kind: str) -> Callable[[LocalCall], torch.Tensor]:
         else:
             out_dtype = torch.float32 if call.args[2] else x.dtype
         work = x.float() if x.dtype in _LOW_PRECISION else x.to(torch.promote_types(x.dtype, out_dtype))
-        groups = _groups(call, 0, dim)
-        best = _row_max(work, dim, groups)
+        best, total = _row_stats(work, dim, _lines(call, 0, dim))
         shifted = work - best
-        exps = shifted.exp()
-        total = _row_sum(exps, dim, groups)
         if kind == "log":
             out = shifted - total.log()
         else:
-            out = exps / total
+            out = shifted.exp() / total
             if kind == "safe":  # rows that are -inf everywhere give 0, not nan
                 out = out.masked_fill(best == float("-inf"), 0.0)
         return out.to(out_dtype)
