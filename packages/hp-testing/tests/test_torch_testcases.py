@@ -92,6 +92,15 @@ class Spawned(MultiProcessTestCase):
         self._init()
         self.assertEqual(self.rank, 0, msg=f"rank {self.rank} disagrees")
 
+    def test_subtest_fails_on_rank_1(self):
+        self._init()
+        for scale in (1.0, 2.0, 3.0):
+            with self.subTest("scaled", scale=scale):
+                t = torch.full((2,), scale)
+                dist.all_reduce(t)
+                got = t[0].item() - (self.rank == 1 and scale == 2.0)  # wrong on one rank, one subtest
+                self.assertEqual(got, 2.0 * scale, msg=f"rank {self.rank} summed {got}")
+
     @skip_if_lt_x_gpu(2)
     def test_needs_two_gpus(self):
         raise AssertionError("runs only with 2 GPUs")
@@ -127,6 +136,11 @@ class Continuous(MultiProcContinuousTest):
         dist.all_reduce(t)
         self.assertEqual(t.item(), 3.0)
         self.assertIs(self.pg, dist.distributed_c10d._get_default_group())
+
+    def test_subtest_fails_on_rank_0(self):
+        for k in (1, 2):
+            with self.subTest(k=k):
+                self.assertNotEqual((self.rank, k), (0, 2))
 
 
 class NcclContinuous(MultiProcContinuousTest):
@@ -241,7 +255,7 @@ def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, 
     pytester.makeconftest(HAZARD_CONFTEST)
     outer_pools = bool(pool._LIVE_POOLS)  # this outer session's own pools, in a full suite run
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
-    result.assert_outcomes(passed=7, failed=3, skipped=2)
+    result.assert_outcomes(passed=7, failed=5, skipped=2)
     out = result.stdout.str()
 
     # Pooled: every test ran on the same two rank processes, forked with torch's harness imported.
@@ -279,6 +293,14 @@ def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, 
     )
     failing = out.split("Spawned.test_fails_on_rank_1 _")[1].split("\n____")[0]
     assert "rank 1 failed" in failing and "rank 0 failed" not in failing
+    # A failing subTest is named in the rank's report, and the rank stops there, as under torch.
+    failing = out.split("Spawned.test_subtest_fails_on_rank_1 _")[1].split("\n____")[0]
+    rank1 = failing.split("-- rank 1 failed --")[-1]
+    assert "rank 1 summed 3.0" in rank1, failing
+    assert "(in subTest [scaled] (scale=2.0) of test_subtest_fails_on_rank_1)" in rank1, failing
+    assert "rank 1 failed while rank 0 waited for it in all_reduce" in failing  # scale=3.0's
+    failing = out.split("Continuous.test_subtest_fails_on_rank_0 _")[1].split("\n____")[0]
+    assert "rank 0 failed" in failing and "(in subTest (k=2) of test_subtest_fails_on_rank_0)" in failing
     # @skip_if_lt_x_gpu exits with torch's skip code in the rank: a skip, with torch's reason.
     result.stdout.fnmatch_lines(["SKIPPED*Need at least 2 CUDA devices (exit code 77)*"])
 

@@ -156,6 +156,35 @@ def _skips_as_torch_sees_them() -> Iterator[None]:
         raise RankSkip(message) from None
 
 
+# [Note: subtests in a pooled rank]
+# A rank calls the test method directly, outside unittest's run, so
+# ``self.subTest(...)`` has no outcome to report to and a failure inside it
+# surfaces as the bare assertion, with nothing saying which subtest failed.
+# Each rank's instance gets an outcome whose result re-raises a subtest's
+# failure at once, with a note naming the subtest (``subTest(scale=2.0)``), so
+# the rank stops there as it does under torch's harness (the other ranks would
+# otherwise wait in the subtest's collectives) and pytest's report names it; a
+# skip inside a subtest skips the test, as it does in torch's spawned ranks.
+class _SubTestReport:
+    """The result a rank's instance reports its subtests to ([Note: subtests in a pooled rank])."""
+
+    def addSubTest(self, test: Any, subtest: Any, err: Any) -> None:  # unittest's name
+        if err is None:
+            return
+        exc = err[1]
+        exc.add_note(f"(in subTest {subtest._subDescription()} of {test._testMethodName})")
+        raise exc
+
+    def addSkip(self, test: Any, reason: str) -> None:  # unittest's name
+        raise unittest.SkipTest(reason)
+
+
+def _reporting_subtests(instance: Any) -> Any:
+    """``instance`` with an outcome that names a failing subtest ([Note: subtests in a pooled rank])."""
+    instance._outcome = unittest.case._Outcome(_SubTestReport())
+    return instance
+
+
 def _class(module: Any, qualname: str) -> Any:
     """The class by its qualified name; generated classes (``instantiate_device_type_tests``) by name."""
     obj: Any = module
@@ -175,7 +204,7 @@ def _class(module: Any, qualname: str) -> Any:
 # (``@skip_if_lt_x_gpu``) skips the test as seen from rank 0. ``setUp`` and
 # ``tearDown`` never run in a rank. ``MultiProcContinuousTest``: each rank sets the
 # class's ``rank`` / ``world_size``, calls ``cls._init_pg`` once, then
-# ``cls._run_test_given_id`` per test, again without ``setUp``.
+# ``cls._run_test_given_id`` per test (its steps, here), again without ``setUp``.
 def rank_body(task: Any, module: Any, rank: int, world_size: int, profile: str) -> Callable[[], None]:
     """What this rank runs for ``task`` ([Note: how torch drives a rank]); raises :class:`RankSkip`."""
     from torch.testing._internal import common_utils
@@ -189,7 +218,7 @@ def rank_body(task: Any, module: Any, rank: int, world_size: int, profile: str) 
         os.environ.update(extra.get("env", {}))
         os.environ["TORCH_SHOW_CPP_STACKTRACES"] = "1"
         with _adopting(rank, world_size, profile), _skips_as_torch_sees_them():
-            instance = cls(name)
+            instance = _reporting_subtests(cls(name))
             instance.rank = rank
             instance.file_name = extra["file_name"]
             common_utils.set_rng_seed()
@@ -201,6 +230,11 @@ def rank_body(task: Any, module: Any, rank: int, world_size: int, profile: str) 
             cls.rank = rank
             cls.world_size = world_size
             cls._init_pg(rank, world_size, extra["file_name"])
-            cls._run_test_given_id(f"{task.module_name}.{task.class_name}.{name}")
+            # torch's _run_test_given_id, with the instance reporting its subtests
+            instance = _reporting_subtests(cls(name))
+            instance.rank, instance.world_size = cls.rank, cls.world_size
+            method = getattr(instance, name)
+            common_utils.set_rng_seed()
+            method()
 
     return spawn_family if task.kind == SPAWN else continuous_family
