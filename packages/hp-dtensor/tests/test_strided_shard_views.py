@@ -355,3 +355,28 @@ def test_slices_of_whole_blocks_move_nothing(rank, device_mesh_factory) -> None:
             torch.testing.assert_close(t.grad.full_tensor(), g[5 * i : 5 * i + 5], rtol=0, atol=0)
         # a slice that cuts a block is gathered, and right
         check(lambda x, y, z: cat(x, y, z)[3:12], [a, b, c], [[Shard(0)]] * 3, mesh, expect=[R])
+
+
+@pytest.mark.distributed(world_size=2)
+def test_reductions_of_uneven_strided_pieces(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """(5, 5, 5) S(1) -> (25, 5): pieces of 15 and 10 rows, where torch.chunk would cut 13 and 12."""
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    x = torch.randn(5, 5, 5, dtype=torch.float64)
+    merged = lambda t: t.view(25, 5)  # noqa: E731
+    with through_decide(), fallback_policy("error"):
+        for name, fn, expect, comm in (
+            ("sum over the other dim", lambda t: merged(t).sum(-1), StridedShard(0, 5), NO_COMM),
+            ("mean over the other dim", lambda t: merged(t).mean(1, True), StridedShard(0, 5), NO_COMM),
+            ("sum over the strided dim", lambda t: merged(t).sum(0), Partial("sum"), NO_COMM),
+            ("mean over the strided dim", lambda t: merged(t).mean(0), Partial("sum"), NO_COMM),
+        ):
+            check(fn, [x], [[Shard(1)]], mesh, expect=[expect], forward_collectives=comm, tag=name)
+        # StridedShard(0, 4) of 4 rows over 2 ranks: pieces of 4 and 0 rows (torch.chunk: 2 and 2)
+        y = torch.randn(4, 3, dtype=torch.float64)
+        for name, fn, expect, comm in (
+            ("mean of pieces of 4 and 0 rows", lambda t: t.mean(0), R, {"all_gather_into_tensor": 1}),
+            ("amax of an empty piece", lambda t: t.amax(0), R, {"all_gather_into_tensor": 1}),
+            ("sum of pieces of 4 and 0 rows", lambda t: t.sum(0), Partial("sum"), NO_COMM),
+        ):
+            check(fn, [y], [[StridedShard(0, 4)]], mesh, expect=[expect], forward_collectives=comm, tag=name)

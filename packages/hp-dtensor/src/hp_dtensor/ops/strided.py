@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout, chunk_sizes, strided_sizes
-from hp_dtensor.placements import Placement, Replicate, Shard, StridedShard
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 
 if TYPE_CHECKING:
     from hp_dtensor.ops.dispatch import Decision, OpCall
@@ -70,13 +70,14 @@ def _producing() -> Iterator[None]:
 #
 # * a rule marked :func:`reads_strided` gets the call as it is;
 # * an elementwise op (``pointwise_rule``) over operands of one shape, or a
-#   sum / mean / amax / amin / any / all whose strided pieces have the sizes
-#   of a ``Shard`` of the same dim, sees ``Shard(d)`` for ``StridedShard(d,
-#   k)``, and every ``Shard`` it then names on that mesh dim is read back as
-#   ``StridedShard(_, k)``: such ops treat every element (or every row of the
-#   cut dim) alike, so any one assignment of rows to ranks, the same for
-#   every operand and the result, is as good as another. (The sizes matter
-#   to the reductions only: a mean keeps ``Partial("avg")`` on equal pieces.)
+#   sum / mean / amax / amin / any / all, sees ``Shard(d)`` for
+#   ``StridedShard(d, k)``, and every ``Shard`` it then names on that mesh
+#   dim is read back as ``StridedShard(_, k)``: such ops treat every element
+#   (or every row of the cut dim) alike, so any one assignment of rows to
+#   ranks, the same for every operand and the result, is as good as another.
+#   A mean, max or min over the strided dim itself also reads the pieces'
+#   sizes (a mean keeps ``Partial("avg")`` on equal pieces only), so it takes
+#   this road only when the strided pieces have ``torch.chunk``'s sizes.
 # * any other rule sees ``Replicate()`` on that mesh dim, and the input is
 #   redistributed to the placements the rule asked for a replicated input
 #   (kept replicated when it named none): an all-gather plus a reorder, which
@@ -93,8 +94,10 @@ def decide(rule: Rule, call: OpCall) -> Decision | None:
     strided = [p for p in call.positions if _strided_dims(call.layout(p))]
     if not strided:
         return rule(call)
-    if _reads_as_shard(rule, call, strided):
-        return _as_shard(rule, call, strided)
+    if _reads_as_shard(rule, call):
+        decision = _as_shard(rule, call, strided)
+        if decision is None or _sizes_hold(rule, call, decision):
+            return decision
     return _as_replicated(rule, call, strided)
 
 
@@ -110,7 +113,7 @@ def _shard_like_rules() -> tuple[set[Any], set[Any]]:
     return {pointwise_rule}, {sum_rule, mean_rule, amax_rule, amin_rule, any_all_rule}
 
 
-def _reads_as_shard(rule: Rule, call: OpCall, strided: list[int]) -> bool:
+def _reads_as_shard(rule: Rule, call: OpCall) -> bool:
     elementwise, reductions = _shard_like_rules()
     if rule not in elementwise and rule not in reductions:
         return False
@@ -127,10 +130,28 @@ def _reads_as_shard(rule: Rule, call: OpCall, strided: list[int]) -> bool:
         for layout in layouts:
             if any(p.is_shard(cut.dim) for i, p in enumerate(layout.placements) if i != m):
                 return False  # nested cuts of one dim: the shard view would change the rows
-            if rule in reductions and isinstance(layout.placements[m], StridedShard):
-                size, n = layout.shape[cut.dim], layout.mesh.size(m)
-                if strided_sizes(size, cut.split_factor, n) != chunk_sizes(size, n):
-                    return False
+    return True
+
+
+def _sizes_hold(rule: Rule, call: OpCall, decision: Decision) -> bool:
+    """Whether a reduction that made a strided dim partial saw the pieces' true sizes.
+
+    The reduction rules read the sizes of a reduced cut (a mean stays
+    ``Partial("avg")`` only on equal pieces, a max needs no empty one); under
+    the ``Shard`` view they read ``torch.chunk``'s, so those must be the
+    strided pieces' sizes. A dim that is not reduced keeps its cut and its
+    sizes do not matter.
+    """
+    if rule not in _shard_like_rules()[1]:
+        return True
+    layout = call.layout(call.positions[0])
+    out = decision.outputs[0] or ()
+    for m, cut in _strided_dims(layout).items():
+        if m < len(out) and (isinstance(out[m], StridedShard) or out[m] == Partial("sum")):
+            continue  # a kept cut, or a sum of the pieces, whatever their sizes
+        size, n = layout.shape[cut.dim], layout.mesh.size(m)
+        if strided_sizes(size, cut.split_factor, n) != chunk_sizes(size, n):
+            return False
     return True
 
 
