@@ -13,6 +13,7 @@ import torch
 
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
+from hp_dtensor.ops.pad_halo import pad_kernel, plan_pads
 from hp_dtensor.ops.pointwise import pointwise_rule
 from hp_dtensor.ops.views import covers, map_dims
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
@@ -86,12 +87,27 @@ def rot90_rule(call: OpCall) -> Decision:
 
 @register(aten.constant_pad_nd.default)
 def constant_pad_rule(call: OpCall) -> Decision:
-    """``constant_pad_nd(pad)``: pads pair up from the last dim back; a padded (cropped) dim is gathered."""
-    ndim = call.layout(call.positions[0]).ndim
+    """``constant_pad_nd(pad)``: pads pair up from the last dim back; a padded (cropped) dim that is cut
+    takes its neighbours' few border rows and stays cut (:mod:`hp_dtensor.ops.pad_halo`), or is gathered
+    where the pad reaches past a neighbour's piece."""
+    position = call.positions[0]
+    layout = call.layout(position)
     pad = _arg(call, 1, "pad", ())
     assert isinstance(pad, (list, tuple))
-    named = {ndim - 1 - i // 2 for i, amount in enumerate(pad) if int(amount)}
-    return _keep_all_but(call, named)
+    named = {layout.ndim - 1 - i // 2 for i, amount in enumerate(pad) if int(amount)}
+    decision = _keep_all_but(call, named)
+    plans = plan_pads(layout, pad) if 0 < len(pad) <= 2 * layout.ndim and len(pad) % 2 == 0 else {}
+    if not plans:
+        return decision
+    kept = list(decision.inputs[position])
+    for m, (plan, _) in plans.items():
+        kept[m] = Shard(plan.dim)
+    placements = tuple(kept)
+    return Decision(
+        inputs={position: placements},
+        outputs=[placements],
+        kernel=pad_kernel([plans[m] for m in sorted(plans)]),
+    )
 
 
 @register(aten.select_scatter.default, aten.slice_scatter.default)
