@@ -68,6 +68,34 @@ def test_collective_arguments_must_agree_in_both_modes(rank: int, mode: str) -> 
     torch.testing.assert_close(source.reshape(-1), torch.arange(4.0), rtol=0, atol=0)
 
 
+@_both(2, "nccl-emu")
+def test_rooted_collectives_and_all_to_all_lists_in_both_modes(rank: int, mode: str) -> None:
+    with pytest.raises(CollectiveMismatchError):
+        dist.reduce(torch.ones(2), dst=rank)  # the ranks name different roots
+    with pytest.raises(CollectiveMismatchError):
+        dist.gather(torch.ones(1 + rank), [torch.empty(1)] * 2 if rank == 0 else None, dst=0)
+    with pytest.raises(CollectiveMismatchError):
+        dist.scatter(torch.empty(1), [torch.ones(1)] * 2, src=rank)  # each rank its own root
+    # and each gives what one process computes
+    t = torch.full((3,), float(rank + 1))
+    dist.reduce(t, dst=1)
+    if rank == 1:
+        torch.testing.assert_close(t, torch.full((3,), 3.0), rtol=0, atol=0)
+    gathered = [torch.empty(2) for _ in range(2)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank)), gathered, dst=0)
+    if gathered is not None:
+        expected = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+        torch.testing.assert_close(torch.stack(gathered), expected, rtol=0, atol=0)
+    piece = torch.empty(2)
+    dist.scatter(piece, [torch.full((2,), 5.0 + r) for r in range(2)] if rank == 1 else None, src=1)
+    torch.testing.assert_close(piece, torch.full((2,), 5.0 + rank), rtol=0, atol=0)
+    with pytest.raises(CollectiveMismatchError):  # rank 1 sends 2 elements to itself, expecting 1
+        dist.all_to_all([torch.empty(1), torch.empty(1)], [torch.ones(1), torch.ones(1 + rank)])
+    outs = [torch.empty(1) for _ in range(2)]
+    dist.all_to_all(outs, [torch.full((1,), 10.0 * rank + j) for j in range(2)])
+    torch.testing.assert_close(torch.cat(outs), torch.tensor([rank, 10.0 + rank]), rtol=0, atol=0)
+
+
 @_both(4, "nccl-emu")
 def test_group_membership_in_both_modes(rank: int, mode: str) -> None:
     pair = dist.new_group([0, 1])

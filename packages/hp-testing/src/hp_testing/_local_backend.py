@@ -304,6 +304,68 @@ class LocalGroup(dist.ProcessGroup):
         payload = (output, input, ins, outs)
         return self._meet("all_to_all", (_sig(input[:0]),), shown, payload, compute)
 
+    def alltoall(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> LocalWork:
+        """``all_to_all`` of lists: rank i's ``inputs[j]`` lands in rank j's ``outputs[i]``."""
+
+        def compute(calls: list[_Call]) -> str | None:
+            for c in calls:
+                for src in calls:
+                    sent, expected = src.payload[1][c.group_rank], c.payload[0][src.group_rank]
+                    if sent.numel() != expected.numel():
+                        return (
+                            f"rank {self._ranks[src.group_rank]} sends {sent.numel()} elements to rank "
+                            f"{self._ranks[c.group_rank]}, which expects {expected.numel()} from it; "
+                            "rank i's input_tensor_list[j] must match rank j's output_tensor_list[i]"
+                        )
+            for c in calls:
+                for out, src in zip(c.payload[0], calls, strict=True):
+                    out.copy_(src.payload[1][c.group_rank].reshape(out.shape))
+            return None
+
+        dtype = str(inputs[0].dtype).removeprefix("torch.") if inputs else "none"
+        shown = f"all_to_all({len(inputs)} x {dtype})"
+        return self._meet("all_to_all_list", (dtype,), shown, (outputs, inputs), compute)
+
+    def gather(  # type: ignore[override]
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> LocalWork:
+        (input,), root = inputs, opts.rootRank
+
+        def compute(calls: list[_Call]) -> None:
+            for out, src in zip(calls[root].payload[0], calls, strict=True):
+                out.copy_(src.payload[1].reshape(out.shape))
+
+        chunks = outputs[0] if outputs else []
+        shown = f"gather({_sig(input)}, group_dst={root})"
+        return self._meet("gather", (root, _count(input)), shown, (chunks, input), compute)
+
+    def scatter(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> LocalWork:
+        (output,), root = outputs, opts.rootRank
+
+        def compute(calls: list[_Call]) -> None:
+            for c, piece in zip(calls, calls[root].payload[1], strict=True):
+                c.payload[0].copy_(piece.reshape(c.payload[0].shape))
+
+        chunks = inputs[0] if inputs else []
+        shown = f"scatter({_sig(output)}, group_src={root})"
+        return self._meet("scatter", (root, _count(output)), shown, (output, chunks), compute)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> LocalWork:  # type: ignore[override]
+        (tensor,), root = tensors, opts.rootRank
+        op = _reduce_name(opts.reduceOp)
+
+        def compute(calls: list[_Call]) -> None:
+            result = _reduce(op, [c.payload[0].reshape(-1) for c in calls])
+            target = calls[root].payload[0]
+            target.copy_(result.view(target.shape))
+
+        shown = f"reduce({_sig(tensor)}, {op}, group_dst={root})"
+        return self._meet("reduce", (op, root, _count(tensor)), shown, (tensor,), compute)
+
     def barrier(self, opts: Any = None) -> LocalWork:
         return self._meet("barrier", (), "barrier()", (), lambda calls: None)
 
