@@ -264,16 +264,20 @@ def cheapest(
 ) -> Any:
     """The option (inputs' targets first, then outputs) with the fewest collectives, then elements moved.
 
-    Ties go to the earlier option. ``current`` and ``sizes`` are the inputs'
-    placements on this mesh dim and their element counts.
+    Among equal costs the option changing the fewest inputs' placements wins
+    (inputs all replicated stay replicated: cutting them is free but hands
+    the next op a cut it may have to gather back), then the earlier option.
+    ``current`` and ``sizes`` are the inputs' placements on this mesh dim and
+    their element counts.
     """
 
-    def cost(option: tuple[Placement, ...]) -> tuple[int, int]:
-        total = (0, 0)
+    def cost(option: tuple[Placement, ...]) -> tuple[int, int, int]:
+        moves, moved, changed = 0, 0, 0
         for source, target, numel in zip(current, option, sizes, strict=False):
             step = move_cost(source, target, numel)
-            total = (total[0] + step[0], total[1] + step[1])
-        return total
+            moves, moved = moves + step[0], moved + step[1]
+            changed += source != target
+        return (moves, moved, changed)
 
     return min(options, key=cost)
 
