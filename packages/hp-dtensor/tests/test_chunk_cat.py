@@ -49,6 +49,9 @@ def test_chunk_cat_keeps_leading_and_aligned_cuts(rank, device_mesh_factory) -> 
     assert out.placements == (S0,)
     # a cut after the chunked dim interleaves inside the chunks: gathered (one all-gather per input)
     check_placed(_cat(0, 2), [randn(4, 6), randn(4, 3)], [[S1], [S1]], mesh, grad=False, forward_comms=2)
+    # a replicated input beside a cut one is cut alike, locally (FSDP2 packs gradients of both kinds)
+    out = check_placed(_cat(1, 2), [randn(3, 6, 2), randn(3, 3)], [[S0], [R]], mesh, grad=False)
+    assert out.placements == (S0,)
     # replicated inputs: nothing to do
     check_placed(_cat(0, 2), [randn(4, 6)], [[R]], mesh, grad=False)
 

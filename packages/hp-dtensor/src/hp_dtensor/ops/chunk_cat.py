@@ -8,7 +8,8 @@ num_chunks, sum_i c_i * inner_i)``, where ``lead`` are the dims before
 ``dim`` (equal for all tensors). Per mesh dim, with every tensor cut alike:
 
 * a cut of a leading dim (before ``dim``) is copied as it is: each rank
-  packs its own rows, and the output keeps the cut;
+  packs its own rows, and the output keeps the cut (a replicated input is
+  cut alike, locally);
 * a cut of dim ``dim`` itself is local when it falls on chunk boundaries
   ([Note: chunk-aligned cuts]): each rank packs its rows into its own
   chunks, and the output is cut on its chunk dim;
@@ -102,15 +103,18 @@ def _kernel(out: Layout, rows: list[int], call: LocalCall) -> torch.Tensor:
     return call.func(padded, dim, chunks)
 
 
-def _plan(layouts: list[Layout], dim: int, chunks: int, gathered: set[int]) -> list[Placement]:
-    """Per mesh dim the common placement kept (inputs and output differ only by the dim's meaning)."""
+def _plan(layouts: list[Layout], dim: int, gathered: set[int]) -> list[Placement]:
+    """Per mesh dim the placement every input takes (a replicated input is cut locally to match)."""
     kept: list[Placement] = []
     for m in range(layouts[0].mesh.ndim):
-        seen = {layout.placements[m] for layout in layouts}
-        p = next(iter(seen)) if len(seen) == 1 else R
-        keeps = (isinstance(p, Shard) and p.dim <= dim) or (
-            isinstance(p, Partial) and p.reduce_op in ("sum", "avg")
-        )
+        seen = [layout.placements[m] for layout in layouts]
+        shards = {p for p in seen if isinstance(p, Shard)}
+        p: Placement = R
+        if len(shards) == 1 and all(q in shards or isinstance(q, Replicate) for q in seen):
+            p = next(iter(shards))
+        elif len(set(seen)) == 1 and isinstance(seen[0], Partial) and seen[0].reduce_op in ("sum", "avg"):
+            p = seen[0]
+        keeps = not isinstance(p, Shard) or p.dim <= dim
         kept.append(p if keeps and m not in gathered else R)
     return kept
 
@@ -129,7 +133,7 @@ def chunk_cat_rule(call: OpCall) -> Decision:
     shape = _output_shape(layouts, dim, chunks)
     gathered: set[int] = set()
     while True:
-        kept = _plan(layouts, dim, chunks, gathered)
+        kept = _plan(layouts, dim, gathered)
         targets = [layout.with_placements(kept) for layout in layouts]
         out = Layout(mesh, kept, shape)
         cuts_dim = [m for m, p in enumerate(kept) if p == Shard(dim)]
