@@ -291,3 +291,55 @@ def test_every_backend_rule_applies_in_local_mode(inner: Any, monkeypatch: pytes
     result, _ = inner(source)
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) >= 40 and set(outcomes) <= {"passed", "warnings"}, outcomes
+
+
+# -- messages never received: the end-of-test check, ready for run_local_outcomes -----------------------
+
+
+def test_unmatched_messages_at_the_end_read_as_in_the_process_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``report_unmatched`` on a finished world (``run_local_outcomes`` does not call it yet)."""
+    import hp_testing.local
+    from hp_testing._local_contract import report_unmatched
+    from hp_testing._local_world import World
+    from hp_testing.local import run_local_outcomes
+
+    worlds: list[World] = []
+
+    class Recorded(World):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            worlds.append(self)
+
+    monkeypatch.setattr(hp_testing.local, "World", Recorded)
+
+    def body(rank: int) -> None:
+        if rank == 0:
+            dist.isend(torch.ones(2), 1)  # never waited, never received
+        got = torch.empty(1)
+        work = dist.irecv(got, 0) if rank == 2 else None  # never sent
+        dist.barrier()
+        del work
+
+    outcomes = run_local_outcomes(body, 3, emulate="nccl")
+    assert all(o.ok for o in outcomes)  # the run itself passes: nothing waited for the lost messages
+    report_unmatched(worlds[-1], outcomes)
+    assert [o.ok for o in outcomes] == [False, False, False]
+    sent = re.compile(
+        r"UnmatchedError: point-to-point messages without their other end at the end of the test:\n"
+        r"  rank 0 sent 1 message\(s\) to rank 1 but rank 1 received 0; first unreceived: "
+        r"#0 isend\(2 torch.float32 to rank 1\) at .*test_local_checks.py:\d+ in body"
+    )
+    assert sent.search(outcomes[1].error), outcomes[1].error
+    assert "rank 2 posted 1 receive(s) from rank 0 but rank 0 sent 0" in outcomes[0].error
+    assert "rank 2 posted 1 receive(s) from rank 0" in outcomes[2].error
+    assert "to rank 1" not in outcomes[2].error  # rank 2 is told only of its own messages
+
+    def matched(rank: int) -> None:
+        if rank == 0:
+            dist.isend(torch.ones(2), 1)  # never waited, but received: fine
+        elif rank == 1:
+            dist.recv(torch.empty(2), 0)
+
+    outcomes = run_local_outcomes(matched, 2, emulate="nccl")
+    report_unmatched(worlds[-1], outcomes)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]

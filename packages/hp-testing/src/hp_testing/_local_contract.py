@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hp_testing._p2p_notes import Note
-from hp_testing._sidechannel import DeadlockError, P2PMismatchError, PeerFailedError
+from hp_testing._sidechannel import DeadlockError, P2PMismatchError, PeerFailedError, UnmatchedError
 
 if TYPE_CHECKING:
-    from hp_testing._local_world import World
+    from hp_testing._local_world import RankOutcome, World
     from hp_testing.profiles import Profile
 
-__all__ = ["Contract", "End", "contract"]
+__all__ = ["Contract", "End", "contract", "report_unmatched"]
 
 
 @dataclass
@@ -31,6 +31,7 @@ class End:
     """One end of a message as the checks see it: who, what, where, and its place among the pair's ops."""
 
     rank: int
+    peer: int
     shown: str  # as the layer shows it: "isend(2 torch.float32 to rank 1)"
     site: str
     tag: int
@@ -82,9 +83,9 @@ class Contract:
                 pair.pos += 1
             pos = pair.batch_pos
         if note is None:
-            return End(rank, shown, "<unknown>", tag, pos, seq, noted=False)
+            return End(rank, peer, shown, "<unknown>", tag, pos, seq, noted=False)
         call = note.call
-        return End(rank, call.shown, call.site, call.tag, pos, seq, noted=True)
+        return End(rank, peer, call.shown, call.site, call.tag, pos, seq, noted=True)
 
     def collective(self, group: str, rank: int, shown: str) -> None:
         """A collective issued by ``rank`` on ``group``: it joins the group's communicator."""
@@ -215,3 +216,50 @@ def contract(world: Any) -> Contract:
         found = _CONTRACTS[id(world)] = Contract(layer.profile if layer is not None else None)
         weakref.finalize(world, _CONTRACTS.pop, id(world), None)
     return found
+
+
+def report_unmatched(world: World, outcomes: list[RankOutcome]) -> None:
+    """After a run whose ranks all passed: fail each rank with a message whose other end never came.
+
+    The multi-process mode's end-of-test check (``UnmatchedError``, the same text): a send
+    never received, or a receive never sent, that no rank waited for (a wait would have been
+    a hang, reported at once). Meant for ``run_local_outcomes`` once the world has run.
+    """
+    if not all(outcome.ok for outcome in outcomes):
+        return  # a failed rank's own report says why; as in the multi-process mode
+    record = _CONTRACTS.get(id(world))
+    if record is None:
+        return
+    lines: dict[tuple[str, int, int], str] = {}
+    for key, (sends, recvs) in sorted(world.channels.items(), key=lambda item: str(item[0])):
+        group = key[0]
+        for message, is_send in [*((m, True) for m in sends), *((m, False) for m in recvs)]:
+            end = message.end
+            if end is None:
+                continue
+            src, dst = (end.rank, end.peer) if is_send else (end.peer, end.rank)
+            sent, received = (
+                record.seqs.get((group, src, dst, True), 0),
+                record.seqs.get((group, src, dst, False), 0),
+            )
+            if (group, src, dst) in lines:
+                continue
+            lines[(group, src, dst)] = (
+                f"  rank {src} sent {sent} message(s) to rank {dst} but rank {dst} received {received}; "
+                f"first unreceived: #{end.seq} {end.where}"
+                if is_send
+                else f"  rank {dst} posted {received} receive(s) from rank {src} but rank {src} sent {sent}"
+            )
+    for outcome in outcomes:
+        mine = [line for (_, src, dst), line in sorted(lines.items()) if outcome.rank in (src, dst)]
+        if not mine:
+            continue
+        text = (
+            "point-to-point messages without their other end at the end of the test:\n"
+            + "\n".join(mine)
+            + "\nOn NCCL or HCCL an unmatched send or receive hangs the stream. Pair every send with "
+            "a receive of the same size on the peer."
+        )
+        outcome.ok = False
+        outcome.exception = UnmatchedError(text)
+        outcome.error = f"hp_testing._sidechannel.UnmatchedError: {text}\n"
