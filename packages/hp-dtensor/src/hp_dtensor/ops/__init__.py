@@ -33,6 +33,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (regis
     renorm,
     repeat,
     scans,
+    segment_reduce,
     softmax,
     sorting,
     sparse,
