@@ -7,7 +7,8 @@ and backward, with no communication (the backward's gradient, input and max
 pooling indices are cut alike; the indices count positions inside a plane,
 so they need no offset). A shard of a spatial dim needs the neighbours'
 border rows: average and max pooling take a halo exchange and stay cut
-(:mod:`hp_dtensor.ops.pool_halo`); the other ops, and cuts without a halo
+(:mod:`hp_dtensor.ops.pool_halo`), and so does upsampling by an integer
+scale (:mod:`hp_dtensor.ops.upsample_halo`); the other ops, and cuts without a halo
 plan, gather that mesh dim (a redistribution, not the fallback). The shuffles, the grid
 sampler and linear partials: [Note: spatial ops one by one], [Note: grid
 sampler gradients], [Note: grid sampler pieces].
@@ -24,6 +25,7 @@ from hp_dtensor.ops.dispatch import Decision, OpCall, register
 from hp_dtensor.ops.halo import HaloDim
 from hp_dtensor.ops.holding import first_that_holds
 from hp_dtensor.ops.pool_halo import pool_halos, pool_kernel
+from hp_dtensor.ops.upsample_halo import UPSAMPLE_OPS, upsample_halos, upsample_kernel
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["grid_sampler_rule", "plane_rule", "shuffle_rule"]
@@ -97,6 +99,13 @@ _planes("adaptive_max_pool3d_backward reflection_pad3d_backward replication_pad3
 _planes("reflection_pad1d_backward replication_pad1d_backward", 1)
 
 
+def _halo_kernel(func: Any, plans: list[HaloDim], lead: int) -> Any:
+    """The local op on halo-extended pieces: upsampling's or pooling's."""
+    if func in UPSAMPLE_OPS:
+        return upsample_kernel(func, plans, lead)
+    return pool_kernel(func, plans, lead)
+
+
 @register(*_PLANE_OPS)
 def plane_rule(call: OpCall) -> Decision:
     """Leading (batch, channel) shards pass on every tensor; spatial shards take a halo or are gathered."""
@@ -110,7 +119,7 @@ def plane_rule(call: OpCall) -> Decision:
     mesh = layouts[0].mesh
     single = len(positions) == 1
     returns = max(_returns(call.func), 1)
-    halos = pool_halos(call, lead) if alike else {}
+    halos = (pool_halos(call, lead) or upsample_halos(call, lead)) if alike else {}
 
     def build(gathered: frozenset[int]) -> Decision:
         targets: list[Placement] = []
@@ -132,7 +141,7 @@ def plane_rule(call: OpCall) -> Decision:
             inputs={p: placements for p in positions},
             outputs=[placements] * returns,
             size_arg=size_arg,
-            kernel=pool_kernel(call.func, used, lead) if used else None,
+            kernel=_halo_kernel(call.func, used, lead) if used else None,
         )
 
     # see [Note: empty pieces]: no channel is refused on CPU, no batch only by some meta kernels
