@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hp_testing import CollectiveMismatchError, P2PMismatchError
+from hp_testing import BackendRuleError, CollectiveMismatchError, P2PMismatchError
 from hp_testing._calls import NotAMemberError
 from hp_testing.local import _import_state_modules
 
@@ -94,6 +94,15 @@ def test_rooted_collectives_and_all_to_all_lists_in_both_modes(rank: int, mode: 
     outs = [torch.empty(1) for _ in range(2)]
     dist.all_to_all(outs, [torch.full((1,), 10.0 * rank + j) for j in range(2)])
     torch.testing.assert_close(torch.cat(outs), torch.tensor([rank, 10.0 + rank]), rtol=0, atol=0)
+
+
+@_both(2, "gloo")
+def test_sparse_tensors_are_refused_in_both_modes(rank: int, mode: str) -> None:
+    with pytest.raises(BackendRuleError, match=r"tensor has layout torch\.sparse_coo"):
+        dist.all_reduce(torch.ones(2).to_sparse())
+    t = torch.ones(2).to_sparse().to_dense()
+    dist.all_reduce(t)
+    torch.testing.assert_close(t, torch.full((2,), 2.0), rtol=0, atol=0)
 
 
 @_both(4, "nccl-emu")
