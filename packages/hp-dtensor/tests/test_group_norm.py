@@ -1,4 +1,4 @@
-"""group_norm keeps batch cuts and whole-group channel cuts with no communication (2 and 4 ranks).
+"""group_norm keeps batch and whole-group channel cuts locally and spatial cuts in small all-reduces.
 
 Values and every gradient (input, weight, bias) against plain float64
 tensors, under the ``"error"`` fallback policy; the collectives of the
@@ -20,7 +20,8 @@ from hp_dtensor import Replicate, Shard
 sys.path.insert(0, str(Path(__file__).parent))
 from mesh_compare import check_placed, randn
 
-S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
+S0, S1, S2, S3, R = Shard(0), Shard(1), Shard(2), Shard(3), Replicate()
+SPATIAL = {"forward_comms": 2, "backward_comms": 1}
 
 
 @pytest.mark.distributed(world_size=2)
@@ -46,10 +47,11 @@ def test_group_norm_batch_and_whole_group_cuts_are_local(rank, device_mesh_facto
     check_placed(
         fn10, [randn(3, 10, 4), w10, b10], [[S1], [S0], [S0]], mesh, forward_comms=None, backward_comms=None
     )
-    # a spatial cut is gathered by a redistribution, not the fallback
-    check_placed(
-        with_affine, [randn(3, 8, 5), w, b], [[S2], [R], [R]], mesh, forward_comms=1, backward_comms=None
-    )
+    # a spatial cut stays cut: two all-reduces of the blocks' statistics forward, one backward
+    for shape in [(3, 8, 5), (2, 8, 3, 4), (2, 8, 1)]:  # uneven, 4-D, and one rank with no position
+        out = check_placed(with_affine, [randn(*shape), w, b], [[S2], [R], [R]], mesh, **SPATIAL)
+        assert out.placements == (S2,)
+    check_placed(lambda x: F.group_norm(x, 2), [randn(3, 8, 2, 5)], [[S3]], mesh, **SPATIAL)
 
 
 @pytest.mark.distributed(world_size=4)
@@ -61,3 +63,5 @@ def test_group_norm_on_a_2d_mesh(rank, device_mesh_factory) -> None:  # type: ig
     out = check_placed(fn, [randn(5, 8, 3), w, b], [[S0, S1], [R, S0], [R, S0]], mesh)
     assert out.placements == (S0, S1)
     check_placed(fn, [randn(5, 8, 3), w, b], [[S1, S0], [S0, R], [S0, R]], mesh)
+    out = check_placed(fn, [randn(5, 8, 3), w, b], [[S0, S2], [R, R], [R, R]], mesh, **SPATIAL)
+    assert out.placements == (S0, S2)

@@ -1,4 +1,4 @@
-"""Group normalisation (``native_group_norm`` and its backward) on batch and whole-group channel cuts.
+"""Group normalisation (``native_group_norm`` and its backward) on batch, channel and spatial cuts.
 
 ``group_norm`` normalises each ``(sample, group)`` block of a ``(N, C, *)``
 input over the group's ``C / group`` channels and every spatial position.
@@ -7,14 +7,16 @@ op on its samples, and the statistics (``mean``, ``rstd``, ``(N, group)``)
 take the same cut. A cut of the channel dim keeps whole blocks only when
 each rank's channels start and end on group boundaries ([Note: whole groups
 per rank]); then the op runs on the rank's groups, with ``weight`` and
-``bias`` cut alike and the statistics cut on their group dim. Any other cut
-(a spatial dim, channels across a group boundary, a partial) is gathered on
-that mesh dim, a redistribution rather than the fallback.
+``bias`` cut alike and the statistics cut on their group dim. A cut spatial
+dim stays cut: the blocks' statistics are summed across ranks in small
+all-reduces ([Note: group norm over a spatial cut]). Any other cut (channels
+across a group boundary, a partial) is gathered on that mesh dim, a
+redistribution rather than the fallback.
 
 The op takes ``N``, ``C``, ``HxW`` and ``group`` as numbers, so a kernel
 passes the local ones. In the backward the batch cut makes the weight and
-bias gradients partial sums (each rank sums over its own samples); under a
-channel cut they keep the channel cut. torch's DTensor gathers the batch cut
+bias gradients partial sums (each rank sums over its own samples), as does
+a spatial cut; under a channel cut they keep the channel cut. torch's DTensor gathers the batch cut
 of this op (one all-gather each way), where this rule sends nothing.
 """
 
@@ -24,7 +26,9 @@ import itertools
 import math
 from typing import Any
 
+import hp_core.collectives as hc
 import torch
+from hp_core.distributed import mesh_group
 
 from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
@@ -68,21 +72,29 @@ def _whole_groups(inp: Layout, placements: tuple[Placement, ...], group: int) ->
 
 
 def _input_cuts(layouts: list[Layout], group: int) -> tuple[Placement, ...]:
-    """Per mesh dim the cut kept: Shard(0), Shard(1) (whole groups) or Replicate."""
+    """Per mesh dim the cut kept: Shard(0), Shard(1) (whole groups), a spatial Shard or Replicate."""
     inp = layouts[0]
     cuts: list[Placement] = []
     for m in range(inp.mesh.ndim):
         seen = [layout.placements[m] for layout in layouts]
+        spatial = [p for p in seen if isinstance(p, Shard) and p.dim >= 2]
         if Shard(0) in seen:
             cuts.append(Shard(0))
         elif Shard(1) in seen:
             cuts.append(Shard(1))
+        elif spatial:
+            cuts.append(spatial[0])
         else:
             cuts.append(R)
     kept = tuple(cuts)
     if Shard(1) in kept and not _whole_groups(inp, kept, group):
         kept = tuple(R if p == Shard(1) else p for p in kept)
     return kept
+
+
+def _stat_placements(cuts: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """``mean`` / ``rstd`` (``(N, group)``): the batch and channel cuts; whole over a spatial cut."""
+    return tuple(p if p in (Shard(0), Shard(1)) else R for p in cuts)
 
 
 def _param_placements(cuts: tuple[Placement, ...]) -> tuple[Placement, ...]:
@@ -96,10 +108,53 @@ def _local_sizes(x: torch.Tensor, channels: int, group: int) -> tuple[int, int, 
     return x.shape[0], x.shape[1], math.prod(x.shape[2:]), x.shape[1] // per_group
 
 
+def _spatial(layout: Layout) -> tuple[list[Any], int]:
+    """The process groups of the mesh dims cutting a spatial dim, and the global spatial size."""
+    groups = [
+        mesh_group(layout.mesh, m)
+        for m, p in enumerate(layout.placements)
+        if isinstance(p, Shard) and p.dim >= 2
+    ]
+    return groups, math.prod(layout.shape[2:])
+
+
+def _summed(value: torch.Tensor, groups: list[Any]) -> torch.Tensor:
+    value = value.contiguous()
+    for group in groups:
+        hc.all_reduce(value, "sum", group)
+    return value
+
+
+def _channel_view(t: torch.Tensor | None, ndim: int) -> torch.Tensor | float:
+    """A ``(C,)`` parameter shaped to broadcast over ``(N, C, *)`` (1 when absent)."""
+    return 1.0 if t is None else t.view(1, -1, *([1] * (ndim - 2)))
+
+
+# [Note: group norm over a spatial cut]
+# A cut spatial dim splits every ``(sample, group)`` block across ranks. The
+# forward sums each block's values on every rank, one all-reduce gives the
+# means, and a second the sums of squared deviations from them (two passes,
+# as exact as the op's own); each rank then normalises its part, and the
+# statistics are whole on every rank. The backward needs two sums per block,
+# of ``dy * w`` and of ``dy * w * x``, stacked into one all-reduce, and
+# computes ``dx = rstd * (dyw - mean(dyw) - xhat * mean(dyw * xhat))`` on its
+# part; the weight and bias gradients are per-rank sums over its part, a
+# ``Partial("sum")``. torch's DTensor gathers the input instead.
 def _forward_kernel(call: LocalCall) -> Any:
     x, weight, bias = call.args[0], call.args[1], call.args[2]
     n, c, hxw, group = _local_sizes(x, call.args[4], call.args[6])
-    return call.func(x, weight, bias, n, c, hxw, group, call.args[7])
+    groups, total = _spatial(call.layout(0))
+    if not groups:
+        return call.func(x, weight, bias, n, c, hxw, group, call.args[7])
+    count = (c // group) * total
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    blocks = x.to(compute).reshape(n, group, -1)
+    mean = _summed(blocks.sum(-1), groups) / count
+    centred = blocks - mean.unsqueeze(-1)
+    rstd = (_summed((centred * centred).sum(-1), groups) / count + call.args[7]).rsqrt()
+    y = (centred * rstd.unsqueeze(-1)).reshape(x.shape)
+    y = y * _channel_view(weight, x.dim()) + (0.0 if bias is None else _channel_view(bias, x.dim()))
+    return y.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)
 
 
 def _positions(call: OpCall, args: list[Any]) -> list[int | None]:
@@ -116,17 +171,37 @@ def group_norm_rule(call: OpCall) -> Decision:
     assert x_pos is not None
     cuts = _input_cuts([call.layout(x_pos)], call.args[6])
     params = _param_placements(cuts)
+    stats = _stat_placements(cuts)
     inputs = {x_pos: cuts}
     for pos in (w_pos, b_pos):
         if pos is not None:
             inputs[pos] = params
-    return Decision(inputs=inputs, outputs=[cuts, cuts, cuts], kernel=_forward_kernel)
+    return Decision(inputs=inputs, outputs=[cuts, stats, stats], kernel=_forward_kernel)
 
 
 def _backward_kernel(call: LocalCall) -> Any:
     grad, x, mean, rstd, weight = call.args[:5]
     n, c, hxw, group = _local_sizes(x, call.args[6], call.args[8])
-    return call.func(grad, x, mean, rstd, weight, n, c, hxw, group, call.args[9])
+    groups, total = _spatial(call.layout(1))
+    mask = call.args[9]
+    if not groups:
+        return call.func(grad, x, mean, rstd, weight, n, c, hxw, group, mask)
+    count = (c // group) * total  # see [Note: group norm over a spatial cut]
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    g, xs = grad.to(compute), x.to(compute)
+    mu, r = mean.to(compute).unsqueeze(-1), rstd.to(compute).unsqueeze(-1)
+    dyw = (g * _channel_view(None if weight is None else weight.to(compute), x.dim())).reshape(n, group, -1)
+    blocks = xs.reshape(n, group, -1)
+    sums = _summed(torch.stack([dyw.sum(-1), (dyw * blocks).sum(-1)]), groups)
+    mean_dyw = sums[0].unsqueeze(-1) / count
+    mean_dyw_xhat = r * (sums[1].unsqueeze(-1) - mu * sums[0].unsqueeze(-1)) / count
+    xhat = (blocks - mu) * r
+    dims = [0, *range(2, x.dim())]
+    grad_input = r * (dyw - mean_dyw - xhat * mean_dyw_xhat) if mask[0] else None
+    grad_input = None if grad_input is None else grad_input.reshape(x.shape).to(x.dtype)
+    grad_weight = (g * xhat.reshape(x.shape)).sum(dims).to(x.dtype) if mask[1] else None
+    grad_bias = g.sum(dims).to(x.dtype) if mask[2] else None
+    return grad_input, grad_weight, grad_bias
 
 
 @register(aten.native_group_norm_backward.default)
@@ -137,8 +212,10 @@ def group_norm_backward_rule(call: OpCall) -> Decision:
     assert g_pos is not None and x_pos is not None
     cuts = _input_cuts([call.layout(x_pos), call.layout(g_pos)], call.args[8])
     params = _param_placements(cuts)
-    param_grads = tuple(SUM if p == Shard(0) else q for p, q in zip(cuts, params, strict=True))
-    inputs = {p: cuts for p in (g_pos, x_pos, mean_pos, rstd_pos) if p is not None}
+    stats = _stat_placements(cuts)
+    param_grads = tuple(SUM if p != Shard(1) and p != R else q for p, q in zip(cuts, params, strict=True))
+    inputs = {p: cuts for p in (g_pos, x_pos) if p is not None}
+    inputs.update({p: stats for p in (mean_pos, rstd_pos) if p is not None})
     if w_pos is not None:
         inputs[w_pos] = params
     return Decision(inputs=inputs, outputs=[cuts, param_grads, param_grads], kernel=_backward_kernel)
