@@ -23,7 +23,7 @@ from hp_testing import record_collectives
 sys.path.insert(0, str(Path(__file__).parent))
 from local_compare import check
 
-S0, S2, S3, S4, R = Shard(0), Shard(2), Shard(3), Shard(4), Replicate()
+S2, S3, R = Shard(2), Shard(3), Replicate()
 MARGINS = {"nearest": 0, "nearest-exact": 0, "bilinear": 1, "bicubic": 2}
 
 

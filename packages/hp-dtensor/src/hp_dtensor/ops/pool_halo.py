@@ -1,4 +1,4 @@
-"""Average and max pooling (2-D and 3-D, so 1-D too) on an input cut along a spatial dim.
+"""Average and max pooling (2-D and 3-D, so 1-D too; adaptive ones too) on an input cut along a spatial dim.
 
 The pooling rules of :mod:`hp_dtensor.ops.spatial` keep batch and channel
 cuts; a mesh dim that cuts a spatial dim asks here for a halo plan
@@ -52,8 +52,51 @@ _POOLS: dict[Any, tuple[str, int, tuple[int, int, int, int | None, int]]] = {
 }
 
 
+# adaptive op -> (kind, index of self); a max backward's indices are its third argument
+_ADAPTIVE: dict[Any, tuple[str, int]] = {
+    aten._adaptive_avg_pool2d.default: ("adaptive", 0),
+    aten._adaptive_avg_pool3d.default: ("adaptive", 0),
+    aten.adaptive_max_pool2d.default: ("adaptive_max", 0),
+    aten.adaptive_max_pool3d.default: ("adaptive_max", 0),
+    aten._adaptive_avg_pool2d_backward.default: ("avg_backward", 1),
+    aten._adaptive_avg_pool3d_backward.default: ("avg_backward", 1),
+    aten.adaptive_max_pool2d_backward.default: ("max_backward", 1),
+    aten.adaptive_max_pool3d_backward.default: ("max_backward", 1),
+}
+
+
+# [Note: adaptive pools that line up]
+# An adaptive pool of ``L`` rows to ``n`` outputs pools output ``o`` over the
+# rows ``[floor(o L / n), ceil((o + 1) L / n))``. When ``n`` divides ``L``
+# those are the windows of a plain pool with kernel and stride ``k = L / n``,
+# so the halo plan is that pool's, every extended piece starts and ends on a
+# window's edge, and the adaptive op on it with ``(e1 - e0) / k`` outputs
+# pools the same windows. Other sizes (windows of varying length that
+# overlap) are gathered.
+def _adaptive_halos(call: OpCall, lead: int) -> dict[int, HaloDim]:
+    _, self_at = _ADAPTIVE[call.func]
+    args = full_args(call.func, call.args, call.kwargs)
+    layout = call.layout(call.position_of(args[self_at]))
+    if self_at == 0:
+        out_size = [int(v) for v in args[1]]
+    else:
+        out_size = list(call.layout(call.position_of(args[0])).shape[lead:])
+    sizes = layout.shape[lead:]
+    if len(out_size) != len(sizes):
+        return {}  # malformed sizes: the local op raises its own error on whole tensors
+    aligned = [n > 0 and length % n == 0 for length, n in zip(sizes, out_size, strict=True)]
+    windows = [
+        Window(length // n, length // n, 0) if ok else Window(1, 1, 0)
+        for length, n, ok in zip(sizes, out_size, aligned, strict=True)
+    ]
+    plans = plan_halos(layout, list(range(lead, layout.ndim)), windows)
+    return {m: plan for m, plan in plans.items() if aligned[plan.dim - lead]}
+
+
 def pool_halos(call: OpCall, lead: int) -> dict[int, HaloDim]:
     """Halo plans of the mesh dims cutting a spatial dim of the pooled input (none for other ops)."""
+    if call.func in _ADAPTIVE:
+        return _adaptive_halos(call, lead)
     spec = _POOLS.get(call.func)
     if spec is None:
         return {}
@@ -87,17 +130,23 @@ def pool_kernel(func: Any, plans: list[HaloDim], lead: int) -> Callable[[LocalCa
 
     ``lead`` counts the dims before the pooled ones (batch and channel).
     """
-    kind, self_at, _ = _POOLS[func]
+    kind, self_at = _ADAPTIVE[func] if func in _ADAPTIVE else _POOLS[func][:2]
+    indices_at = 2 if func in _ADAPTIVE else 7
 
     def run(call: LocalCall) -> Any:
         args = full_args(call.func, call.args, call.kwargs)
         layout = call.layout(self_at)
-        if kind in ("avg", "max"):
+        if kind in ("avg", "max", "adaptive", "adaptive_max"):
             for plan in plans:
                 args[0] = extend(args[0], layout, plan)
             plane = list(args[0].shape[lead:])
+            if kind.startswith("adaptive"):  # [Note: adaptive pools that line up]
+                out_size = [int(v) for v in args[1]]
+                for plan in plans:
+                    out_size[plan.dim - lead] = plan.local_outputs(layout.my_coordinate()[plan.mesh_dim])
+                args[1] = out_size
             result = call.func(*args)
-            if kind == "avg":
+            if kind in ("avg", "adaptive"):
                 for plan in plans:
                     result = narrow_output(result, layout, plan)
                 return result
@@ -108,11 +157,11 @@ def pool_kernel(func: Any, plans: list[HaloDim], lead: int) -> Callable[[LocalCa
         shape = extended_shape(args[1].shape, layout, plans)
         plane = shape[lead:]
         if kind == "max_backward":
-            args[7] = local_indices(args[7], plane, layout, plans)
+            args[indices_at] = local_indices(args[indices_at], plane, layout, plans)
         for plan in plans:
             args[0] = pad_output_grad(args[0], layout, plan)
             if kind == "max_backward":
-                args[7] = pad_output_grad(args[7], layout, plan)
+                args[indices_at] = pad_output_grad(args[indices_at], layout, plan)
         args[1] = args[1].new_zeros(shape)
         grad = call.func(*args)
         for plan in reversed(plans):
