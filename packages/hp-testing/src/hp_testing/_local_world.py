@@ -157,8 +157,8 @@ class World:
         _tls.world, _tls.rank = self, rank
         self._turns[rank].acquire()  # the first turn
         self._fresh.discard(rank)
-        self.switch_in(rank)
         try:
+            self.switch_in(rank)
             out.value = body(rank)
             self.ended[rank] = "returned (ended)"
         except BaseException as exc:  # reported per rank, like a failing process
