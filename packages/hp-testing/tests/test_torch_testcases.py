@@ -7,8 +7,8 @@ with ``init_process_group`` on a file store, ``@with_comms``, ``self.rank``,
 and subtests. Each rank records its pid, which tells pooled ranks (the same
 processes test after test) from torch's (spawned per test).
 
-Three inner sessions keep this file cheap: every session forks fresh ranks, and
-each rank imports torch's test harness once (about 2 s of CPU).
+Three inner sessions keep this file cheap: every session forks fresh ranks (from
+a forkserver that has torch's test harness imported, or else imports it).
 """
 
 from __future__ import annotations
@@ -44,8 +44,11 @@ PIDS = {pids!r}
 
 
 def record(test, rank):
+    # a spawned forkserver runs "python -c 'from multiprocessing.forkserver import main...'"
+    with open(f"/proc/{{os.getppid()}}/cmdline") as f:
+        server = "spawned" if "forkserver import main" in f.read() else "forked"
     with open(PIDS, "a") as f:
-        f.write(f"{{test}} {{rank}} {{os.getpid()}} {{PRELOADED}}\\n")
+        f.write(f"{{test}} {{rank}} {{os.getpid()}} {{PRELOADED}} {{server}}\\n")
 """
 
 SPAWNED = """
@@ -234,15 +237,16 @@ def pytest_collection_modifyitems(items):
 """
 
 
-def _pids(path: Path) -> tuple[dict[str, dict[int, int]], set[str]]:
-    """test -> rank -> pid, and whether each rank found torch's harness preloaded."""
+def _pids(path: Path) -> tuple[dict[str, dict[int, int]], set[str], set[str]]:
+    """test -> rank -> pid, whether each rank found torch's harness preloaded, how its forkserver began."""
     seen: dict[str, dict[int, int]] = {}
-    preloaded = set()
+    preloaded, servers = set(), set()
     for line in path.read_text().splitlines():
-        test, rank, pid, loaded = line.split()
+        test, rank, pid, loaded, server = line.split()
         seen.setdefault(test, {})[int(rank)] = int(pid)
         preloaded.add(loaded)
-    return seen, preloaded
+        servers.add(server)
+    return seen, preloaded, servers
 
 
 def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, tmp_path: Path) -> None:
@@ -259,7 +263,7 @@ def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, 
     out = result.stdout.str()
 
     # Pooled: every test ran on the same two rank processes, forked with torch's harness imported.
-    seen, preloaded = _pids(pids)
+    seen, preloaded, servers = _pids(pids)
     assert set(seen) == {"all_reduce", "subtests", "continuous", "dtensor"}
     assert all(sorted(ranks) == [0, 1] for ranks in seen.values())
     for rank in (0, 1):
@@ -267,6 +271,9 @@ def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, 
     # The forkserver restarts with torch's harness preloaded unless a pool has live ranks (they
     # would die with it): then each rank imports the harness itself.
     assert preloaded == ({"False"} if outer_pools else {"True"})
+    # ... forked from this process's image, which has imported the harness already, instead of a new
+    # interpreter importing torch and it again ([Note: a forkserver forked from the pytest process]).
+    assert servers == ({"spawned"} if outer_pools else {"forked"})
     result.stdout.fnmatch_lines(["*hp-testing: 6 torch test class(es) ran on pooled ranks*"])
 
     # Joining a group the pool cannot serve says so, with the way out; a class whose backend

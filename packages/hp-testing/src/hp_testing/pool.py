@@ -22,7 +22,10 @@ import datetime
 import itertools
 import os
 import signal
+import socket
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -88,12 +91,75 @@ def preload(modules: list[str]) -> bool:
     saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # as _prestart.start_forkserver does
     try:
-        forkserver.ensure_running()
+        if not _serve_forks_from_here(server, wanted):
+            forkserver.ensure_running()
     finally:
         if saved is None:
             os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
     _prestart._started_by = os.getpid()
     _CTX = ctx
+    return True
+
+
+# [Note: a forkserver forked from the pytest process]
+# A new forkserver is a new interpreter: it imports torch and torch's harness
+# again (3.8 s of CPU; over 10 s of wall time on a busy 2-core machine, longer
+# than the 40 pooled tests it serves). After collection the pytest process
+# has imported all of it already, so when it runs no thread beyond the one
+# torch's import parks (a forkserver forks with that one too; a lock held by
+# any other could be copied held) it forks the forkserver
+# itself: the child runs multiprocessing's own forkserver loop on a new
+# listener, with nothing left to import, and this process's multiprocessing
+# state points at it. The child never returns into pytest (``os._exit``), and
+# it ends, as a spawned forkserver does, when this process closes the "alive"
+# pipe. With another thread running, the forkserver is spawned as before.
+def _os_threads() -> int | None:
+    """This process's OS threads (None where /proc cannot tell)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+#: Threads once torch is imported (the parked pool thread its import starts; forkservers fork with it).
+_THREADS_AT_IMPORT = _os_threads()
+
+
+def _serve_forks_from_here(server: Any, wanted: list[str]) -> bool:
+    """Fork the forkserver from this process ([Note: a forkserver forked from the pytest process])."""
+    from multiprocessing import connection, resource_tracker
+    from multiprocessing import forkserver as mp_forkserver
+
+    threads = _os_threads()
+    if threads is None or threads != _THREADS_AT_IMPORT or threading.active_count() != 1:
+        return False  # another thread could hold a lock the fork would copy held
+    if any(name not in sys.modules for name in wanted):
+        return False
+    resource_tracker.ensure_running()  # before the fork: the ranks share this process's tracker
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the forkserver: serve until the pytest process closes alive_w, never return
+        code = 0
+        try:
+            os.close(alive_w)
+            mp_forkserver.main(listener.fileno(), alive_r, [])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    server._preload_modules = wanted
     return True
 
 
