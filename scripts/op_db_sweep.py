@@ -2,10 +2,12 @@
 
     hp-run -n 2 scripts/op_db_sweep.py [--ops a,b] [--samples N] [--json out.json] [--resume out.json]
 
-Prints a table (classes per side; on Shard cases ok on both sides, how many
-communicate on each) and, last, one JSON object with those figures. ``--json``
-writes every case as it finishes. A hang stops the run (the default group may
-hold a half-finished collective) with exit status 3 after saving; rerun with
+Prints a table (classes per side, for the forward and for the first input's
+gradient; on Shard cases ok on both sides, how many communicate on each, in
+the forward and in the backward; the ops whose backward takes hp's fallback)
+and, last, one JSON object with those figures. ``--json`` writes every case as
+it finishes. A hang stops the run (the default group may hold a half-finished
+collective) with exit status 3 after saving; rerun with
 ``--resume FILE`` to keep the cases done and deny the op that hung. Run without
 a launcher (``python scripts/op_db_sweep.py ...``) and the script drives itself:
 it starts ``hp-run -n 2`` and resumes after each hang until the sweep ends.
@@ -40,6 +42,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--resume", default="", help="a --json file of an earlier run: keep its cases, deny its hangs"
     )
+    parser.add_argument("--no-grad", action="store_true", help="check the forward only (no backward)")
     parser.add_argument("--deny", default="", help="comma-separated op keys not to run (known hangs)")
     parser.add_argument(
         "--timeout", type=float, default=30.0, help="seconds before a collective counts as hung"
@@ -122,13 +125,22 @@ def main(argv: list[str]) -> int:
             print(
                 f"{result.op:<44} s{result.sample} {result.placement:<5} hp={result.hp:<11} "
                 f"torch={result.torch:<11} comms {result.hp_comms}/{result.torch_comms}"
-                + (" fallback" if result.fallback else ""),
+                + (" fallback" if result.fallback else "")
+                + (
+                    f" | grad hp={result.hp_grad or '-':<11} torch={result.torch_grad or '-':<11} "
+                    f"bwd comms {result.hp_bwd_comms}/{result.torch_bwd_comms}"
+                    + (" bwd-fallback" if result.bwd_fallback else "")
+                    if result.hp_grad or result.torch_grad
+                    else ""
+                ),
                 flush=True,
             )
 
     status = 0
     try:
-        _, skipped = sweep.run_sweep(ops, mesh, side, max_samples=args.samples, deny=deny, on_result=record)
+        _, skipped = sweep.run_sweep(
+            ops, mesh, side, max_samples=args.samples, deny=deny, on_result=record, with_grad=not args.no_grad
+        )
         state["skipped"] = sorted(set(state["skipped"]) | set(skipped))
     except sweep.SweepHang as hang:
         state["hangs"].append(hang.result.as_dict())

@@ -36,6 +36,20 @@ with ``hp_testing.record_collectives`` (every hp_core tensor collective), torch
 with ``CommDebugMode``. A fallback is recorded when hp warns that an op has
 "no sharding rule"; hp warns once per aten op, so :func:`_forget_fallback_warnings`
 resets that memory before each case when it can (``reset_fallback_stats``).
+
+The backward: for an op whose OpInfo ``supports_autograd`` and whose first
+tensor is floating, each side whose forward is ``ok`` runs the op again with
+that first tensor requiring grad, then ``torch.autograd.backward`` with one
+fixed random cotangent per differentiable output (:data:`GRAD_SEED`, drawn
+from its own generator, so every rank and every side gets the same one; on a
+DTensor output it takes the output's placements, a ``Partial`` read as
+``Replicate``, cut locally). The first tensor's gradient (``full_tensor()``) is
+compared with plain autograd's and classed as above (``hp_grad`` /
+``torch_grad``; "" when not checked: no autograd, the forward not ok, or no
+plain gradient). Only the backward call is counted (``hp_bwd_comms``,
+``torch_bwd_comms``, ``bwd_fallback``). The ranks agree on the forward's
+outcome before the backward (a collective) and on the gradient's layout
+before ``full_tensor()``, as for the forward.
 """
 
 from __future__ import annotations
@@ -59,6 +73,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "GRAD_SEED",
     "KINDS",
     "NONDETERMINISTIC",
     "CaseResult",
@@ -113,6 +128,9 @@ NONDETERMINISTIC = frozenset(
     }
 )
 
+#: Seed of the backward's cotangents: fixed, so every rank and every side draws the same ones.
+GRAD_SEED = 25
+
 _TIMEOUT = re.compile(r"timed?[ _-]?out|timeout|deadline", re.IGNORECASE)
 _DEFAULT_TOL = (1e-5, 1e-5)
 _RAISED = object()
@@ -142,6 +160,13 @@ class CaseResult:
     torch: str = ""
     torch_detail: str = ""
     torch_comms: int = 0
+    hp_grad: str = ""
+    hp_grad_detail: str = ""
+    hp_bwd_comms: int = 0
+    bwd_fallback: bool = False
+    torch_grad: str = ""
+    torch_grad_detail: str = ""
+    torch_bwd_comms: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -301,47 +326,173 @@ def _fell_back(caught: Sequence[warnings.WarningMessage]) -> bool:
     return any("no sharding rule" in str(w.message).lower() for w in caught)
 
 
-def _run_hp(
-    op: Callable[..., Any], leaves: list[Any], spec: Any, placement: str, mesh: Any, every: bool
-) -> _Side:
-    side = _Side()
-    _forget_fallback_warnings()
+@dataclass(frozen=True)
+class _Flavour:
+    """What differs between hp's DTensor and torch's: how to cut a tensor, its type, how to count."""
+
+    dtensor_type: type
+    wrap: Callable[[torch.Tensor, int | None], Any]
+    like: Callable[[torch.Tensor, Any], Any]  # a full tensor cut as a DTensor output is (Partial as R)
+    is_hp: bool
+
+    def counting(self) -> Any:
+        return record_collectives() if self.is_hp else CommDebugMode()
+
+    def count(self, counter: Any) -> int:
+        return len(counter) if self.is_hp else int(counter.get_total_counts())
+
+
+def _flavour(lib: Any, mesh: Any, is_hp: bool) -> _Flavour:
+    """A side built from ``lib`` (``hp_dtensor`` or ``torch.distributed.tensor``: same names) on ``mesh``."""
 
     def wrap(t: torch.Tensor, shard: int | None) -> Any:
-        where = hp_dtensor.Shard(shard) if shard is not None else hp_dtensor.Replicate()
-        return hp_dtensor.distribute_tensor(t, mesh, [where], src_data_rank=None)
+        where = lib.Shard(shard) if shard is not None else lib.Replicate()
+        return lib.distribute_tensor(t, mesh, [where], src_data_rank=None)
 
+    def like(t: torch.Tensor, out: Any) -> Any:
+        where = [lib.Replicate() if p.is_partial() else p for p in out.placements]
+        return lib.distribute_tensor(t, out.device_mesh, where, src_data_rank=None)
+
+    return _Flavour(lib.DTensor, wrap, like, is_hp=is_hp)
+
+
+def _run_side(
+    op: Callable[..., Any], leaves: list[Any], spec: Any, placement: str, flavour: _Flavour, every: bool
+) -> _Side:
+    side = _Side()
+    if flavour.is_hp:
+        _forget_fallback_warnings()
     try:
-        args = _distributed_args(leaves, spec, placement, wrap, every)
-        with warnings.catch_warnings(record=True) as caught, record_collectives() as log:
-            warnings.simplefilter("always")
+        args = _distributed_args(leaves, spec, placement, flavour.wrap, every)
+        with warnings.catch_warnings(record=True) as caught, flavour.counting() as counter:
+            warnings.simplefilter("always" if flavour.is_hp else "ignore")
             side.output = op(args[0], *args[1], **args[2])
-        side.comms = len(log)
-        side.fallback = _fell_back(caught)
+        side.comms = flavour.count(counter)
+        side.fallback = flavour.is_hp and _fell_back(caught)
     except Exception as exc:
         side.raised = exc
     return side
 
 
-def _run_torch(
-    op: Callable[..., Any], leaves: list[Any], spec: Any, placement: str, mesh: Any, every: bool
-) -> _Side:
-    side = _Side()
-    torch_mesh = mesh.to_torch()
+# -- the backward ---------------------------------------------------------------------------------
 
-    def wrap(t: torch.Tensor, shard: int | None) -> Any:
-        where = tdt.Shard(shard) if shard is not None else tdt.Replicate()
-        return tdt.distribute_tensor(t, torch_mesh, [where], src_data_rank=None)
 
+@dataclass
+class _PlainGrad:
+    """Plain autograd's answer: the output leaves given a cotangent, the cotangents, the first grad."""
+
+    indices: list[int]
+    cotangents: list[torch.Tensor]
+    grad: torch.Tensor
+
+
+def _first_tensor(args: Any) -> torch.Tensor:
+    return next(x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor))
+
+
+def _grad_wanted(op: Any, leaves: list[Any]) -> bool:
+    """Whether the case checks a gradient: the OpInfo supports autograd and its first tensor is floating."""
+    if not getattr(op, "supports_autograd", False):
+        return False
+    first = next((x for x in leaves if isinstance(x, torch.Tensor)), None)
+    return first is not None and first.is_floating_point()
+
+
+def _plain_grad(op: Callable[..., Any], leaves: list[Any], spec: Any) -> _PlainGrad | None:
+    """The reference gradient of the first input, or None when plain autograd gives none (or raises).
+
+    Every rank computes the same thing locally, so the ranks agree on None without a gather.
+    """
     try:
-        args = _distributed_args(leaves, spec, placement, wrap, every)
-        with warnings.catch_warnings(), CommDebugMode() as comm:
+        args = _clone_args(leaves, spec)
+        first = _first_tensor(args).requires_grad_(True)
+        outputs = pytree.tree_leaves(op(args[0], *args[1], **args[2]))
+        generator = torch.Generator().manual_seed(GRAD_SEED)
+        indices, cotangents = [], []
+        for i, out in enumerate(outputs):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                indices.append(i)
+                cotangents.append(torch.randn(out.shape, dtype=out.dtype, generator=generator))
+        if not indices:
+            return None
+        torch.autograd.backward([outputs[i] for i in indices], cotangents)
+    except Exception:
+        return None
+    return None if first.grad is None else _PlainGrad(indices, cotangents, first.grad)
+
+
+def _grad_forward(
+    op: Callable[..., Any], leaves: list[Any], spec: Any, placement: str, flavour: _Flavour, every: bool
+) -> tuple[_Side, torch.Tensor | None]:
+    """The forward again, its first DTensor requiring grad: (outcome, that DTensor)."""
+    side, first = _Side(), None
+    try:
+        args = _distributed_args(leaves, spec, placement, flavour.wrap, every)
+        first = _first_tensor(args).requires_grad_(True)
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             side.output = op(args[0], *args[1], **args[2])
-        side.comms = int(comm.get_total_counts())
+    except Exception as exc:
+        side.raised = exc
+    return side, first
+
+
+def _grad_backward(forward: _Side, first: Any, plain: _PlainGrad, flavour: _Flavour) -> _Side:
+    """Backward of ``forward``'s output with the plain cotangents; the side's output is ``first.grad``."""
+    side = _Side()
+    try:
+        outputs = pytree.tree_leaves(forward.output)
+        roots = [outputs[i] for i in plain.indices]
+        cotangents = [
+            flavour.like(c, r) if isinstance(r, flavour.dtensor_type) else c
+            for c, r in zip(plain.cotangents, roots, strict=True)
+        ]
+        if flavour.is_hp:
+            _forget_fallback_warnings()
+        with warnings.catch_warnings(record=True) as caught, flavour.counting() as counter:
+            warnings.simplefilter("always" if flavour.is_hp else "ignore")
+            torch.autograd.backward(roots, cotangents)
+        side.comms = flavour.count(counter)
+        side.fallback = flavour.is_hp and _fell_back(caught)
+        side.output = first.grad
+        if first.grad is None:
+            side.raised = RuntimeError("the first input got no gradient where plain autograd gives one")
     except Exception as exc:
         side.raised = exc
     return side
+
+
+def _settle_grad(
+    op: Callable[..., Any],
+    leaves: list[Any],
+    spec: Any,
+    placement: str,
+    flavour: _Flavour,
+    every: bool,
+    plain: _PlainGrad,
+    tol: tuple[float, float],
+    group: dist.ProcessGroup,
+) -> tuple[str, str, _Side]:
+    """(class, detail, backward side) of one side's gradient, agreed by every rank.
+
+    The ranks agree on the forward's outcome before the backward runs, since
+    the backward communicates and a rank whose forward raised would leave its
+    peer waiting.
+    """
+    forward, first = _grad_forward(op, leaves, spec, placement, flavour, every)
+    outcomes = agree(forward.shape_of_outcome(flavour.dtensor_type), group)
+    if any(o != outcomes[0] for o in outcomes):
+        detail = " | ".join(f"rank {r}: {_describe(o)}" for r, o in enumerate(outcomes))
+        return "disagree", ("forward with grad: " + detail)[:600], _Side()
+    if outcomes[0][0] != "returned":
+        return (
+            outcomes[0][0].replace("raised", "error"),
+            f"forward with grad: {_describe(outcomes[0])}",
+            _Side(),
+        )
+    backward = _grad_backward(forward, first, plain, flavour)
+    kind, detail = _settle(backward, plain.grad, flavour.dtensor_type, tol, group)
+    return kind, detail, backward
 
 
 def _verdict(side: _Side, reference: Any, dtensor_type: type, tol: tuple[float, float]) -> tuple[str, str]:
@@ -432,11 +583,13 @@ def run_case(
     index: int,
     tol: tuple[float, float] = _DEFAULT_TOL,
     with_torch: bool = True,
+    with_grad: bool = True,
 ) -> CaseResult | None:
     """Run one case on plain tensors, hp DTensors and torch DTensors; None if the plain call raises.
 
     Every rank must call it with the same arguments (same seed). Without
-    ``with_torch`` torch's side is not run (its class stays ""). Raises
+    ``with_torch`` torch's side is not run (its class stays ""); without
+    ``with_grad`` no gradient is checked (both grad classes stay ""). Raises
     :class:`SweepHang` after recording a hang on hp's side or torch's.
     """
     leaves, spec = _leaves(sample)
@@ -448,23 +601,40 @@ def run_case(
     result = CaseResult(op=key, sample=index, placement=placement, hp="")
     every = key.startswith("_foreach")
     # Invalid samples for this dtype/device have no reference: the ranks learn it in the first gather.
+    hp = _flavour(hp_dtensor, mesh, is_hp=True)
     if reference is _RAISED:
         hp_side = _Side(no_reference=True)
     else:
-        hp_side = _run_hp(op, leaves, spec, placement, mesh, every)
-    result.hp, result.hp_detail = _settle(hp_side, reference, hp_dtensor.DTensor, tol, group)
+        hp_side = _run_side(op, leaves, spec, placement, hp, every)
+    result.hp, result.hp_detail = _settle(hp_side, reference, hp.dtensor_type, tol, group)
     if result.hp == "skip":
         return None
     result.hp_comms, result.fallback = hp_side.comms, hp_side.fallback
     if result.hp == "hang":
         raise SweepHang(result)
+    plain = _plain_grad(op, leaves, spec) if with_grad and _grad_wanted(op, leaves) else None
+    if plain is not None and result.hp == "ok":
+        result.hp_grad, result.hp_grad_detail, back = _settle_grad(
+            op, leaves, spec, placement, hp, every, plain, tol, group
+        )
+        result.hp_bwd_comms, result.bwd_fallback = back.comms, back.fallback
+        if result.hp_grad == "hang":
+            raise SweepHang(result)
     if not with_torch:
         return result
-    torch_side = _run_torch(op, leaves, spec, placement, mesh, every)
-    result.torch, result.torch_detail = _settle(torch_side, reference, tdt.DTensor, tol, group)
+    theirs = _flavour(tdt, mesh.to_torch(), is_hp=False)
+    torch_side = _run_side(op, leaves, spec, placement, theirs, every)
+    result.torch, result.torch_detail = _settle(torch_side, reference, theirs.dtensor_type, tol, group)
     result.torch_comms = torch_side.comms
     if result.torch == "hang":
         raise SweepHang(result)
+    if plain is not None and result.torch == "ok":
+        result.torch_grad, result.torch_grad_detail, back = _settle_grad(
+            op, leaves, spec, placement, theirs, every, plain, tol, group
+        )
+        result.torch_bwd_comms = back.comms
+        if result.torch_grad == "hang":
+            raise SweepHang(result)
     return result
 
 
@@ -486,8 +656,12 @@ def run_sweep(
     deny: Iterable[str] = (),
     on_result: Callable[[CaseResult], None] | None = None,
     with_torch: bool = True,
+    with_grad: bool | Callable[[str, str], bool] = True,
 ) -> tuple[list[CaseResult], list[str]]:
     """Run every case of ``ops`` (minus random ops and ``deny``); returns (results, skipped op notes).
+
+    ``with_grad`` checks gradients on every case, none, or those for which
+    ``with_grad(op key, placement)`` is true (a cheaper subset for CI).
 
     Raises :class:`SweepHang` (its ``result`` is the hung case) after a hang.
     """
@@ -511,8 +685,18 @@ def run_sweep(
         if not todo:
             skipped.append(f"{key}: no sample with a strided tensor input")
         for index, sample, placement in todo:
+            grad = with_grad(key, placement) if callable(with_grad) else with_grad
             result = run_case(
-                op, sample, placement, mesh, group, key=key, index=index, tol=tol, with_torch=with_torch
+                op,
+                sample,
+                placement,
+                mesh,
+                group,
+                key=key,
+                index=index,
+                tol=tol,
+                with_torch=with_torch,
+                with_grad=grad,
             )
             if result is not None:
                 results.append(result)
@@ -522,9 +706,12 @@ def run_sweep(
 
 
 def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
-    """The figures of the table and of the last JSON line."""
+    """The figures of the table and of the last JSON line (the backward's under keys of their own)."""
     both_ok = [r for r in results if r.placement.startswith("S(") and r.hp == "ok" and r.torch == "ok"]
     hp_only = sorted({r.op for r in both_ok if r.hp_comms > 0 and r.torch_comms == 0})
+    grads_ok = [
+        r for r in results if r.placement.startswith("S(") and r.hp_grad == "ok" and r.torch_grad == "ok"
+    ]
     return {
         "cases": len(results),
         "ops": len({r.op for r in results}),
@@ -535,6 +722,20 @@ def summarize(results: Sequence[CaseResult]) -> dict[str, Any]:
         "shard_hp_communicates": sum(r.hp_comms > 0 for r in both_ok),
         "shard_torch_communicates": sum(r.torch_comms > 0 for r in both_ok),
         "ops_hp_communicates_torch_not": hp_only,
+        "grad_cases": sum(bool(r.hp_grad or r.torch_grad) for r in results),
+        "hp_grad": {k: sum(r.hp_grad == k for r in results) for k in KINDS},
+        "torch_grad": {k: sum(r.torch_grad == k for r in results) for k in KINDS},
+        "hp_bwd_fallback_cases": sum(r.bwd_fallback for r in results),
+        "ops_bwd_fallback": sorted({r.op for r in results if r.bwd_fallback}),
+        "shard_both_grad_ok": len(grads_ok),
+        "shard_hp_bwd_communicates": sum(r.hp_bwd_comms > 0 for r in grads_ok),
+        "shard_torch_bwd_communicates": sum(r.torch_bwd_comms > 0 for r in grads_ok),
+        "ops_hp_bwd_communicates_torch_not": sorted(
+            {r.op for r in grads_ok if r.hp_bwd_comms > 0 and r.torch_bwd_comms == 0}
+        ),
+        "ops_hp_grad_wrong": sorted(
+            {r.op for r in results if r.hp_grad in ("wrong", "disagree", "not_dtensor")}
+        ),
     }
 
 
@@ -551,19 +752,38 @@ def format_table(summary: dict[str, Any]) -> str:
         "ops where hp communicates and torch does not: "
         + (", ".join(summary["ops_hp_communicates_torch_not"]) or "none")
     )
+    lines.append(f"backward: {summary['grad_cases']} cases with a gradient checked")
+    lines.append(f"{'grad class':<12} {'hp':>6} {'torch':>6}")
+    lines += [f"{k:<12} {summary['hp_grad'][k]:>6} {summary['torch_grad'][k]:>6}" for k in KINDS]
+    lines.append(
+        f"hp backward cases through the fallback: {summary['hp_bwd_fallback_cases']}; ops: "
+        + (", ".join(summary["ops_bwd_fallback"]) or "none")
+    )
+    lines.append(
+        f"Shard cases with both gradients ok: {summary['shard_both_grad_ok']}; hp's backward communicates in "
+        f"{summary['shard_hp_bwd_communicates']}, torch's in {summary['shard_torch_bwd_communicates']}"
+    )
+    lines.append(
+        "ops where hp's backward communicates and torch's does not: "
+        + (", ".join(summary["ops_hp_bwd_communicates_torch_not"]) or "none")
+    )
+    lines.append("ops with a wrong hp gradient: " + (", ".join(summary["ops_hp_grad_wrong"]) or "none"))
     return "\n".join(lines)
 
 
 def failures(results: Sequence[CaseResult], op_names: dict[str, str]) -> dict[str, list[CaseResult]]:
     """Per op key, the hp cases CI rejects: any class but ok, except a NotImplementedError naming the op.
 
-    ``op_names`` maps an op key to the names its error may use (the OpInfo name's last part).
+    The gradient is judged alike (unchecked counts as passing). ``op_names``
+    maps an op key to the names its error may use (the OpInfo name's last part).
     """
     bad: dict[str, list[CaseResult]] = {}
     for r in results:
-        if r.hp == "ok" or (r.hp == "error" and _names_op(r.hp_detail, op_names.get(r.op, r.op))):
-            continue
-        bad.setdefault(r.op, []).append(r)
+        name = op_names.get(r.op, r.op)
+        forward_ok = r.hp == "ok" or (r.hp == "error" and _names_op(r.hp_detail, name))
+        grad_ok = r.hp_grad in ("", "ok") or (r.hp_grad == "error" and _names_op(r.hp_grad_detail, name))
+        if not (forward_ok and grad_ok):
+            bad.setdefault(r.op, []).append(r)
     return bad
 
 

@@ -1,7 +1,8 @@
 """hp_dtensor over PyTorch's OpInfo database (2 ranks): [Note: the op_db sweep] in ``opdb_sweep.py``.
 
 CI runs one sample of each op in :data:`CI_OPS` (the ops a training step
-touches) under every placement of its first tensor; ``HP_COMPOSITION=full``
+touches) under every placement of its first tensor, and checks the first
+input's gradient too; ``HP_COMPOSITION=full``
 runs every float32 CPU op of op_db with three samples. No case may be wrong,
 come back a plain tensor, or differ between ranks; an error must be a
 ``NotImplementedError`` naming the op. Today's failures are listed in
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hp_dtensor import DTensor
+from hp_dtensor import DTensor, Replicate
 
 sys.path.insert(0, str(Path(__file__).parent))
 from opdb_sweep import (
@@ -96,7 +97,7 @@ def known_drift(
         f"{name}.{variant}" if variant else name: reason for (name, variant), reason in known.items()
     }
     new = [
-        f"{key}: " + "; ".join(f"s{r.sample} {r.placement} {r.hp}: {r.hp_detail[:160]}" for r in cases[:4])
+        f"{key}: " + "; ".join(_evidence(r) for r in cases[:4])
         for key, cases in sorted(failing.items())
         if key not in known_keys
     ]
@@ -104,6 +105,13 @@ def known_drift(
         f"{key} (was: {reason})" for key, reason in known_keys.items() if key in ran and key not in failing
     ]
     return new, fixed
+
+
+def _evidence(r: CaseResult) -> str:
+    """One failing case in a line: the forward's class, or the gradient's when the forward passed."""
+    if r.hp != "ok" or r.hp_grad in ("", "ok"):
+        return f"s{r.sample} {r.placement} {r.hp}: {r.hp_detail[:160]}"
+    return f"s{r.sample} {r.placement} grad {r.hp_grad}: {r.hp_grad_detail[:160]}"
 
 
 def _names(ops: list[Any]) -> dict[str, str]:
@@ -171,20 +179,30 @@ PLANTED = {
 }
 
 
+def _run_planted(
+    cls: type, prefix: str, plants: dict[str, Any], mesh: Any, side: Any
+) -> tuple[_Sample, list[tuple[str, CaseResult]]]:
+    """(the sample, (planted kind, result) for every plant and placement of a (5, 3) sample)."""
+    torch.manual_seed(0)
+    sample = _Sample(torch.randn(5, 3))
+    results = []
+    for kind, fault in plants.items():
+        op = cls(f"{prefix}_{kind}", fault)
+        for placement in ("S(0)", "S(1)", "R"):
+            r = run_case(op, sample, placement, mesh, side, key=op.name, index=0)
+            assert r is not None
+            results.append((kind, r))
+    return sample, results
+
+
 @pytest.mark.distributed(world_size=2)
 def test_sweep_classifies_planted_faults(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     side = dist.new_group(backend="gloo")
-    torch.manual_seed(0)
-    sample = _Sample(torch.randn(5, 3))
-    results = []
-    for kind, fault in PLANTED.items():
-        op = _Planted(f"planted_{kind}", fault)
-        for placement in ("S(0)", "S(1)", "R"):
-            r = run_case(op, sample, placement, mesh, side, key=op.name, index=0)
-            assert r is not None
-            assert (r.hp, r.torch) == (kind, "ok"), (kind, placement, r)
-            results.append(r)
+    sample, results = _run_planted(_Planted, "planted", PLANTED, mesh, side)
+    for kind, r in results:
+        assert (r.hp, r.torch) == (kind, "ok"), (kind, r)
+    results = [r for _, r in results]
     # CI's verdict: a NotImplementedError naming an aten op is accepted, every other class is not
     failing = failures(results, {})
     assert sorted(failing) == ["planted_disagree", "planted_not_dtensor", "planted_wrong"]
@@ -202,3 +220,77 @@ def test_known_table_only_shrinks() -> None:
     assert new == ["c: s0 S(0) wrong: mismatch"] and fixed == []
     # a listed failure that passes now
     assert known_drift({}, {"a.v"}, known) == ([], ["a.v (was: today's bug)"])
+
+
+# -- the sweep's backward classification catches planted faults -------------------------------
+
+
+class _Backward(torch.autograd.Function):
+    """``x * 2`` whose backward is ``fault(grad_output)``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fault: Any) -> torch.Tensor:
+        ctx.fault = fault
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
+        return ctx.fault(grad), None
+
+
+class _PlantedGrad(_Planted):
+    """Right forward everywhere; on hp DTensors a backward of ``fault`` (plain: 2 * cotangent)."""
+
+    supports_autograd = True
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        if isinstance(x, DTensor):
+            return _Backward.apply(x, self._fault)
+        return x * 2
+
+
+def _bwd_through_replicate(g: DTensor) -> Any:
+    """Right, but gathers the gradient and cuts it again: communicates on a Shard case."""
+    return g.redistribute(placements=[Replicate()]).redistribute(placements=g.placements) * 2
+
+
+PLANTED_GRAD = {
+    "ok": lambda g: g * 2,
+    "wrong": lambda g: g * 3,
+    "disagree": _rank_one_raises,  # the forward's faults, raised in the backward
+    "error": _not_implemented,
+}
+
+
+@pytest.mark.distributed(world_size=2)
+def test_sweep_classifies_planted_backward_faults(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    side = dist.new_group(backend="gloo")
+    sample, results = _run_planted(_PlantedGrad, "planted_grad", PLANTED_GRAD, mesh, side)
+    for kind, r in results:
+        assert (r.hp, r.hp_grad, r.torch, r.torch_grad) == ("ok", kind, "ok", "ok"), (kind, r)
+        assert r.hp_bwd_comms == 0 and r.torch_bwd_comms == 0, r
+    results = [r for _, r in results]
+    # CI rejects a bad gradient as it rejects a bad forward; a NotImplementedError naming an aten op passes
+    assert sorted(failures(results, {})) == ["planted_grad_disagree", "planted_grad_wrong"]
+    # the backward's collectives are counted, apart from the forward's
+    op = _PlantedGrad("planted_grad_comms", _bwd_through_replicate)
+    r = run_case(op, sample, "S(0)", mesh, side, key=op.name, index=0)
+    assert r is not None and (r.hp, r.hp_grad, r.hp_comms) == ("ok", "ok", 0), r
+    assert r.hp_bwd_comms > 0 and r.torch_bwd_comms == 0, r
+    # without with_grad, or on an op without autograd, no gradient is checked
+    r = run_case(
+        _PlantedGrad("planted_grad_wrong", lambda g: g * 3),
+        sample,
+        "S(0)",
+        mesh,
+        side,
+        key="w",
+        index=0,
+        with_grad=False,
+    )
+    assert r is not None and (r.hp_grad, r.torch_grad) == ("", ""), r
+    r = run_case(
+        _Planted("planted_no_autograd", lambda x: x * 2), sample, "S(0)", mesh, side, key="n", index=0
+    )
+    assert r is not None and (r.hp_grad, r.torch_grad) == ("", ""), r
