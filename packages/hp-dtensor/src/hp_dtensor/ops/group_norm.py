@@ -8,10 +8,11 @@ take the same cut. A cut of the channel dim keeps whole blocks only when
 each rank's channels start and end on group boundaries ([Note: whole groups
 per rank]); then the op runs on the rank's groups, with ``weight`` and
 ``bias`` cut alike and the statistics cut on their group dim. A cut spatial
-dim stays cut: the blocks' statistics are summed across ranks in small
-all-reduces ([Note: group norm over a spatial cut]). Any other cut (channels
-across a group boundary, a partial) is gathered on that mesh dim, a
-redistribution rather than the fallback.
+dim stays cut: the blocks' statistics are combined across ranks in one
+small all-gather forward and one all-reduce backward ([Note: group norm
+over a spatial cut]). Any other cut (channels across a group boundary, a
+partial) is gathered on that mesh dim, a redistribution rather than the
+fallback.
 
 The op takes ``N``, ``C``, ``HxW`` and ``group`` as numbers, so a kernel
 passes the local ones. In the backward the batch cut makes the weight and
@@ -108,19 +109,35 @@ def _local_sizes(x: torch.Tensor, channels: int, group: int) -> tuple[int, int, 
     return x.shape[0], x.shape[1], math.prod(x.shape[2:]), x.shape[1] // per_group
 
 
-def _spatial(layout: Layout) -> tuple[list[Any], int]:
-    """The process groups of the mesh dims cutting a spatial dim, and the global spatial size."""
+def _spatial(layout: Layout) -> tuple[list[tuple[Any, int]], int]:
+    """(process group, size) of each mesh dim cutting a spatial dim, and the global spatial size."""
     groups = [
-        mesh_group(layout.mesh, m)
+        (mesh_group(layout.mesh, m), layout.mesh.size(m))
         for m, p in enumerate(layout.placements)
         if isinstance(p, Shard) and p.dim >= 2
     ]
     return groups, math.prod(layout.shape[2:])
 
 
-def _summed(value: torch.Tensor, groups: list[Any]) -> torch.Tensor:
+def _merged_moments(blocks: torch.Tensor, groups: list[tuple[Any, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's mean and squared deviations summed over all ranks' parts (see the Note below)."""
+    count = torch.full(blocks.shape[:2], float(blocks.shape[-1]), dtype=blocks.dtype, device=blocks.device)
+    mean = blocks.mean(-1) if blocks.shape[-1] else torch.zeros_like(count)
+    m2 = ((blocks - mean.unsqueeze(-1)) ** 2).sum(-1)
+    for group, size in groups:
+        mine = torch.stack([count, mean, m2]).contiguous()
+        gathered = mine.new_empty((size * 3, *mine.shape[1:]))
+        hc.all_gather_into_tensor(gathered, mine, group)
+        counts, means, m2s = gathered.view(size, 3, *mine.shape[1:]).unbind(1)
+        count = counts.sum(0)
+        mean = (counts * means).sum(0) / count
+        m2 = (m2s + counts * (means - mean) ** 2).sum(0)
+    return mean, m2
+
+
+def _summed(value: torch.Tensor, groups: list[tuple[Any, int]]) -> torch.Tensor:
     value = value.contiguous()
-    for group in groups:
+    for group, _ in groups:
         hc.all_reduce(value, "sum", group)
     return value
 
@@ -131,10 +148,12 @@ def _channel_view(t: torch.Tensor | None, ndim: int) -> torch.Tensor | float:
 
 
 # [Note: group norm over a spatial cut]
-# A cut spatial dim splits every ``(sample, group)`` block across ranks. The
-# forward sums each block's values on every rank, one all-reduce gives the
-# means, and a second the sums of squared deviations from them (two passes,
-# as exact as the op's own); each rank then normalises its part, and the
+# A cut spatial dim splits every ``(sample, group)`` block across ranks. In
+# the forward each rank takes its part's count, mean and sum of squared
+# deviations per block, one all-gather of those (three numbers per block and
+# rank) gives every rank all of them, and each merges them exactly (Chan's
+# pairwise formula: ``M2 = sum_k M2_k + n_k (mean_k - mean)^2``, as stable as
+# the op's own one-pass moments); each rank then normalises its part, and the
 # statistics are whole on every rank. The backward needs two sums per block,
 # of ``dy * w`` and of ``dy * w * x``, stacked into one all-reduce, and
 # computes ``dx = rstd * (dyw - mean(dyw) - xhat * mean(dyw * xhat))`` on its
@@ -149,10 +168,9 @@ def _forward_kernel(call: LocalCall) -> Any:
     count = (c // group) * total
     compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     blocks = x.to(compute).reshape(n, group, -1)
-    mean = _summed(blocks.sum(-1), groups) / count
-    centred = blocks - mean.unsqueeze(-1)
-    rstd = (_summed((centred * centred).sum(-1), groups) / count + call.args[7]).rsqrt()
-    y = (centred * rstd.unsqueeze(-1)).reshape(x.shape)
+    mean, m2 = _merged_moments(blocks, groups)
+    rstd = (m2 / count + call.args[7]).rsqrt()
+    y = ((blocks - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).reshape(x.shape)
     y = y * _channel_view(weight, x.dim()) + (0.0 if bias is None else _channel_view(bias, x.dim()))
     return y.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)
 
