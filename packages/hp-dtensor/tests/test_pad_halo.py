@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hp_dtensor import Replicate, Shard, distribute_tensor, fallback_policy
+from hp_dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, fallback_policy
 from hp_dtensor.ops.pad_halo import plan_pad
 from hp_testing import record_collectives
 
@@ -103,3 +103,24 @@ def test_pad_on_four_ranks_swaps_rows_with_neighbours(rank, device_mesh_factory)
     assert out.placements == (S2,) and len(log) == 0 and log.p2p_batches() == 1
     row = 2 * 3 * 5 * 8
     assert log.p2p_nbytes("received") <= 2 * row
+
+
+@pytest.mark.distributed(world_size=2)
+def test_pad_value_of_a_partial_counts_once(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    pieces = [torch.full((2, 3), 1.0 + r, dtype=torch.float64) for r in range(2)]
+    for op, whole in (
+        ("sum", pieces[0] + pieces[1]),
+        ("max", pieces[1]),
+        ("avg", (pieces[0] + pieces[1]) / 2),
+    ):
+        partial = DTensor.from_local(pieces[rank].clone(), mesh, [Partial(op)])
+        with fallback_policy("error"):
+            with record_collectives() as zero_log:
+                zero = F.pad(partial, (1, 1))
+            filled = F.pad(partial, (1, 1), value=5.0)
+        assert zero.placements == (Partial(op),) and len(zero_log) == 0  # zeros are no term of any reduction
+        torch.testing.assert_close(zero.full_tensor(), F.pad(whole, (1, 1)))
+        # a sum would count the fill value once per rank: reduced first; max and mean of 5s are 5
+        assert filled.placements == ((R,) if op == "sum" else (Partial(op),))
+        torch.testing.assert_close(filled.full_tensor(), F.pad(whole, (1, 1), value=5.0))

@@ -96,6 +96,13 @@ def constant_pad_rule(call: OpCall) -> Decision:
     assert isinstance(pad, (list, tuple))
     named = {layout.ndim - 1 - i // 2 for i, amount in enumerate(pad) if int(amount)}
     decision = _keep_all_but(call, named)
+    value = _arg(call, 2, "value", 0)
+    if value:  # a fill value counts once per rank in a sum (or norm) partial: reduce those first
+        kept_partials = tuple(
+            Replicate() if isinstance(p, Partial) and p.reduce_op not in ("avg", "max", "min") else p
+            for p in decision.inputs[position]
+        )
+        decision = Decision(inputs={position: kept_partials}, outputs=[kept_partials])
     plans = plan_pads(layout, pad) if 0 < len(pad) <= 2 * layout.ndim and len(pad) % 2 == 0 else {}
     if not plans:
         return decision
