@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from collections.abc import Callable
 
 import pytest
+from hp_testing.local import _import_state_modules
+
+# [Note: local mode beside pytester]
+# Local mode runs its ranks in this pytest process and imports hp's packages (and, through
+# them, torch's DTensor and functional collectives) here. pytester's in-process inner sessions
+# (this module's and other modules') forget every module first imported during them, and a
+# second import of those torch modules registers their operator libraries twice
+# ("Only a single TORCH_LIBRARY ...", "Tried to register an operator ... multiple times").
+# Imported here, before any test module and any inner session, they are never forgotten
+# (whichever test files a run selects).
+_import_state_modules(())
+importlib.import_module("torch.distributed._functional_collectives")
 
 #: Runs a test module's source in an inner pytest session: (result, report section per failed test).
 Inner = Callable[[str], tuple[pytest.RunResult, dict[str, str]]]

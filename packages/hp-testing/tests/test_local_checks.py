@@ -10,7 +10,6 @@ session, where each fails and the report is read per mode.
 
 from __future__ import annotations
 
-import importlib
 import pathlib
 import re
 from typing import Any
@@ -20,17 +19,8 @@ import torch
 import torch.distributed as dist
 from hp_testing import BackendRuleError, CollectiveMismatchError, P2PMismatchError
 from hp_testing._calls import NotAMemberError
-from hp_testing.local import _import_state_modules
 
-# [Note: local mode beside pytester]
-# Local mode runs its ranks in this pytest process and imports hp's packages (and, through
-# them, torch's DTensor and functional collectives) here. pytester's in-process inner sessions
-# (this module's and other modules') forget every module first imported during them, and a
-# second import of those torch modules registers their operator libraries twice
-# ("Only a single TORCH_LIBRARY ...", "Tried to register an operator ... multiple times").
-# Imported at collection, before any inner session, they are never forgotten.
-_import_state_modules(())
-importlib.import_module("torch.distributed._functional_collectives")
+# Local mode beside pytester's inner sessions: see [Note: local mode beside pytester] in conftest.py.
 
 MODES = ("process", "local")
 
