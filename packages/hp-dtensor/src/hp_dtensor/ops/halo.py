@@ -273,12 +273,17 @@ def _pad_rows(rows: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 # All sends and receives of a rank are posted together before any wait, so the
 # ring of exchanges cannot deadlock on a backend whose sends block until
 # matched (NCCL runs the batch as one group). Each direction has one width on
-# every rank of the line, so a receive is posted exactly where the neighbour
-# posts its send. With two ranks the all-gather stays: it is already just one
-# buffer each way between the same two ranks (no more messages, a few padding
-# rows at most), and it runs on the group's collective channels, while NCCL
-# and HCCL set up separate point-to-point connections and buffers on a
-# communicator's first send between a pair of ranks.
+# every rank of the line (the widest border, as in the all-gather), so a
+# receive is posted exactly where the neighbour posts its send, and every rank
+# of the line takes part in the batch: NCCL leaves a batch that only some
+# ranks of a group join undefined when it is the group's first communication.
+# The price is a few padding rows where borders differ (a strided window,
+# an uneven pad); the payload stays two borders per rank.
+# With two ranks the all-gather stays: it is already just one buffer each
+# way between the same two ranks (no more messages, the same padded rows),
+# and it runs on the group's collective channels, while NCCL and HCCL set up
+# separate point-to-point connections and buffers on a communicator's first
+# send between a pair of ranks.
 def extend(local: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
     """This rank's piece extended to the rows ``plan`` says it reads ([Note: halo exchange])."""
     r = layout.my_coordinate()[plan.mesh_dim]
