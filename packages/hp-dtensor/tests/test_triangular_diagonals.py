@@ -93,6 +93,33 @@ def test_diagonal_ops_keep_batch_cuts(rank, device_mesh_factory) -> None:  # typ
     # diag / diagflat of a vector: the vector's own dim is the diagonal, gathered, not the fallback
     check_placed(torch.diag, [randn(5)], [[S0]], mesh, forward_comms=1, backward_comms=None)
     check_placed(torch.diagflat, [randn(2, 3)], [[S0]], mesh, forward_comms=None, backward_comms=None)
-    # a matrix-dim cut of diagonal is gathered (one all-gather), not the fallback
-    diagonal = lambda t: torch.diagonal(t, 0, 1, 2)  # noqa: E731
-    check_placed(diagonal, [x], [[S1]], mesh, forward_comms=1, backward_comms=None)
+    # a matrix-dim cut whose runs are the output's pieces is local: rows of 4 x 5 matrices, 2 + 2
+    out = check_placed(lambda t: torch.diagonal(t, 0, 1, 2), [x], [[S1]], mesh)
+    assert out.placements == (S1,)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_diagonal_of_cut_matrix_dims(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    square = randn(5, 5)  # rows and columns cut 3 + 2, as the diagonal's 5 elements
+    for cut in (S0, S1):
+        out = check_placed(torch.diagonal, [square], [[cut]], mesh)
+        assert out.placements == (S0,)
+        check_placed(torch.diag, [square], [[cut]], mesh)
+    out = check_placed(lambda t: torch.diagonal(t, 1), [randn(5, 7)], [[S0]], mesh)  # 5 elements, rows 3 + 2
+    assert out.placements == (S0,)
+    out = check_placed(lambda t: torch.diagonal(t, -2), [randn(7, 5)], [[S1]], mesh)  # 5 elements, columns
+    assert out.placements == (S0,)
+    # offset 1 of a square matrix: 4 elements (2 + 2), but rows 3 + 2 hold 3 + 1 of them: gathered
+    check_placed(lambda t: torch.diagonal(t, 1), [square], [[S0]], mesh, forward_comms=1, backward_comms=None)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_diagonal_of_cut_matrix_dims_on_a_2d_mesh(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2, 2))
+    torch.manual_seed(0)
+    out = check_placed(lambda t: torch.diagonal(t, 0, 1, 2), [randn(3, 8, 8)], [[S0, S1]], mesh)
+    assert out.placements == (S0, S1)
+    out = check_placed(torch.diagonal, [randn(8, 8)], [[S0, S0]], mesh)
+    assert out.placements == (S0, S0)
