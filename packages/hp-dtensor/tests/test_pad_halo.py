@@ -105,6 +105,22 @@ def test_pad_on_four_ranks_swaps_rows_with_neighbours(rank, device_mesh_factory)
     row = 2 * 3 * 5 * 8
     assert log.p2p_nbytes("received") == (2 * row if rank < 3 else 0)
     assert log.p2p_nbytes("sent") == (2 * row if rank > 0 else 0)
+    # padding="same" with an even kernel on 4 ranks: the pad's shift and the convolution's halo, no gather
+    w, b = _t(4, 3, 4, 2), _t(4)
+    with fallback_policy("error"):
+        same = lambda x, w, b: F.conv2d(x, w, b, padding="same")  # noqa: E731
+        check(same, [x, w, b], [S2, R, R], mesh, expect=[S2], local=False)
+        # height on one mesh dim, width on the other, both padded
+        grid = device_mesh_factory((2, 2))
+        xg = distribute_tensor(x, grid, [S2, S3]).requires_grad_()
+        out = F.pad(xg, (1, 2, 2, 1), value=0.5)
+        (out * out).sum().backward()
+    full = x.clone().requires_grad_()
+    ref = F.pad(full, (1, 2, 2, 1), value=0.5)
+    (ref * ref).sum().backward()
+    assert out.placements == (S2, S3)
+    torch.testing.assert_close(out.full_tensor(), ref.detach())
+    torch.testing.assert_close(xg.grad.full_tensor(), full.grad)
 
 
 @pytest.mark.distributed(world_size=2)

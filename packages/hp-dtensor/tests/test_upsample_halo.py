@@ -136,3 +136,16 @@ def test_upsampling_on_four_ranks_swaps_rows_with_neighbours(rank, device_mesh_f
     assert out.placements == (S2,) and len(log) == 0 and log.p2p_batches() == 1
     neighbours = (rank > 0) + (rank < 3)
     assert 0 < log.p2p_nbytes("received") <= neighbours * 3 * (2 * 3 * 5 * 8)
+    # height on one mesh dim, width on the other: both halos, corners through the first exchange
+    grid = device_mesh_factory((2, 2))
+    x2 = _t(2, 3, 6, 8)
+    full = x2.clone().requires_grad_()
+    ref = F.interpolate(full, scale_factor=2, mode="bicubic")
+    (ref * ref).sum().backward()
+    xd2 = distribute_tensor(x2, grid, [S2, S3]).requires_grad_()
+    with fallback_policy("error"):
+        out2 = F.interpolate(xd2, scale_factor=2, mode="bicubic")
+        (out2 * out2).sum().backward()
+    assert out2.placements == (S2, S3)
+    torch.testing.assert_close(out2.full_tensor(), ref.detach())
+    torch.testing.assert_close(xd2.grad.full_tensor(), full.grad)
