@@ -6,7 +6,8 @@ the answer for its own planes: each rank runs the op on its piece, forward
 and backward, with no communication (the backward's gradient, input and max
 pooling indices are cut alike; the indices count positions inside a plane,
 so they need no offset). A shard of a spatial dim needs the neighbours'
-border rows: average and max pooling take a halo exchange and stay cut
+border rows: average and max pooling (adaptive ones whose windows line up
+too) take a halo exchange and stay cut
 (:mod:`hp_dtensor.ops.pool_halo`), and so does upsampling by an integer
 scale (:mod:`hp_dtensor.ops.upsample_halo`); the other ops, and cuts without a halo
 plan, gather that mesh dim (a redistribution, not the fallback). The shuffles, the grid
