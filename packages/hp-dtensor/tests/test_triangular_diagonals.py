@@ -90,8 +90,16 @@ def test_diagonal_ops_keep_batch_cuts(rank, device_mesh_factory) -> None:  # typ
     out = check_placed(lambda a, b: torch.diagonal_scatter(a, b, 0, 1, 2), [x, src], [[S0], [S0]], mesh)
     assert out.placements == (S0,)
     check_placed(lambda a, b: torch.diagonal_scatter(a, b, 0, 1, 2), [x, src], [[S0], [R]], mesh)
-    # diag / diagflat of a vector: the vector's own dim is the diagonal, gathered, not the fallback
-    check_placed(torch.diag, [randn(5)], [[S0]], mesh, forward_comms=1, backward_comms=None)
+    # diag / diag_embed of a cut vector: the rank's rows of the matrix (5 = 3 + 2 entries and rows)
+    out = check_placed(torch.diag, [randn(5)], [[S0]], mesh)
+    assert out.placements == (S0,)
+    out = check_placed(torch.diag_embed, [x], [[S2]], mesh)  # 5 x 5 matrices, rows 3 + 2
+    assert out.placements == (S2,)
+    # offset -2: 7 x 7 matrices whose rows (4 + 3) and columns hold 2 + 3 and 4 + 1 entries: gathered
+    check_placed(lambda t: torch.diag_embed(t, -2), [x], [[S2]], mesh, forward_comms=1, backward_comms=None)
+    # offset 1: 6 x 6 matrices cut 3 + 3 rows, holding entries 0-2 and 3-4: the entries' own 3 + 2
+    out = check_placed(lambda t: torch.diag_embed(t, 1), [randn(5)], [[S0]], mesh)
+    assert out.placements == (S0,)
     check_placed(torch.diagflat, [randn(2, 3)], [[S0]], mesh, forward_comms=None, backward_comms=None)
     # a matrix-dim cut whose runs are the output's pieces is local: rows of 4 x 5 matrices, 2 + 2
     out = check_placed(lambda t: torch.diagonal(t, 0, 1, 2), [x], [[S1]], mesh)

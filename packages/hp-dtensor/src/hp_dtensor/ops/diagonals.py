@@ -10,7 +10,9 @@ diagonals put back into zeros), ``diagonal_scatter`` (the input and the
 source cut alike) and ``diag_embed`` (the inverse: the last dim becomes the
 diagonal of two new dims). A cut of a matrix dim leaves each rank a run of
 the diagonal: kept, on the output's last dim, where the runs are the
-output's own pieces ([Note: cut matrix dims]), gathered otherwise. The ops are
+output's own pieces ([Note: cut matrix dims]), gathered otherwise; a cut
+diagonal given to ``diag_embed`` becomes a cut of the rows (or columns) by
+the same test. The ops are
 linear: a ``Partial("sum")`` / ``Partial("avg")`` input stays partial
 (``diagonal_scatter`` keeps it only with both operands partial).
 
@@ -170,14 +172,40 @@ def diagonal_backward_rule(call: OpCall) -> Decision:
     return Decision(inputs={position: inputs}, outputs=[outputs], size_arg=1)
 
 
+def _embed_kernel(matrix: Layout, call: LocalCall) -> torch.Tensor:
+    """This rank's rows (or columns) of the matrices, its run of the diagonal written in."""
+    x = call.args[0]
+    k, dim1, dim2 = _arg(call, 1, "offset", 0), _arg(call, 2, "dim1", -2), _arg(call, 3, "dim2", -1)
+    first, second = dim1 % matrix.ndim, dim2 % matrix.ndim
+    out = x.new_zeros(matrix.local_shape())
+    torch.diagonal(out, _shifted(matrix, k, first, second), first, second).copy_(x)
+    return out
+
+
 @register(aten.diag_embed.default)
 def diag_embed_rule(call: OpCall) -> Decision:
-    """Cuts of the leading dims pass to the output dims that are not the two new matrix dims."""
+    """Leading-dim cuts pass to the batch dims; a cut diagonal to the rows or columns if its runs agree."""
     position = call.positions[0]
     layout = call.layout(position)
-    dim1, dim2 = _arg(call, 2, "dim1", -2), _arg(call, 3, "dim2", -1)
-    batch = _batch_dims(layout.ndim + 1, dim1, dim2)
+    k, dim1, dim2 = _arg(call, 1, "offset", 0), _arg(call, 2, "dim1", -2), _arg(call, 3, "dim2", -1)
+    ndim = layout.ndim + 1
+    first, second = dim1 % ndim, dim2 % ndim
+    batch = _batch_dims(ndim, dim1, dim2)
     inputs, outputs = _carry(layout.placements, list(range(layout.ndim - 1)), batch)
+    cut = [m for m, p in enumerate(layout.placements) if p == Shard(layout.ndim - 1)]
+    size = layout.shape[-1] + abs(k)
+    shape = [0] * ndim
+    for d, s in zip(batch, layout.shape[:-1], strict=True):
+        shape[d] = s
+    shape[first] = shape[second] = size
+    for target in (first, second) if cut else ():
+        ins, outs = list(inputs), list(outputs)
+        for m in cut:
+            ins[m], outs[m] = layout.placements[m], Shard(target)
+        matrix = Layout(layout.mesh, outs, shape)
+        if _runs_agree(matrix, layout.with_placements(ins), first, second, k):
+            kernel = functools.partial(_embed_kernel, matrix)
+            return Decision(inputs={position: tuple(ins)}, outputs=[tuple(outs)], kernel=kernel)
     return Decision(inputs={position: inputs}, outputs=[outputs])
 
 
