@@ -10,16 +10,13 @@ takes the fallback), collectives are counted, and the placements match
 torch's DTensor where torch produces a ``_StridedShard`` too.
 
 The dispatcher asks rules through :func:`hp_dtensor.ops.strided.decide`
-([Note: rules and strided shards]); :func:`through_decide` makes sure it does
-for the test's duration.
+([Note: rules and strided shards]); ``through_decide`` (in
+``test_strided_shard.py``) makes sure it does for the test's duration.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,41 +32,17 @@ from hp_dtensor import (
     fallback_stats,
     from_torch_dtensor,
 )
-from hp_dtensor.ops import dispatch, strided
+from hp_dtensor.ops import strided
 from hp_dtensor.ops.dispatch import Decision
 from hp_testing import record_collectives
 from torch.distributed import tensor as td
 
 sys.path.insert(0, str(Path(__file__).parent))
 from op_compare import check
+from test_strided_shard import through_decide
 
 R = Replicate()
 NO_COMM: dict[str, int] = {}
-
-
-@contextmanager
-def through_decide() -> Iterator[None]:
-    """Rules asked through ``strided.decide`` (a no-op once the dispatcher does so itself)."""
-    if getattr(dispatch, "decide", None) is strided.decide:
-        yield
-        return
-    table = dispatch.RULES
-
-    class Asked(dict):  # type: ignore[type-arg]
-        def get(self, op: Any, default: Any = None) -> Any:
-            rule = table.get(op)
-            return default if rule is None else functools.partial(strided.decide, rule)
-
-        def __setitem__(self, op: Any, rule: Any) -> None:
-            table[op] = rule
-
-    dispatch.RULES = Asked()  # type: ignore[assignment]
-    dispatch.clear_caches()
-    try:
-        yield
-    finally:
-        dispatch.RULES = table
-        dispatch.clear_caches()
 
 
 def test_only_rules_asked_through_decide_may_produce_it() -> None:

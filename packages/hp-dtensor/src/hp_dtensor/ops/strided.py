@@ -26,7 +26,7 @@ from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedS
 if TYPE_CHECKING:
     from hp_dtensor.ops.dispatch import Decision, OpCall
 
-__all__ = ["STRIDED_RULES", "decide", "may_produce_strided", "reads_strided"]
+__all__ = ["STRIDED_RULES", "decide", "may_produce_strided", "reads_strided", "wired"]
 
 Rule = Callable[["OpCall"], "Decision | None"]
 
@@ -39,6 +39,18 @@ def reads_strided(rule: Rule) -> Rule:
     """Mark ``rule`` as one that handles ``StridedShard`` inputs and may produce the placement."""
     STRIDED_RULES.add(rule)
     return rule
+
+
+def wired() -> bool:
+    """Whether the dispatcher asks every rule through :func:`decide` (see [Note: rules and strided shards]).
+
+    Until it does, no DTensor may carry a ``StridedShard``: rules that never
+    heard of it would misread it. :func:`hp_dtensor.layout.normalize_placements`
+    refuses one then, and views gather as before.
+    """
+    from hp_dtensor.ops import dispatch
+
+    return getattr(dispatch, "decide", None) is decide
 
 
 def may_produce_strided() -> bool:
