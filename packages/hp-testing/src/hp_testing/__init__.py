@@ -20,7 +20,12 @@ from hp_testing._sidechannel import (  # noqa: E402
     PeerFailedError,
     UnmatchedError,
 )
-from hp_testing.collectives import CollectiveLog, CollectiveRecord, record_collectives  # noqa: E402
+from hp_testing.collectives import (  # noqa: E402
+    CollectiveLog,
+    CollectiveRecord,
+    P2PRecord,
+    record_collectives,
+)
 from hp_testing.fixtures import DeviceMeshFactory  # noqa: E402
 from hp_testing.local import ConcurrencyNeededError, LocalHangError, LocalModeFailed, run_local  # noqa: E402
 from hp_testing.pool import Outcome, PoolError, WorkerPool  # noqa: E402
@@ -40,6 +45,7 @@ __all__ = [
     "LocalModeFailed",
     "Outcome",
     "P2PMismatchError",
+    "P2PRecord",
     "PeerFailedError",
     "PoolError",
     "UnmatchedError",
