@@ -1,27 +1,6 @@
 """``_chunk_cat``: FSDP2's packing of gradients for one reduce-scatter, on cut inputs.
 
-``_chunk_cat(tensors, dim, num_chunks)`` cuts each tensor's dim ``dim`` into
-``num_chunks`` chunks of ``c_i = ceil(D_i / num_chunks)`` rows (the last
-padded with zeros), flattens each chunk's rows with the dims after them, and
-concatenates the tensors' chunks side by side: the output is ``(*lead,
-num_chunks, sum_i c_i * inner_i)``, where ``lead`` are the dims before
-``dim`` (equal for all tensors). Per mesh dim, with every tensor cut alike:
-
-* a cut of a leading dim (before ``dim``) is copied as it is: each rank
-  packs its own rows, and the output keeps the cut (a replicated input is
-  cut alike, locally);
-* a cut of dim ``dim`` itself is local when it falls on chunk boundaries
-  ([Note: chunk-aligned cuts]): each rank packs its rows into its own
-  chunks, and the output is cut on its chunk dim;
-* a cut of a dim after ``dim`` would interleave the ranks' columns inside
-  every chunk, so that mesh dim is gathered, as is a cut that is not
-  chunk-aligned or one that leaves some rank an empty piece (the op refuses
-  empty tensors);
-* the op is linear (its padding is zeros): inputs that are all the same
-  ``Partial("sum")`` / ``Partial("avg")`` stay partial.
-
-torch's DTensor has no rule for this op (it refuses it). The op has no
-autograd formula, so there is no backward to rule.
+See [Note: chunk_cat plans].
 """
 
 from __future__ import annotations
@@ -37,6 +16,31 @@ from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["chunk_cat_rule"]
+
+
+# [Note: chunk_cat plans]
+# ``_chunk_cat(tensors, dim, num_chunks)`` cuts each tensor's dim ``dim`` into
+# ``num_chunks`` chunks of ``c_i = ceil(D_i / num_chunks)`` rows (the last
+# padded with zeros), flattens each chunk's rows with the dims after them, and
+# concatenates the tensors' chunks side by side: the output is ``(*lead,
+# num_chunks, sum_i c_i * inner_i)``, where ``lead`` are the dims before
+# ``dim`` (equal for all tensors). Per mesh dim, with every tensor cut alike:
+#
+# * a cut of a leading dim (before ``dim``) is copied as it is: each rank
+#   packs its own rows, and the output keeps the cut (a replicated input is
+#   cut alike, locally);
+# * a cut of dim ``dim`` itself is local when it falls on chunk boundaries
+#   ([Note: chunk-aligned cuts]): each rank packs its rows into its own
+#   chunks, and the output is cut on its chunk dim;
+# * a cut of a dim after ``dim`` would interleave the ranks' columns inside
+#   every chunk, so that mesh dim is gathered, as is a cut that is not
+#   chunk-aligned or one that leaves some rank an empty piece (the op refuses
+#   empty tensors);
+# * the op is linear (its padding is zeros): inputs that are all the same
+#   ``Partial("sum")`` / ``Partial("avg")`` stay partial.
+#
+# torch's DTensor has no rule for this op (it refuses it). The op has no
+# autograd formula, so there is no backward to rule.
 
 aten = torch.ops.aten
 R = Replicate()

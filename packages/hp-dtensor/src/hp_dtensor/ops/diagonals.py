@@ -1,27 +1,6 @@
 """Diagonals: ``diagonal`` (+ copy, backward, scatter), ``diag_embed`` and ``trace`` on cut inputs.
 
-``diagonal(x, offset, dim1, dim2)`` takes, for every index of the other
-dims (the *batch* dims), the diagonal of the matrix in ``dim1`` x ``dim2``;
-the output holds the batch dims in order, then the diagonal. A cut batch dim
-is copied as it is: each rank takes the diagonals of its own matrices, and
-the output is cut on that dim's place among the batch dims, with no
-communication; so are ``diagonal_copy``, ``diagonal_backward`` (the
-diagonals put back into zeros), ``diagonal_scatter`` (the input and the
-source cut alike) and ``diag_embed`` (the inverse: the last dim becomes the
-diagonal of two new dims). A cut of a matrix dim leaves each rank a run of
-the diagonal: kept, on the output's last dim, where the runs are the
-output's own pieces ([Note: cut matrix dims]), gathered otherwise; a cut
-diagonal given to ``diag_embed`` becomes a cut of the rows (or columns) by
-the same test. The ops are
-linear: a ``Partial("sum")`` / ``Partial("avg")`` input stays partial
-(``diagonal_scatter`` keeps it only with both operands partial).
-
-``trace`` of a matrix cut on rows and / or columns is a partial sum: the
-piece starting at row ``o`` and column ``c`` holds diagonal element ``i`` at
-local ``(i - o, i - c)``, on its local diagonal ``o - c``, so each rank sums
-that and the result is ``Partial("sum")`` with no communication (an empty
-run sums to zero). torch's DTensor gathers these cuts (one all-gather);
-``diag`` and ``diagflat`` reach ``diag_embed`` / ``diagonal``.
+See [Note: diagonal plans].
 """
 
 from __future__ import annotations
@@ -38,6 +17,31 @@ from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["diag_embed_rule", "diagonal_rule", "trace_rule"]
+
+
+# [Note: diagonal plans]
+# ``diagonal(x, offset, dim1, dim2)`` takes, for every index of the other
+# dims (the *batch* dims), the diagonal of the matrix in ``dim1`` x ``dim2``;
+# the output holds the batch dims in order, then the diagonal. A cut batch dim
+# is copied as it is: each rank takes the diagonals of its own matrices, and
+# the output is cut on that dim's place among the batch dims, with no
+# communication; so are ``diagonal_copy``, ``diagonal_backward`` (the
+# diagonals put back into zeros), ``diagonal_scatter`` (the input and the
+# source cut alike) and ``diag_embed`` (the inverse: the last dim becomes the
+# diagonal of two new dims). A cut of a matrix dim leaves each rank a run of
+# the diagonal: kept, on the output's last dim, where the runs are the
+# output's own pieces ([Note: cut matrix dims]), gathered otherwise; a cut
+# diagonal given to ``diag_embed`` becomes a cut of the rows (or columns) by
+# the same test. The ops are
+# linear: a ``Partial("sum")`` / ``Partial("avg")`` input stays partial
+# (``diagonal_scatter`` keeps it only with both operands partial).
+#
+# ``trace`` of a matrix cut on rows and / or columns is a partial sum: the
+# piece starting at row ``o`` and column ``c`` holds diagonal element ``i`` at
+# local ``(i - o, i - c)``, on its local diagonal ``o - c``, so each rank sums
+# that and the result is ``Partial("sum")`` with no communication (an empty
+# run sums to zero). torch's DTensor gathers these cuts (one all-gather);
+# ``diag`` and ``diagflat`` reach ``diag_embed`` / ``diagonal``.
 
 aten = torch.ops.aten
 R = Replicate()

@@ -1,23 +1,6 @@
 """Distances: ``dist``, ``cdist`` and ``pdist`` on cut inputs, local or as norm partials.
 
-``dist(x, y, p)``: the p-norm of ``x - y`` as a norm partial, with no communication.
-
-With ``x`` and ``y`` of one shape cut alike, each rank's ``dist`` of its
-pieces is the p-norm of its part of ``x - y``, so the result is
-``Partial("norm", p)`` (``Partial("sum")`` for the 0-"norm", a count) as for
-``linalg_vector_norm`` (see [Note: norm partials] in
-:mod:`hp_dtensor.placements`); reading it is one scalar all-reduce per mesh
-dim. ``y`` is moved to ``x``'s cut (a replicated ``y`` is cut locally, for
-free). A rank whose pieces are empty (uneven cuts) contributes the norm
-partial's identity. Operands of different shapes (broadcasting) are both
-replicated.
-
-``cdist(x1, x2, p)`` (``(*B, P, M)`` and ``(*B, Q, M)`` to ``(*B, P, Q)``),
-per mesh dim ([Note: cdist cuts]): a batch cut of both, a row cut of ``x1``
-(``x2`` whole) or of ``x2`` (``x1`` whole) is local; a cut of the feature dim
-``M`` of both gives each rank the p-norms over its features, a norm partial.
-``pdist(x, p)`` of an ``(N, M)`` input cut on ``M`` is a norm partial too;
-its row cut is gathered (each output pairs rows of every rank).
+See [Note: distance plans].
 """
 
 from __future__ import annotations
@@ -32,6 +15,27 @@ from hp_dtensor.ops.vector_norms import norm_partial, vector_norm_decision
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["cdist_backward_rule", "cdist_rule", "dist_rule", "pdist_backward_rule", "pdist_rule"]
+
+
+# [Note: distance plans]
+# ``dist(x, y, p)``: the p-norm of ``x - y`` as a norm partial, with no communication.
+#
+# With ``x`` and ``y`` of one shape cut alike, each rank's ``dist`` of its
+# pieces is the p-norm of its part of ``x - y``, so the result is
+# ``Partial("norm", p)`` (``Partial("sum")`` for the 0-"norm", a count) as for
+# ``linalg_vector_norm`` (see [Note: norm partials] in
+# :mod:`hp_dtensor.placements`); reading it is one scalar all-reduce per mesh
+# dim. ``y`` is moved to ``x``'s cut (a replicated ``y`` is cut locally, for
+# free). A rank whose pieces are empty (uneven cuts) contributes the norm
+# partial's identity. Operands of different shapes (broadcasting) are both
+# replicated.
+#
+# ``cdist(x1, x2, p)`` (``(*B, P, M)`` and ``(*B, Q, M)`` to ``(*B, P, Q)``),
+# per mesh dim ([Note: cdist cuts]): a batch cut of both, a row cut of ``x1``
+# (``x2`` whole) or of ``x2`` (``x1`` whole) is local; a cut of the feature dim
+# ``M`` of both gives each rank the p-norms over its features, a norm partial.
+# ``pdist(x, p)`` of an ``(N, M)`` input cut on ``M`` is a norm partial too;
+# its row cut is gathered (each output pairs rows of every rank).
 
 aten = torch.ops.aten
 R = Replicate()

@@ -1,25 +1,6 @@
 """``take`` and ``put`` / ``put_``: indexing into the flattened tensor, on a cut tensor.
 
-Both read ``index`` as positions in ``x.flatten()`` (negative ones count
-from the end). A rank holding a piece of ``x`` owns the positions whose
-multi-index falls inside its piece, wherever the cut is (any dim, uneven
-pieces, several mesh dims): it unravels each position against the global
-shape, tests it against its piece's start and size, and ravels the local
-multi-index against its piece's shape ([Note: owned positions]). So, with
-the index (and ``put``'s source) whole:
-
-* ``take`` reads its owned positions and writes zeros elsewhere: the ranks'
-  results sum to the answer, ``Partial("sum")`` with no communication (as
-  the row-wise embedding lookup);
-* ``put`` writes (or, with ``accumulate``, adds) the source values of its
-  owned positions into its piece: the result keeps ``x``'s cut.
-
-A cut index with ``x`` whole is local too: ``take``'s output has the
-index's shape and cut, and an accumulating ``put`` of a cut index and
-source is a partial sum ([Note: put partials]). Positions out of range raise, on every
-rank, as the op does. ``take``'s gradient is a ``put`` of zeros and
-``put``'s a ``take``, so the backward is local as well. torch's DTensor
-gathers ``take`` (one all-gather) and has no rule for ``put``.
+See [Note: flat index plans].
 """
 
 from __future__ import annotations
@@ -34,6 +15,29 @@ from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["put_rule", "take_rule"]
+
+
+# [Note: flat index plans]
+# Both read ``index`` as positions in ``x.flatten()`` (negative ones count
+# from the end). A rank holding a piece of ``x`` owns the positions whose
+# multi-index falls inside its piece, wherever the cut is (any dim, uneven
+# pieces, several mesh dims): it unravels each position against the global
+# shape, tests it against its piece's start and size, and ravels the local
+# multi-index against its piece's shape ([Note: owned positions]). So, with
+# the index (and ``put``'s source) whole:
+#
+# * ``take`` reads its owned positions and writes zeros elsewhere: the ranks'
+#   results sum to the answer, ``Partial("sum")`` with no communication (as
+#   the row-wise embedding lookup);
+# * ``put`` writes (or, with ``accumulate``, adds) the source values of its
+#   owned positions into its piece: the result keeps ``x``'s cut.
+#
+# A cut index with ``x`` whole is local too: ``take``'s output has the
+# index's shape and cut, and an accumulating ``put`` of a cut index and
+# source is a partial sum ([Note: put partials]). Positions out of range raise, on every
+# rank, as the op does. ``take``'s gradient is a ``put`` of zeros and
+# ``put``'s a ``take``, so the backward is local as well. torch's DTensor
+# gathers ``take`` (one all-gather) and has no rule for ``put``.
 
 aten = torch.ops.aten
 R = Replicate()

@@ -1,24 +1,6 @@
 """Group normalisation (``native_group_norm`` and its backward) on batch, channel and spatial cuts.
 
-``group_norm`` normalises each ``(sample, group)`` block of a ``(N, C, *)``
-input over the group's ``C / group`` channels and every spatial position.
-A cut of the batch dim keeps whole blocks on each rank: every rank runs the
-op on its samples, and the statistics (``mean``, ``rstd``, ``(N, group)``)
-take the same cut. A cut of the channel dim keeps whole blocks only when
-each rank's channels start and end on group boundaries ([Note: whole groups
-per rank]); then the op runs on the rank's groups, with ``weight`` and
-``bias`` cut alike and the statistics cut on their group dim. A cut spatial
-dim stays cut: the blocks' statistics are combined across ranks in one
-small all-gather forward and one all-reduce backward ([Note: group norm
-over a spatial cut]). Any other cut (channels across a group boundary, a
-partial) is gathered on that mesh dim, a redistribution rather than the
-fallback.
-
-The op takes ``N``, ``C``, ``HxW`` and ``group`` as numbers, so a kernel
-passes the local ones. In the backward the batch cut makes the weight and
-bias gradients partial sums (each rank sums over its own samples), as does
-a spatial cut; under a channel cut they keep the channel cut. torch's DTensor gathers the batch cut
-of this op (one all-gather each way), where this rule sends nothing.
+See [Note: group norm plans].
 """
 
 from __future__ import annotations
@@ -36,6 +18,28 @@ from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["group_norm_backward_rule", "group_norm_rule"]
+
+
+# [Note: group norm plans]
+# ``group_norm`` normalises each ``(sample, group)`` block of a ``(N, C, *)``
+# input over the group's ``C / group`` channels and every spatial position.
+# A cut of the batch dim keeps whole blocks on each rank: every rank runs the
+# op on its samples, and the statistics (``mean``, ``rstd``, ``(N, group)``)
+# take the same cut. A cut of the channel dim keeps whole blocks only when
+# each rank's channels start and end on group boundaries ([Note: whole groups
+# per rank]); then the op runs on the rank's groups, with ``weight`` and
+# ``bias`` cut alike and the statistics cut on their group dim. A cut spatial
+# dim stays cut: the blocks' statistics are combined across ranks in one
+# small all-gather forward and one all-reduce backward ([Note: group norm
+# over a spatial cut]). Any other cut (channels across a group boundary, a
+# partial) is gathered on that mesh dim, a redistribution rather than the
+# fallback.
+#
+# The op takes ``N``, ``C``, ``HxW`` and ``group`` as numbers, so a kernel
+# passes the local ones. In the backward the batch cut makes the weight and
+# bias gradients partial sums (each rank sums over its own samples), as does
+# a spatial cut; under a channel cut they keep the channel cut. torch's DTensor gathers the batch cut
+# of this op (one all-gather each way), where this rule sends nothing.
 
 aten = torch.ops.aten
 R = Replicate()

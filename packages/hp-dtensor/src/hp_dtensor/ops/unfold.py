@@ -1,21 +1,6 @@
 """Sliding windows: ``Tensor.unfold`` (+ copy, backward), ``im2col`` (``F.unfold``), ``col2im`` (``F.fold``).
 
-``x.unfold(dim, size, step)`` replaces dim ``dim`` by the window index and
-appends the window's ``size`` elements as a new last dim. Every other dim is
-copied as it is, so a cut of any dim but ``dim`` stays local, with the same
-tensor dim cut in the output (and in ``unfold_backward``'s gradient, which
-puts the windows back). Windows cross a cut of ``dim`` itself, so that mesh
-dim is gathered. The ops are linear: a ``Partial("sum")`` / ``"avg"`` stays.
-
-``im2col`` (``F.unfold``) turns ``(N, C, H, W)`` into ``(N, C * k, L)``
-(``k = kh * kw`` kernel offsets, ``L`` windows), channel-major: channel
-``c`` fills rows ``[c * k, (c + 1) * k)``; ``col2im`` (``F.fold``) is the
-inverse (and each is the other's gradient). A batch cut stays local. A
-channel cut stays local when each rank's ``k``-row blocks are exactly its
-piece of the row dim, checked at every mesh coordinate ([Note: channel
-blocks]); spatial cuts (the windows cross them) are gathered. Unbatched
-inputs (``(C, H, W)`` / ``(C * k, L)``) have the channel dim first. torch's
-DTensor gathers every one of these cuts (one all-gather).
+See [Note: unfold plans].
 """
 
 from __future__ import annotations
@@ -30,6 +15,25 @@ from hp_dtensor.ops.dispatch import Decision, OpCall, register
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["col2im_rule", "im2col_rule", "unfold_backward_rule", "unfold_rule"]
+
+
+# [Note: unfold plans]
+# ``x.unfold(dim, size, step)`` replaces dim ``dim`` by the window index and
+# appends the window's ``size`` elements as a new last dim. Every other dim is
+# copied as it is, so a cut of any dim but ``dim`` stays local, with the same
+# tensor dim cut in the output (and in ``unfold_backward``'s gradient, which
+# puts the windows back). Windows cross a cut of ``dim`` itself, so that mesh
+# dim is gathered. The ops are linear: a ``Partial("sum")`` / ``"avg"`` stays.
+#
+# ``im2col`` (``F.unfold``) turns ``(N, C, H, W)`` into ``(N, C * k, L)``
+# (``k = kh * kw`` kernel offsets, ``L`` windows), channel-major: channel
+# ``c`` fills rows ``[c * k, (c + 1) * k)``; ``col2im`` (``F.fold``) is the
+# inverse (and each is the other's gradient). A batch cut stays local. A
+# channel cut stays local when each rank's ``k``-row blocks are exactly its
+# piece of the row dim, checked at every mesh coordinate ([Note: channel
+# blocks]); spatial cuts (the windows cross them) are gathered. Unbatched
+# inputs (``(C, H, W)`` / ``(C * k, L)``) have the channel dim first. torch's
+# DTensor gathers every one of these cuts (one all-gather).
 
 aten = torch.ops.aten
 R = Replicate()
