@@ -171,6 +171,11 @@ def test_bug_send_send_deadlock(rank, mode):
     dist.recv(torch.empty(2), 1 - rank)
 
 @both(2, "nccl-emu")
+def test_bug_send_never_waited_nor_received(rank, mode):
+    if rank == 0:
+        dist.isend(torch.ones(2), 1)
+
+@both(2, "nccl-emu")
 def test_bug_skipped_collective(rank, mode):
     if rank == 0:
         dist.all_reduce(torch.ones(2))
@@ -261,6 +266,14 @@ EXPECTED: dict[str, dict[str, list[str]]] = {
         "process": [r"DeadlockError: deadlock: ranks \[\d, \d\] wait on each other in a cycle"],
         "local": [r"LocalHangError: local world of 2 ranks stopped", r"rank 0 waits in rank 0 send"],
     },
+    "test_bug_send_never_waited_nor_received": {
+        mode: [
+            r"UnmatchedError: ",
+            r"rank 0 sent 1 message\(s\) to rank 1 but rank 1 received 0",
+            r"first unreceived: #0 isend\(2 torch.float32 to rank 1\) at .*test_inner.py:\d+",
+        ]
+        for mode in MODES
+    },
     "test_bug_skipped_collective": {
         "process": [r"rank 1 finished the test while rank 0 waited for it in all_reduce"],
         "local": [r"rank 0 waits in all_reduce", r"rank 1 returned \(ended\)"],
@@ -292,24 +305,12 @@ def test_every_backend_rule_applies_in_local_mode(inner: Any, monkeypatch: pytes
     assert outcomes.get("passed", 0) >= 40 and set(outcomes) <= {"passed", "warnings"}, outcomes
 
 
-# -- messages never received: the end-of-test check, ready for run_local_outcomes -----------------------
+# -- messages never received: the end-of-test check of run_local_outcomes --------------------------------
 
 
-def test_unmatched_messages_at_the_end_read_as_in_the_process_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``report_unmatched`` on a finished world (``run_local_outcomes`` does not call it yet)."""
-    import hp_testing.local
-    from hp_testing._local_contract import report_unmatched
-    from hp_testing._local_world import World
+def test_unmatched_messages_at_the_end_read_as_in_the_process_mode() -> None:
+    """A send never received and a receive never sent fail the ranks at both ends, as ``UnmatchedError``."""
     from hp_testing.local import run_local_outcomes
-
-    worlds: list[World] = []
-
-    class Recorded(World):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            worlds.append(self)
-
-    monkeypatch.setattr(hp_testing.local, "World", Recorded)
 
     def body(rank: int) -> None:
         if rank == 0:
@@ -320,9 +321,8 @@ def test_unmatched_messages_at_the_end_read_as_in_the_process_mode(monkeypatch: 
         del work
 
     outcomes = run_local_outcomes(body, 3, emulate="nccl")
-    assert all(o.ok for o in outcomes)  # the run itself passes: nothing waited for the lost messages
-    report_unmatched(worlds[-1], outcomes)
     assert [o.ok for o in outcomes] == [False, False, False]
+    assert all(type(o.exception).__name__ == "UnmatchedError" for o in outcomes)
     sent = re.compile(
         r"UnmatchedError: point-to-point messages without their other end at the end of the test:\n"
         r"  rank 0 sent 1 message\(s\) to rank 1 but rank 1 received 0; first unreceived: "
@@ -333,12 +333,35 @@ def test_unmatched_messages_at_the_end_read_as_in_the_process_mode(monkeypatch: 
     assert "rank 2 posted 1 receive(s) from rank 0" in outcomes[2].error
     assert "to rank 1" not in outcomes[2].error  # rank 2 is told only of its own messages
 
-    def matched(rank: int) -> None:
-        if rank == 0:
-            dist.isend(torch.ones(2), 1)  # never waited, but received: fine
-        elif rank == 1:
-            dist.recv(torch.empty(2), 0)
 
-    outcomes = run_local_outcomes(matched, 2, emulate="nccl")
-    report_unmatched(worlds[-1], outcomes)
+@pytest.mark.parametrize("emulate", [None, "nccl"])
+def test_messages_received_but_never_waited_pass(emulate: str | None) -> None:
+    """Only a message without its other end is reported: a received send nobody waited on is fine."""
+    from hp_testing.local import run_local_outcomes
+
+    def matched(rank: int) -> float:
+        got = torch.zeros(2)
+        if rank == 0:
+            dist.isend(torch.ones(2), 1)  # never waited, but received
+        elif rank == 1:
+            dist.recv(got, 0)
+        return got.sum().item()
+
+    outcomes = run_local_outcomes(matched, 2, emulate=emulate)
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    assert [o.value for o in outcomes] == [0.0, 2.0]
+
+
+def test_a_failed_rank_is_reported_alone() -> None:
+    """When a rank raised, its own error stands: no unmatched-message report on top (as with processes)."""
+    from hp_testing.local import run_local_outcomes
+
+    def body(rank: int) -> None:
+        if rank == 0:
+            dist.isend(torch.ones(2), 1)
+        else:
+            raise ValueError("boom on rank 1")
+
+    outcomes = run_local_outcomes(body, 2)
+    assert outcomes[0].ok and not outcomes[1].ok
+    assert "ValueError: boom on rank 1" in outcomes[1].error and "UnmatchedError" not in outcomes[1].error

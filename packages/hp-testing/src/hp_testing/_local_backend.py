@@ -10,8 +10,9 @@ a disagreement fails it on every rank of the group with each rank's arguments.
 Point-to-point messages match in issue order per (group, source, destination)
 and tag, as gloo does (tags ignored under ``emulate="nccl"`` / ``"hccl"``, whose
 other p2p rules :mod:`hp_testing._local_contract` checks); a send completes
-when its receive took it. ``wait()`` hands the baton to another rank until the
-result is there (see [Note: cooperative ranks] in :mod:`hp_testing._local_world`)."""
+when its receive took it. ``wait()`` passes the turn to the next rank (in rank
+order) that can go on until the result is there (see [Note: cooperative ranks] in
+:mod:`hp_testing._local_world`)."""
 
 from __future__ import annotations
 

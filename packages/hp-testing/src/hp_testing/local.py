@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hp_testing._local_backend import BACKEND, register
+from hp_testing._local_contract import report_unmatched
 from hp_testing._local_emulation import emulated
 from hp_testing._local_state import Slots
 from hp_testing._local_world import LocalHangError, RankOutcome, World
@@ -126,7 +127,10 @@ def run_local_outcomes(
         world = World(world_size, Slots(state_packages), p2p_tags=profile.p2p_tags)
         isolate = _thread_isolation(True)
         try:
-            return world.run(body, _torchrun_env(world_size))
+            outcomes = world.run(body, _torchrun_env(world_size))
+            # a send never received or a receive never sent: the process mode's end-of-test check
+            report_unmatched(world, outcomes)
+            return outcomes
         finally:
             _thread_isolation(isolate)
             set_backend_semantics(BACKEND, previous)
