@@ -156,3 +156,27 @@ def test_import_resolves_nothing():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_torch_npu_is_looked_up_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto-detection runs on every get_platform(); the torch_npu lookup (a sys.path walk) runs once."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    asked: list[str] = []
+
+    def counting(name: str, *args: object, **kwargs: object) -> object:
+        if name == "torch_npu":
+            asked.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(importlib.util, "find_spec", counting)
+    platform_mod._torch_npu_imports.cache_clear()
+    try:
+        expected = "npu" if platform_mod._npu_available() else "cpu"
+        for _ in range(3):
+            assert get_platform().device_type in (expected, "xpu")
+        assert asked == ["torch_npu"]
+    finally:
+        platform_mod._torch_npu_imports.cache_clear()

@@ -8,6 +8,7 @@ sees the environment of the moment.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -110,14 +111,27 @@ def backend_for(device_type: str) -> str:
         ) from None
 
 
-def _npu_available() -> bool:
-    # torch_npu is imported only when it is installed and only when asked for:
-    # importing it is slow and patches torch, which must not happen at import.
+@functools.cache
+def _torch_npu_imports() -> bool:
+    """Whether ``torch_npu`` is installed and imports; asked once per process.
+
+    torch_npu is imported only when it is installed and only when asked for:
+    importing it is slow and patches torch, which must not happen at import.
+    The answer is kept because ``find_spec`` walks ``sys.path`` and auto-detection
+    runs on every :func:`get_platform` call (FSDP's stream checks, pipeline stage
+    devices), while a package does not appear or vanish in a running process.
+    """
     if importlib.util.find_spec("torch_npu") is None:
         return False
     try:
         importlib.import_module("torch_npu")
     except Exception:  # a broken CANN install must read as "no NPU", not crash detection
+        return False
+    return True
+
+
+def _npu_available() -> bool:
+    if not _torch_npu_imports():
         return False
     npu = getattr(torch, "npu", None)
     return bool(npu is not None and npu.is_available())
