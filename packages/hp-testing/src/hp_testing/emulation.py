@@ -79,8 +79,50 @@ def original(name: str) -> Any:
 # -- installation -----------------------------------------------------------------------
 
 
-def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def binder(orig: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]:
+    """``orig``'s arguments by name, defaults filled in, as ``signature.bind`` + ``apply_defaults`` give.
+
+    The layer names every argument of every collective it routes; binding
+    through :mod:`inspect` on each call costs more than many small collectives,
+    so the parameters' positions and defaults are read once here. A call the
+    plain path cannot take (too many positionals, an unknown or repeated
+    keyword, a missing argument, ``*args`` in the signature) goes through
+    ``inspect``, which raises the same ``TypeError`` as calling ``orig`` would.
+    """
     signature = inspect.signature(orig)
+    params = list(signature.parameters.values())
+    names = [p.name for p in params]
+    positional = [p.name for p in params if p.kind in _POSITIONAL]
+    by_keyword = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    plain = all(p.kind in (*_POSITIONAL, inspect.Parameter.KEYWORD_ONLY) for p in params)
+
+    def slow(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if len(args) > len(positional):
+            return slow(args, kwargs)
+        given = dict(zip(positional, args, strict=False))
+        for key, value in kwargs.items():
+            if key in given or key not in by_keyword:
+                return slow(args, kwargs)
+            given[key] = value
+        try:
+            return {name: given[name] if name in given else defaults[name] for name in names}
+        except KeyError:  # a required argument is missing
+            return slow(args, kwargs)
+
+    return bind if plain else slow
+
+
+def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    bind = binder(orig)
     route = _ROUTES[name]
     p2p = name in P2P
 
@@ -89,9 +131,7 @@ def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         layer = _LAYER
         if layer is None or _depth():
             return orig(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
+        arguments = bind(args, kwargs)
         if p2p:  # [Note: p2p notes for the local backend] in hp_testing._p2p_notes
             with _Nested(), _p2p_notes.issuing(name, arguments):
                 return route(layer, name, orig, arguments)
