@@ -17,7 +17,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hp_testing._p2p_notes import Note
-from hp_testing._sidechannel import DeadlockError, P2PMismatchError, PeerFailedError, UnmatchedError
+from hp_testing._sidechannel import (
+    DeadlockError,
+    P2PMismatchError,
+    PeerFailedError,
+    UnmatchedError,
+    opposite_orders,
+    tags_differ,
+    unmatched_text,
+    unreceived_line,
+    unsent_line,
+)
 
 if TYPE_CHECKING:
     from hp_testing._local_world import RankOutcome, World
@@ -172,14 +182,8 @@ class Contract:
 
 def _tags_differ(send: End, recv: End, mine: End, them: End) -> P2PMismatchError:
     """The message ``send`` -> ``recv`` met ends with different tags, told from ``mine``'s rank."""
-    return P2PMismatchError(
-        f"message #{send.seq} from rank {send.rank} to rank {recv.rank}: the tags differ:\n"
-        f"  rank {mine.rank}: {mine.shown} tag={mine.tag}  at {mine.site}\n"
-        f"  rank {them.rank}: {them.shown} tag={them.tag}  at {them.site}\n"
-        "NCCL and HCCL ignore tags ('tag is not supported with the NCCL backend', torch docs) and "
-        "match sends to receives in issue order per pair, so these two meet there while gloo "
-        "would pair them by tag. Post sends and receives in the same order on both ranks."
-    )
+    ends = [(end.rank, end.shown, end.tag, end.site) for end in (mine, them)]
+    return tags_differ(send.seq, send.rank, recv.rank, ends[0], ends[1])
 
 
 def _opposite(mine: End, theirs: End, matches: tuple[tuple[End, End], tuple[End, End]]) -> DeadlockError:
@@ -189,17 +193,8 @@ def _opposite(mine: End, theirs: End, matches: tuple[tuple[End, End], tuple[End,
         return match if match[0].rank == mine.rank else (match[1], match[0])
 
     first, second = sorted((oriented(m) for m in matches), key=lambda m: m[0].pos)
-    me, peer = mine.rank, theirs.rank
-    return DeadlockError(
-        f"ranks {me} and {peer} post their point-to-point ops to each other in opposite orders:\n"
-        f"  rank {me} posts  1. {first[0].where}\n"
-        f"                  2. {second[0].where}\n"
-        f"  rank {peer} posts  1. {second[1].where}\n"
-        f"                  2. {first[1].where}\n"
-        "NCCL and HCCL run the point-to-point ops between two ranks one after another, each "
-        "blocking until its peer op runs, so this deadlocks on a GPU/NPU even though gloo "
-        "completes it. Post both in one batch_isend_irecv, or order them so each send meets "
-        "its receive."
+    return opposite_orders(
+        mine.rank, theirs.rank, (first[0].where, second[0].where), (second[1].where, first[1].where)
     )
 
 
@@ -245,21 +240,15 @@ def report_unmatched(world: World, outcomes: list[RankOutcome]) -> None:
             if (group, src, dst) in lines:
                 continue
             lines[(group, src, dst)] = (
-                f"  rank {src} sent {sent} message(s) to rank {dst} but rank {dst} received {received}; "
-                f"first unreceived: #{end.seq} {end.where}"
+                unreceived_line(src, dst, sent, received, f"#{end.seq} {end.where}")
                 if is_send
-                else f"  rank {dst} posted {received} receive(s) from rank {src} but rank {src} sent {sent}"
+                else unsent_line(src, dst, sent, received)
             )
     for outcome in outcomes:
         mine = [line for (_, src, dst), line in sorted(lines.items()) if outcome.rank in (src, dst)]
         if not mine:
             continue
-        text = (
-            "point-to-point messages without their other end at the end of the test:\n"
-            + "\n".join(mine)
-            + "\nOn NCCL or HCCL an unmatched send or receive hangs the stream. Pair every send with "
-            "a receive of the same size on the peer."
-        )
+        text = unmatched_text(mine)
         outcome.ok = False
         outcome.exception = UnmatchedError(text)
         outcome.error = f"hp_testing._sidechannel.UnmatchedError: {text}\n"

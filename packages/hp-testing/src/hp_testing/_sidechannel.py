@@ -49,6 +49,11 @@ __all__ = [
     "Ticket",
     "UnmatchedError",
     "announce_exit",
+    "opposite_orders",
+    "tags_differ",
+    "unmatched_text",
+    "unreceived_line",
+    "unsent_line",
 ]
 
 _POLLS = (0.2, 0.3, 0.5, 1.0)
@@ -76,6 +81,60 @@ class UnmatchedError(RuntimeError):
 
 class DroppedMessageError(RuntimeError):
     """The message this receive waits for was dropped by fault injection."""
+
+
+# -- the p2p errors' texts, shared with local mode (hp_testing._local_contract) ---------------------
+
+
+def tags_differ(
+    seq: int, src: int, dst: int, mine: tuple[int, str, int, str], theirs: tuple[int, str, int, str]
+) -> P2PMismatchError:
+    """Message ``seq`` from ``src`` to ``dst`` met ends with different tags: (rank, shown, tag, site) each."""
+    lines = "".join(
+        f"  rank {rank}: {shown} tag={tag}  at {site}\n" for rank, shown, tag, site in (mine, theirs)
+    )
+    return P2PMismatchError(
+        f"message #{seq} from rank {src} to rank {dst}: the tags differ:\n{lines}"
+        "NCCL and HCCL ignore tags ('tag is not supported with the NCCL backend', torch docs) and "
+        "match sends to receives in issue order per pair, so these two meet there while gloo "
+        "would pair them by tag. Post sends and receives in the same order on both ranks."
+    )
+
+
+def opposite_orders(me: int, peer: int, mine: tuple[str, str], theirs: tuple[str, str]) -> DeadlockError:
+    """Ranks ``me`` and ``peer`` posted two ops to each other in opposite orders, each in its order."""
+    return DeadlockError(
+        f"ranks {me} and {peer} post their point-to-point ops to each other in opposite orders:\n"
+        f"  rank {me} posts  1. {mine[0]}\n"
+        f"                  2. {mine[1]}\n"
+        f"  rank {peer} posts  1. {theirs[0]}\n"
+        f"                  2. {theirs[1]}\n"
+        "NCCL and HCCL run the point-to-point ops between two ranks one after another, each "
+        "blocking until its peer op runs, so this deadlocks on a GPU/NPU even though gloo "
+        "completes it. Post both in one batch_isend_irecv, or order them so each send meets "
+        "its receive."
+    )
+
+
+def unreceived_line(src: int, dst: int, sent: int, received: int, first: str) -> str:
+    """One line of the end-of-test report: sends without receives (``first``: "#n where", if known)."""
+    line = f"  rank {src} sent {sent} message(s) to rank {dst} but rank {dst} received {received}"
+    return line + (f"; first unreceived: {first}" if first else "")
+
+
+def unsent_line(src: int, dst: int, sent: int, received: int) -> str:
+    """One line of the end-of-test report: receives without sends."""
+    return f"  rank {dst} posted {received} receive(s) from rank {src} but rank {src} sent {sent}"
+
+
+def unmatched_text(lines: list[str]) -> str:
+    """The end-of-test report of messages without their other end (``lines``: one per direction)."""
+    return (
+        "point-to-point messages without their other end at the end of the test:\n"
+        + "\n".join(lines)
+        + "\nOn NCCL or HCCL an unmatched send or receive hangs the stream. Pair every send with "
+        "a receive of the same size on the peer."
+    )
 
 
 @dataclass
@@ -583,13 +642,9 @@ class SideChannel:
                 "in order per pair, ignoring tags)."
             )
         if not self.tags and their_tag != call.tag:
-            raise P2PMismatchError(
-                f"message #{ticket.seq} from rank {ticket.src} to rank {ticket.dst}: the tags differ:\n"
-                f"  rank {self.rank}: {call.shown} tag={call.tag}  at {call.site}\n"
-                f"  rank {peer}: {their_shown} tag={their_tag}  at {their_site}\n"
-                "NCCL and HCCL ignore tags ('tag is not supported with the NCCL backend', torch docs) and "
-                "match sends to receives in issue order per pair, so these two meet there while gloo "
-                "would pair them by tag. Post sends and receives in the same order on both ranks."
+            mine = (self.rank, call.shown, call.tag, call.site)
+            raise tags_differ(
+                ticket.seq, ticket.src, ticket.dst, mine, (peer, their_shown, their_tag, their_site)
             )
         if self.stream_ordered:
             self._check_order(ticket, their_pos, their_shown, their_site, peer)
@@ -608,18 +663,7 @@ class SideChannel:
             pos, other_pos = earlier[0], earlier[1]
             if (pos - ticket.pos) * (other_pos - their_pos) < 0:
                 first, second = sorted((earlier, current))
-                raise DeadlockError(
-                    f"ranks {self.rank} and {peer} post their point-to-point ops to each other in "
-                    "opposite orders:\n"
-                    f"  rank {self.rank} posts  1. {first[2]}\n"
-                    f"                  2. {second[2]}\n"
-                    f"  rank {peer} posts  1. {second[3]}\n"
-                    f"                  2. {first[3]}\n"
-                    "NCCL and HCCL run the point-to-point ops between two ranks one after another, each "
-                    "blocking until its peer op runs, so this deadlocks on a GPU/NPU even though gloo "
-                    "completes it. Post both in one batch_isend_irecv, or order them so each send meets "
-                    "its receive."
-                )
+                raise opposite_orders(self.rank, peer, (first[2], second[2]), (second[3], first[3]))
         pair.matches.append(current)
 
     # -- end of test ------------------------------------------------------------------
@@ -646,20 +690,11 @@ class SideChannel:
             received = done[dst].channels.get((group, src, dst), 0)
             if sent > received:
                 first = self.sent.get((group, src, dst, received), "") if src == self.rank else ""
-                problems.append(
-                    f"  rank {src} sent {sent} message(s) to rank {dst} but rank {dst} received {received}"
-                    + (f"; first unreceived: #{received} {first}" if first else "")
-                )
+                problems.append(unreceived_line(src, dst, sent, received, first and f"#{received} {first}"))
             elif received > sent:
-                problems.append(
-                    f"  rank {dst} posted {received} receive(s) from rank {src} but rank {src} sent {sent}"
-                )
+                problems.append(unsent_line(src, dst, sent, received))
         if problems:
             posted: dict[int, list[Posted] | None] = {r: d.posted for r, d in done.items()}
             raise UnmatchedError(
-                "point-to-point messages without their other end at the end of the test:\n"
-                + "\n".join(problems)
-                + "\nOn NCCL or HCCL an unmatched send or receive hangs the stream. Pair every send with "
-                "a receive of the same size on the peer.\n"
-                + exchange_report(self.world_size, posted, self._exists)
+                unmatched_text(problems) + "\n" + exchange_report(self.world_size, posted, self._exists)
             )
