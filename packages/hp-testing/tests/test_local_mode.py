@@ -341,6 +341,27 @@ def test_concurrency_features_in_local_mode_name_the_process_mode(
     assert "use the multi-process mode for it: @pytest.mark.distributed(world_size=N, mode='process'" in text
 
 
+def test_a_marker_timeout_is_accepted_in_local_mode(pytester: pytest.Pytester) -> None:
+    """Suites whose markers carry ``timeout=`` run under local mode unchanged (hangs need no timeout there)."""
+    pytester.makepyfile(
+        test_inner=textwrap.dedent(
+            """
+            import pytest
+            import torch
+            import torch.distributed as dist
+
+            @pytest.mark.distributed(world_size=2, mode="local", timeout=120)
+            def test_body(rank):
+                t = torch.ones(1)
+                dist.all_reduce(t)
+                assert t.item() == 2.0
+            """
+        )
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
 def test_local_marker_reports_each_failing_rank(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_inner=textwrap.dedent(
