@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,9 +29,11 @@ from torch.utils import _pytree as pytree
 from hp_dtensor import dtensor as _dtensor_module
 from hp_dtensor.dtensor import DTensor, carry_lazy_bits, new_dtensor
 from hp_dtensor.layout import Layout, mesh_key
+from hp_dtensor.ops.calls import Decision, Kernel, LocalCall, OpCall, Rule
 from hp_dtensor.ops.everywhere import decision_problem, to_meta
 from hp_dtensor.ops.fallback import run_fallback
 from hp_dtensor.ops.meshes import common_mesh as _mesh_of
+from hp_dtensor.ops.strided import decide
 from hp_dtensor.placements import Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local
 
@@ -61,76 +62,6 @@ def _dropped(problem: str | None) -> str:
 
 aten = torch.ops.aten
 
-
-@dataclass
-class LocalCall:
-    """What a :attr:`Decision.kernel` gets: the op, its local arguments and their layouts.
-
-    ``args`` and ``kwargs`` hold local tensors where the call had DTensors
-    (already moved to the rule's placements); ``layouts`` and
-    ``kwarg_layouts`` hold those tensors' layouts, aligned with ``args`` and
-    ``kwargs`` (None for arguments that are not DTensors).
-    """
-
-    func: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    layouts: tuple[Any, ...]
-    kwarg_layouts: dict[str, Any]
-    mesh: DeviceMesh
-
-    def layout(self, index: int) -> Layout:
-        """The layout of positional argument ``index`` (which must be a DTensor)."""
-        layout = self.layouts[index]
-        assert isinstance(layout, Layout), f"argument {index} of {self.func} is not a DTensor"
-        return layout
-
-
-Kernel = Callable[[LocalCall], Any]
-
-
-@dataclass
-class Decision:
-    """What a rule wants: target placements per DTensor input (by flat position) and per output.
-
-    ``inputs`` maps the position of a DTensor in the flattened ``(args,
-    kwargs)`` to its required placements; positions not listed stay as they
-    are. ``outputs`` has one entry per output tensor in flattened order
-    (None for non-tensor outputs). ``inplace`` marks ops that return their
-    first argument. ``kernel``, when set, runs instead of the op on the
-    local tensors (see :class:`LocalCall`).
-    """
-
-    inputs: dict[int, tuple[Placement, ...]] = field(default_factory=dict)
-    outputs: list[tuple[Placement, ...] | None] = field(default_factory=list)
-    inplace: bool = False
-    size_arg: int | None = None  # positional arg holding the global output size (view, expand)
-    kernel: Kernel | None = None
-
-
-@dataclass
-class OpCall:
-    """An op call as rules see it."""
-
-    func: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    flat: list[Any]
-    positions: list[int]  # flat positions of the DTensors
-
-    def layout(self, position: int) -> Layout:
-        """The layout of the DTensor at flat ``position``."""
-        return self.flat[position]._layout
-
-    def position_of(self, arg: Any) -> int:
-        """The flat position of a DTensor argument (by identity)."""
-        for p in self.positions:
-            if self.flat[p] is arg:
-                return p
-        raise KeyError("argument is not a DTensor of this call")
-
-
-Rule = Callable[[OpCall], Decision | None]
 RULES: dict[Any, Rule] = {}
 
 # [Note: ragged inputs]
@@ -678,7 +609,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             problem = _problems.get(key)
         else:
             a, k = pytree.tree_unflatten(flat, spec)
-            decision = rule(OpCall(func, a, k, flat, positions))
+            # Through strided.decide: rules see StridedShard only if they read it (see
+            # [Note: rules and strided shards] in ops.strided); a miss only, hits never pay.
+            decision = decide(rule, OpCall(func, a, k, flat, positions))
             if decision is not None and not uncached:
                 # see [Note: decisions that hold on every rank]
                 meta = None if decision.inplace else _output_meta(func, key, flat, spec)
