@@ -13,6 +13,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (regis
     chunk_cat,
     complex_views,
     conv,
+    ctc_loss,
     diagonals,
     distances,
     embedding,

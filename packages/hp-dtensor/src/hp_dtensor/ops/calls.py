@@ -55,7 +55,8 @@ class Decision:
     are. ``outputs`` has one entry per output tensor in flattened order
     (None for non-tensor outputs). ``inplace`` marks ops that return their
     first argument. ``kernel``, when set, runs instead of the op on the
-    local tensors (see :class:`LocalCall`).
+    local tensors (see :class:`LocalCall`). ``output_metas``, when set, is
+    the op's result on global meta tensors (see [Note: rule-supplied metas]).
     """
 
     inputs: dict[int, tuple[Placement, ...]] = field(default_factory=dict)
@@ -63,6 +64,19 @@ class Decision:
     inplace: bool = False
     size_arg: int | None = None  # positional arg holding the global output size (view, expand)
     kernel: Kernel | None = None
+    output_metas: Any = None  # the op's global outputs as meta tensors, instead of a meta run
+
+
+# [Note: rule-supplied metas]
+# The dispatcher builds each output's layout from the op's result on meta
+# tensors at the global shapes. Some ops have no meta kernel
+# (``_ctc_loss_backward``), and some outputs' shapes follow argument values a
+# meta run cannot see (``_ctc_loss.Tensor``'s ``log_alpha`` is as wide as the
+# longest target, a value inside a tensor). A rule for such an op puts the
+# result's global shapes, strides and dtypes into ``Decision.output_metas``
+# (meta tensors, in the op's output structure) and the dispatcher runs no meta
+# op. Decisions are cached by the arguments' layouts and plain values, so a
+# rule whose metas read a tensor's values must be registered ``cached=False``.
 
 
 @dataclass

@@ -487,6 +487,13 @@ def _output_meta(func: Any, key: Any, flat: list[Any], spec: Any) -> Any:
     return result
 
 
+def _decided_meta(decision: Decision, func: Any, key: Any, flat: list[Any], spec: Any) -> Any:
+    """The op's global result on meta tensors: the rule's own if given ([Note: rule-supplied metas])."""
+    if decision.output_metas is not None:
+        return decision.output_metas
+    return _output_meta(func, key, flat, spec)
+
+
 def _refuse_collective(func: Any) -> None:
     """A ``torch.distributed`` call on a DTensor: refused, as torch's DTensor does.
 
@@ -614,7 +621,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             decision = decide(rule, OpCall(func, a, k, flat, positions))
             if decision is not None and not uncached:
                 # see [Note: decisions that hold on every rank]
-                meta = None if decision.inplace else _output_meta(func, key, flat, spec)
+                meta = None if decision.inplace else _decided_meta(decision, func, key, flat, spec)
                 problem = decision_problem(func, flat, spec, positions, decision, mesh, meta)
                 if problem is not None:
                     decision = None
@@ -666,7 +673,7 @@ def _run(
     local_size = None
     if decision.size_arg is not None:
         # The op takes the global output size; the local op needs this rank's piece of it.
-        meta = _output_meta(func, key, flat, spec)
+        meta = _decided_meta(decision, func, key, flat, spec)
         placements = decision.outputs[0]
         assert placements is not None
         out_layout = Layout(mesh, placements, tuple(meta.shape), tuple(meta.stride()))
@@ -688,7 +695,7 @@ def _run(
         value = flat[positions[0]]
     else:
         if meta is None:
-            meta = _output_meta(func, key, flat, spec)
+            meta = _decided_meta(decision, func, key, flat, spec)
         wrapped = value = _wrap(func, result, meta, decision.outputs, mesh, flat, positions)
     if not moved:
         _remember(
