@@ -53,6 +53,15 @@ def fsdp_step(rank):
         torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad, rtol=1e-12, atol=1e-12)
 
 
+def hp_mesh_keeps_its_groups(rank):
+    import hp_core
+
+    mesh = hp_core.init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))  # cached: kept alive
+    t = torch.ones(1)
+    dist.all_reduce(t, group=mesh.get_group("a"))  # a group only its two members know
+    assert t.item() == 2.0
+
+
 def same_names_as_a_fresh_process(rank):
     assert len(NAMES) >= 2 and all(names == NAMES[0] for names in NAMES[:2]), NAMES
 """
@@ -93,4 +102,8 @@ def test_identical_fsdp_tests_on_one_pool_both_pass_and_name_groups_alike(
     _run(pool_of_4, body, "fsdp_step")
     _run(pool_of_4, body, "fsdp_step")  # failed: "Could not resolve ... under the name 3"
     _run(pool_of_4, body, "same_names_as_a_fresh_process")  # as torch's harness, a process per test
+    # Groups that outlive a test on their members only: every rank still names the next ones alike.
+    _run(pool_of_4, body, "hp_mesh_keeps_its_groups")
+    _run(pool_of_4, body, "fsdp_step")
+    _run(pool_of_4, body, "fsdp_step")
     assert pool_of_4.reinits == 0 and pool_of_4.restarts == 0

@@ -18,16 +18,15 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["GroupMark", "mark", "release"]
+__all__ = ["GroupMark", "mark", "release", "rewind"]
 
 
 @dataclass(frozen=True)
 class GroupMark:
-    """The groups alive and the group-name counter when a test started; ``key`` names the run."""
+    """The groups alive and the group-name counter when a test started."""
 
     groups: frozenset[Any]
     count: int
-    key: str  # the same on every rank of the run, unique in the pool's life
 
 
 def live_groups() -> set[Any]:
@@ -49,9 +48,9 @@ def cached_groups() -> set[Any]:
         return set()
 
 
-def mark(key: str) -> GroupMark:
-    """What :func:`release` goes back to after the test; ``key`` names the run (:class:`GroupMark`)."""
-    return GroupMark(frozenset(live_groups()), c10d._world.group_count, key)
+def mark() -> GroupMark:
+    """What :func:`release` compares with after the test."""
+    return GroupMark(frozenset(live_groups()), c10d._world.group_count)
 
 
 # [Note: group names across pooled tests]
@@ -69,27 +68,44 @@ def mark(key: str) -> GroupMark:
 # mesh got names 1 and 3, then 5 and 7, and the second resolved the first's
 # cached "3" ("Could not resolve the process group registered under the name
 # 3"). So after destroying the test's groups the counter goes back to where the
-# test found it (past any group still alive) and the next test names its groups
-# as a fresh process would: a cached mesh of an identical earlier test resolves
+# test found it, past any group still alive on any rank (the pool takes the
+# largest of the ranks' :func:`release` and every rank :func:`rewind` s to it
+# before the next test), and the next test names its groups as a fresh
+# process would: a cached mesh of an identical earlier test resolves
 # to this test's groups over the same ranks. A later test that creates groups
 # in another order can still be handed a cached mesh whose names now mean other
 # ranks, as after torch's own destroy_process_group() and re-init in one process
 # (dropping torch's caches would not cover it: some are local to its functions).
-def release(before: GroupMark) -> None:
-    """Destroy the groups made since ``before`` (hp_core's cached ones aside) and rewind the names."""
+def release(before: GroupMark) -> int | None:
+    """Destroy the groups made since ``before`` (hp_core's cached ones aside).
+
+    Returns the counter value this rank's next test may name groups from (past
+    any group still alive here), or None when the test made no group. The pool
+    takes the largest over the ranks (a group alive on its members only is
+    unknown to the others) and hands it to every rank with the next test, for
+    :func:`rewind`: rewinding here, from this rank's view alone, let the ranks'
+    counters drift apart and their next ``new_group`` wait for each other.
+    """
     if not dist.is_initialized():
-        return  # the test destroyed the default group: the worker re-creates it from scratch
+        return None  # the test destroyed the default group: the worker re-creates it from scratch
     made = live_groups() - before.groups - cached_groups()
     for group in made:
         if group is not dist.GroupMember.WORLD:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(group)
-    # Every rank counts every new_group, member or not: the ranks rewind together.
+    # Every rank counts every new_group, member or not.
     if c10d._world.group_count == before.count:
-        return
+        return None
     numbered = [int(name) for name in c10d._world.pg_names.values() if str(name).isdigit()]
-    c10d._world.group_count = max([before.count, *(n + 1 for n in numbered)])
-    _fresh_keys_for_names(before.key)
+    return max([before.count, *(n + 1 for n in numbered)])
+
+
+def rewind(count: int, key: str) -> None:
+    """Name the next groups from ``count`` (the same on every rank), under store keys under ``key``."""
+    if not dist.is_initialized():
+        return
+    c10d._world.group_count = count
+    _fresh_keys_for_names(key)
 
 
 _BASE_STORE: dict[Any, Any] = {}  # the default group -> the store it was created with

@@ -89,6 +89,9 @@ class RunOptions:
     checks: bool = True
     strict: bool = False
     faults: tuple[Any, ...] = ()
+    #: Where the group-name counter restarts before this task (the previous one made groups):
+    #: [Note: group names across pooled tests] in hp_testing._test_groups.
+    names_from: int | None = None
 
 
 @dataclass
@@ -107,6 +110,8 @@ class TaskResult:
     faults: list[str] = field(default_factory=list)
     # Why the test skipped itself on this rank (a torch test's SkipTest or skip exit code).
     skipped: str = ""
+    # The group-name counter this rank's next test may start from (None: the test made no group).
+    names_from: int | None = None
 
 
 def _init_group(cfg: WorkerConfig, generation: int) -> None:
@@ -263,7 +268,9 @@ def _run_task(
     from hp_testing import emulation
 
     out, err = io.StringIO(), io.StringIO()
-    before = _test_groups.mark(options.prefix or task.nodeid)  # the same on every rank
+    if options.names_from is not None:
+        _test_groups.rewind(options.names_from, options.prefix or task.nodeid)  # the same on every rank
+    before = _test_groups.mark()
     start = time.perf_counter()
     result = TaskResult(rank=cfg.rank, ok=True)
     layer = emulation.active_layer()
@@ -313,7 +320,7 @@ def _run_task(
     else:
         # Groups the test made itself would pile up sockets test after test, and their names
         # must not outlive them: [Note: group names across pooled tests].
-        _test_groups.release(before)
+        result.names_from = _test_groups.release(before)
     return result
 
 

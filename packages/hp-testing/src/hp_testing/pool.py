@@ -244,6 +244,7 @@ class WorkerPool:
         self.restarts = 0
         self.reinits = 0
         self.runs = 0
+        self._names_from: int | None = None  # where the next task's group names start, if it moves
         # Unique for the life of the process: the store outlives pools, and a key made of the
         # object's address was reused by a later pool, whose ranks then read the dead pool's
         # addresses from the store ("Connection refused" at start).
@@ -408,7 +409,14 @@ class WorkerPool:
         self.runs += 1
         base = options if options is not None else RunOptions()
         prefix = f"hp-check/{self._key}/g{self._generation}/r{self.runs}"
-        options = RunOptions(prefix=prefix, checks=base.checks, strict=base.strict, faults=base.faults)
+        options = RunOptions(
+            prefix=prefix,
+            checks=base.checks,
+            strict=base.strict,
+            faults=base.faults,
+            names_from=self._names_from,
+        )
+        self._names_from = None
         outcome = Outcome(world_size=self.world_size, timeout_s=timeout_s)
         pending = set(range(self.world_size))
         for rank, conn in enumerate(self._conns):
@@ -447,10 +455,20 @@ class WorkerPool:
                     fail_deadline = time.monotonic() + self.grace_s
         if pending:
             outcome.hung = self._dump_stacks(sorted(pending))
+        if outcome.ok:  # the largest over the ranks: [Note: group names across pooled tests]
+            counts = [r.names_from for r in outcome.results.values() if r.names_from is not None]
+            self._names_from = max(counts) if counts else None
         self._recover(outcome)
         return outcome
 
     def _recover(self, outcome: Outcome) -> None:
+        if (
+            outcome.hung
+            or outcome.died
+            or not outcome.ok
+            or any(r.needs_reinit for r in outcome.results.values())
+        ):
+            self._names_from = None  # fresh groups, fresh names
         if outcome.hung or outcome.died:
             self.restart()
         elif not outcome.ok or any(r.needs_reinit for r in outcome.results.values()):
