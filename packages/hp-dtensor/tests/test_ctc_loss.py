@@ -76,3 +76,30 @@ def test_ops_and_log_alpha_width(rank, device_mesh_factory) -> None:  # type: ig
         ones, log_probs, targets, INPUT_LENGTHS, TARGET_LENGTHS, nll, alpha, 0, False
     )
     torch.testing.assert_close(d_grad.full_tensor(), plain_grad)
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("concatenated", [False, True], ids=["padded", "concatenated"])
+def test_tensor_lengths(rank, device_mesh_factory, concatenated) -> None:  # type: ignore[no-untyped-def]
+    """Lengths as tensors (``_ctc_loss.Tensor``): log_alpha's width read from their values, per call."""
+    mesh = device_mesh_factory((2,))
+    logits, padded = _data()
+    targets = torch.cat([padded[i, :n] for i, n in enumerate(TARGET_LENGTHS)]) if concatenated else padded
+    ref = logits.clone().requires_grad_()
+    for lengths in (TARGET_LENGTHS, [1, 2, 1, 2, 1]):  # the second call's longest target is shorter
+        if concatenated:
+            targets = torch.cat([padded[i, :n] for i, n in enumerate(lengths)])
+        inputs, target_lengths = torch.tensor(INPUT_LENGTHS), torch.tensor(lengths)
+        ref.grad = None
+        expected = F.ctc_loss(ref.log_softmax(2), targets, inputs, target_lengths)
+        expected.backward()
+        ours = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
+        with fallback_policy("error"), record_collectives() as log:
+            nll, alpha = aten._ctc_loss.Tensor(ours.log_softmax(2), targets, inputs, target_lengths, 0, False)
+            loss = F.ctc_loss(ours.log_softmax(2), targets, inputs, target_lengths)
+            loss.backward()
+        assert len(log) == 0, log
+        assert alpha.shape == (BATCH, STEPS, 2 * max(lengths) + 1) and nll.placements == (Shard(0),)
+        torch.testing.assert_close(loss.full_tensor(), expected.detach())
+        assert ours.grad is not None
+        torch.testing.assert_close(ours.grad.full_tensor(), ref.grad)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout
 from hp_dtensor.ops.calls import Decision, LocalCall, OpCall
 from hp_dtensor.ops.dispatch import register
@@ -33,12 +34,27 @@ def _cuts(log_probs: Layout) -> tuple[tuple[Placement, ...], tuple[Placement, ..
     return kept, tuple(Shard(0) if p == Shard(1) else p for p in kept)
 
 
+def _as_list(lengths: Any) -> list[int]:
+    """Lengths given as an int list or a (local, whole) tensor, as a list."""
+    return lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+
+
 def _lengths(call: OpCall, first: int) -> tuple[list[int], list[int]] | None:
-    """The int-list input and target lengths at ``call.args[first:first + 2]``, or None (tensor lengths)."""
+    """The input and target lengths at ``call.args[first:first + 2]``, or None when not every rank has them.
+
+    Int lists (``.default``) are global; tensors (``.Tensor``) are read only
+    when replicated, which a plain tensor is ([Note: plain tensors] in
+    :mod:`hp_dtensor.ops.dispatch`): their values size ``log_alpha``, so
+    that overload's rules are not cached ([Note: rule-supplied metas]).
+    """
     lengths = call.args[first : first + 2]
-    if len(lengths) < 2 or not all(isinstance(v, (list, tuple)) for v in lengths):
+    if len(lengths) < 2:
         return None
-    return list(lengths[0]), list(lengths[1])
+    if all(isinstance(v, (list, tuple)) for v in lengths):
+        return list(lengths[0]), list(lengths[1])
+    if all(isinstance(v, DTensor) and all(p == Replicate() for p in v.placements) for v in lengths):
+        return _as_list(lengths[0]._local), _as_list(lengths[1]._local)
+    return None
 
 
 def _targets_target(targets: Layout, rows: tuple[Placement, ...]) -> tuple[Placement, ...]:
@@ -55,6 +71,7 @@ def _alpha_width(target_lengths: list[int]) -> int:
 
 
 @register(aten._ctc_loss.default)
+@register(aten._ctc_loss.Tensor, cached=False)
 def ctc_forward_rule(call: OpCall) -> Decision | None:
     """``_ctc_loss(log_probs (T, N, C), targets, input_lengths, target_lengths, ...)`` per batch piece."""
     lengths = _lengths(call, 2)
@@ -78,6 +95,7 @@ def ctc_forward_rule(call: OpCall) -> Decision | None:
 
 
 @register(aten._ctc_loss_backward.default)
+@register(aten._ctc_loss_backward.Tensor, cached=False)
 def ctc_backward_rule(call: OpCall) -> Decision | None:
     """``_ctc_loss_backward(grad, log_probs, targets, lengths.., nll, log_alpha, ...)`` per batch piece."""
     lengths = _lengths(call, 3)
@@ -97,30 +115,28 @@ def ctc_backward_rule(call: OpCall) -> Decision | None:
     )
 
 
-def _local_lengths(call: LocalCall, log_probs_at: int) -> tuple[list[int], list[int], int]:
-    """This rank's input and target lengths and where its samples start in the global batch."""
+def _local_lengths(call: LocalCall, log_probs_at: int) -> tuple[Any, Any, int]:
+    """This rank's input and target lengths (lists or tensors, as given) and its first sample's index."""
     layout = call.layout(log_probs_at)
     start, count = layout.local_offset()[1], layout.local_shape()[1]
     input_lengths, target_lengths = call.args[log_probs_at + 2], call.args[log_probs_at + 3]
-    return list(input_lengths[start : start + count]), list(target_lengths[start : start + count]), start
+    return input_lengths[start : start + count], target_lengths[start : start + count], start
 
 
-def _local_targets(
-    targets: torch.Tensor, target_lengths: list[int], start: int, mine: list[int]
-) -> torch.Tensor:
+def _local_targets(targets: torch.Tensor, target_lengths: list[int], start: int, mine: Any) -> torch.Tensor:
     """This rank's targets: already cut when padded ``(N, S)``; its run of the concatenation when 1-D."""
     if targets.dim() == 2:
         return targets
     begin = sum(target_lengths[:start])
-    return targets[begin : begin + sum(mine)]
+    return targets[begin : begin + sum(_as_list(mine))]
 
 
 def _forward_kernel(call: LocalCall) -> Any:
     log_probs, targets, _, target_lengths, *rest = call.args
     input_mine, target_mine, start = _local_lengths(call, 0)
-    targets = _local_targets(targets, list(target_lengths), start, target_mine)
+    targets = _local_targets(targets, _as_list(target_lengths), start, target_mine)
     nll, alpha = call.func(log_probs, targets, input_mine, target_mine, *rest)
-    width = _alpha_width(list(target_lengths))
+    width = _alpha_width(_as_list(target_lengths))
     if alpha.shape[2] < width:  # this rank's targets are shorter than the batch's longest
         pad = alpha.new_full((*alpha.shape[:2], width - alpha.shape[2]), float("-inf"))
         alpha = torch.cat([alpha, pad], dim=2)
@@ -130,6 +146,6 @@ def _forward_kernel(call: LocalCall) -> Any:
 def _backward_kernel(call: LocalCall) -> Any:
     grad, log_probs, targets, _, target_lengths, nll, alpha, *rest = call.args
     input_mine, target_mine, start = _local_lengths(call, 1)
-    targets = _local_targets(targets, list(target_lengths), start, target_mine)
+    targets = _local_targets(targets, _as_list(target_lengths), start, target_mine)
     # a log_alpha wider than this rank's targets need is read only up to their width
     return call.func(grad, log_probs, targets, input_mine, target_mine, nll, alpha, *rest)
