@@ -37,6 +37,7 @@ from hp_dtensor import (
     to_torch_dtensor,
 )
 from torch import nn
+from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
 
 
 class MLP(nn.Module):
@@ -130,11 +131,9 @@ CASES = [
     ),
     Bad(
         "torch's placement",
-        lambda c: distribute_tensor(
-            c.tensor, c.mesh, [torch.distributed.tensor.placement_types._StridedShard(0, split_factor=2)]
-        ),
+        lambda c: distribute_tensor(c.tensor, c.mesh, [_MaskPartial()]),
         TypeError,
-        r"torch\.distributed\.tensor\.placement_types\._StridedShard, which has no hp_dtensor equivalent",
+        r"torch\.distributed\.tensor\.placement_types\._MaskPartial, which has no hp_dtensor equivalent",
         r"takes Shard\(d\), Replicate\(\) and Partial",
     ),
     Bad(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hp_dtensor import Replicate, Shard, fallback_stats
+from hp_dtensor import Replicate, Shard, StridedShard, fallback_stats
 
 sys.path.insert(0, str(Path(__file__).parent))
 from op_compare import check
@@ -69,9 +69,24 @@ def test_merge_round_trip_moves_nothing(rank, device_mesh_factory) -> None:  # t
     )
 
 
+@pytest.mark.distributed(world_size=2)
+def test_merging_a_cut_inner_dim_is_a_strided_shard(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """(5, 4, 3) cut on dim 1, merged to (20, 3): each rank holds its rows of every block of 4."""
+    mesh = device_mesh_factory((2,))
+    x = torch.randn(5, 4, 3, dtype=torch.float64)
+    check(
+        lambda t: t.reshape(20, 3),
+        [x],
+        [[Shard(1)]],
+        mesh,
+        expect=[StridedShard(0, 5)],
+        forward_collectives=NO_COMM,
+        tag="inner dim of a merge",
+    )
+
+
 # name: (input shape, view, input shard dim): the cut cannot stay a Shard
 GATHERED_VIEWS = {
-    "inner dim of a merge (5, 4, 3) -> (20, 3)": ((5, 4, 3), lambda t: t.reshape(20, 3), 1),
     "uneven outer dim (5, 5, 5) -> (25, 5)": ((5, 5, 5), lambda t: t.reshape(25, 5), 0),
     "split whose rows differ (25, 5) -> (5, 5, 5)": ((25, 5), lambda t: t.view(5, 5, 5), 0),
 }

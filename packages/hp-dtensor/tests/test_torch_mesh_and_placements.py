@@ -27,6 +27,7 @@ from hp_dtensor import (
 from hp_testing import record_collectives
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
 from torch.distributed.tensor.placement_types import _StridedShard
 
 TS, TR, TP = tdt.Shard, tdt.Replicate, tdt.Partial
@@ -90,10 +91,8 @@ def test_distribute_from_local_redistribute_on_a_torch_mesh(rank: int) -> None:
     DTensor.from_local(plain, theirs, [TR(), TR()]).to_local(grad_placements=[TR(), TR()]).sum().backward()
     torch.testing.assert_close(plain.grad, torch.ones_like(x))
 
-    with pytest.raises(
-        TypeError, match=r"_StridedShard.*no hp_dtensor equivalent.*Shard\(d\), Replicate\(\)"
-    ):
-        distribute_tensor(x, theirs, [_StridedShard(0, split_factor=2), TR()])
+    with pytest.raises(TypeError, match=r"_MaskPartial.*no hp_dtensor equivalent.*Shard\(d\), Replicate\(\)"):
+        distribute_tensor(x, theirs, [_MaskPartial(), TR()])
     with pytest.raises(TypeError, match=r"single placement"):
         distribute_tensor(x, theirs, TS(0))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"hp_core\.DeviceMesh or a torch DeviceMesh, got builtins\.str"):
