@@ -33,7 +33,7 @@ from hp_dtensor import checkpoint as _dcp
 from hp_dtensor._agree import agree_over_mesh, describe
 from hp_dtensor.layout import Layout, global_stride_like, normalize_placements
 from hp_dtensor.pending import PendingTensor, then
-from hp_dtensor.placements import Partial, Placement, Replicate, Shard, torch_equivalent
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard, torch_equivalent
 from hp_dtensor.redistribute import redistribute_local, slice_for_layout
 
 __all__ = ["DTensor", "distribute_module", "distribute_tensor", "new_dtensor"]
@@ -114,6 +114,9 @@ class DTensor(torch.Tensor):
 
     _local: torch.Tensor
     _layout: Layout
+    # Set on a view whose pieces had to be moved (a copy, not an alias): where to write an
+    # in-place change back to ([Note: writes through moved views] in ops/view_writes.py).
+    _copy_of: Any = None
 
     @staticmethod
     @torch._disable_dynamo
@@ -368,10 +371,21 @@ def _agree_on_local(
     )
 
 
+# Placements that cut a tensor dim into pieces adding up to it: a piece's size
+# counts towards the global size the same way for both.
+_CUTS = (Shard, StridedShard)
+
+
+def _torch_shard(p: Any) -> bool:
+    """Whether ``p`` is a torch placement whose hp equivalent cuts a dim."""
+    ours = torch_equivalent(p)
+    return ours is not None and ours.is_shard()
+
+
 def _has_shard(placements: Any) -> bool:
     """Whether ``placements`` (not yet checked: any object) holds a ``Shard``."""
     return isinstance(placements, (list, tuple)) and any(
-        isinstance(p, Shard) or isinstance(torch_equivalent(p), Shard) for p in placements
+        (isinstance(p, Placement) and p.is_shard()) or _torch_shard(p) for p in placements
     )
 
 
@@ -416,12 +430,12 @@ def _layout_for_local(
     them; every check on it is computed from that shared table, so all ranks
     reach the same verdict.
     """
-    sharded = {p.dim for p in placements if isinstance(p, Shard)}
+    sharded = {p.dim for p in placements if isinstance(p, _CUTS)}
     if table is None:
         if shape is None:  # the even cut: no communication
             sizes = list(local.shape)
             for mesh_dim, placement in enumerate(placements):
-                if isinstance(placement, Shard):
+                if isinstance(placement, _CUTS):
                     sizes[placement.dim] *= mesh.size(mesh_dim)
             return Layout(mesh, placements, sizes, global_stride_like(local, sizes))
         for dim in range(local.dim()):  # shape= with nothing sharded: every dim is local
@@ -435,7 +449,7 @@ def _layout_for_local(
     per_coord = dict(zip(coords, table, strict=True))
     global_shape: list[int] = []
     for dim in range(local.dim()):
-        sharding = [m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+        sharding = [m for m, p in enumerate(placements) if p.is_shard(dim)]
         if not sharding:
             seen = {row[dim] for row in table}
             if len(seen) > 1:

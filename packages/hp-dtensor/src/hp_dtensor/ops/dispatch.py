@@ -34,6 +34,7 @@ from hp_dtensor.ops.everywhere import decision_problem, to_meta
 from hp_dtensor.ops.fallback import run_fallback
 from hp_dtensor.ops.meshes import common_mesh as _mesh_of
 from hp_dtensor.ops.strided import decide
+from hp_dtensor.ops.view_writes import after_view, is_view_op, view_aliases, write_back, writes_first
 from hp_dtensor.placements import Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local
 
@@ -290,8 +291,8 @@ def _torch_dispatch(
     dispatch fast path]). An untokened layout puts None in the key: a miss,
     and the slow path tokens it.
     """
-    if kwargs:
-        return dispatch(func, args, kwargs)
+    if kwargs or (args and args[0].__class__ is DTensor and args[0]._copy_of is not None):
+        return dispatch(func, args, kwargs or {})  # a moved view: see [Note: writes through moved views]
     hit: Any = None
     local: Any = None
     n = len(args)
@@ -556,7 +557,22 @@ def _distinct(flat: list[Any], positions: Sequence[int]) -> list[Any]:
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``func`` on DTensor arguments: the general path behind :func:`_torch_dispatch`.
+    """Run ``func`` on DTensor arguments; views that are copies and writes into them are tracked.
+
+    A view op's output that does not alias its input is marked, and an in-place
+    op on a marked DTensor is written back to where the view came from
+    ([Note: writes through moved views] in :mod:`hp_dtensor.ops.view_writes`).
+    """
+    out = _dispatch(func, args, kwargs)
+    if is_view_op(func):
+        after_view(func, args, kwargs, out)
+    elif args and isinstance(args[0], DTensor) and args[0]._copy_of is not None and writes_first(func):
+        write_back(args[0]._copy_of)
+    return out
+
+
+def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The general path behind :func:`_torch_dispatch`.
 
     Also the entry for calls :func:`_torch_dispatch` does not key inline
     (kwargs, lists, plain tensors): it builds the full signature and still
@@ -697,7 +713,7 @@ def _run(
         if meta is None:
             meta = _decided_meta(decision, func, key, flat, spec)
         wrapped = value = _wrap(func, result, meta, decision.outputs, mesh, flat, positions)
-    if not moved:
+    if not moved and not (is_view_op(func) and not view_aliases(result, local_flat[positions[0]])):
         _remember(
             func, signature, args, kwargs, mesh, result, wrapped, decision, local_size, layouts, kwarg_layouts
         )
