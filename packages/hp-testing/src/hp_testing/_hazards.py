@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp_testing._checked_future import CheckedFuture
+
 __all__ = ["AsyncBuffers", "AsyncHazardError", "CheckedWork", "DoneWork"]
 
 
@@ -184,7 +186,7 @@ class CheckedWork(dist.Work):
         return int(self._inner.source_rank())
 
     def get_future(self) -> Any:
-        return self._inner.get_future()
+        return CheckedFuture(self.wait, self._inner.get_future())  # its wait() runs the checks wait() runs
 
     def get_future_result(self) -> Any:
         return self._inner.get_future_result()
