@@ -1,7 +1,4 @@
-"""Placements: how one mesh dim holds a tensor.
-
-A DTensor carries one placement per mesh dim. Each says what the ranks along
-that mesh dim hold of the global tensor:
+"""Placements: what the ranks along one mesh dim hold of a DTensor's global tensor.
 
 * ``Shard(dim)``: consecutive pieces along tensor dim ``dim``, cut like
   ``torch.chunk`` (the last ranks may hold fewer rows, or none);
@@ -13,11 +10,8 @@ that mesh dim hold of the global tensor:
 * ``StridedShard(dim, split_factor)``: tensor dim ``dim`` is cut into
   ``split_factor`` blocks and every rank holds its ``torch.chunk`` piece of
   each block (what a view merging a cut inner dim leaves; see [Note: strided
-  shards]).
-
-Placements are frozen dataclasses: equal by value and hashable, so layouts
-built from them can key caches of sharding decisions and redistribution plans.
-torch's placements are accepted and compare equal ([Note: torch placements]).
+  shards]). Placements are frozen dataclasses (equal by value, hashable: they key
+  caches); torch's compare equal ([Note: torch placements]).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from hp_dtensor.layout import Layout, chunk_sizes, strided_sizes
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 
 if TYPE_CHECKING:
-    from hp_dtensor.ops.dispatch import Decision, OpCall
+    from hp_dtensor.ops.calls import Decision, OpCall
 
 __all__ = ["STRIDED_RULES", "decide", "may_produce_strided", "reads_strided", "wired"]
 
