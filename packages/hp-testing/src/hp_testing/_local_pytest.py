@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from hp_testing._local_patches import RankMonkeyPatch
+from hp_testing._local_world import current
 from hp_testing._worker import RANK_LOCAL_FIXTURES, TaskResult, _rank_local_value
 from hp_testing.local import run_local_outcomes
 from hp_testing.pool import Outcome
@@ -38,10 +40,12 @@ def run_local_test(item: pytest.Function, world_size: int, backend: str = "gloo"
         kwargs = {name: pickle.loads(blob) for name, blob in blobs.items()}
         patches = []
         for name in shared:
-            if name in RANK_LOCAL_FIXTURES:
+            if name == "monkeypatch":  # patches the process: in place only while this rank runs
+                patch = kwargs[name] = RankMonkeyPatch()
+                current()[0].states[rank].patches.append(patch)
+                patches.append(patch)
+            elif name in RANK_LOCAL_FIXTURES:
                 kwargs[name] = _rank_local_value(name, SimpleNamespace(rank=rank, world_size=world_size))  # type: ignore[arg-type]
-                if name == "monkeypatch":
-                    patches.append(kwargs[name])
         try:
             function(**kwargs)
         finally:

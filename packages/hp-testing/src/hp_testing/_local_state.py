@@ -11,6 +11,7 @@ import io
 import os
 import sys
 import types
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,6 +24,10 @@ __all__: list[str] = []
 _PER_RANK_PREFIXES = ("hp_core", "hp_dtensor", "hp_fsdp", "hp_pipeline", "hp_torchtitan")
 # hp_testing's record_collectives keeps each rank's open logs in a global, as a pool rank would.
 _PER_RANK_MODULES = ("hp_testing.collectives",)
+# The warnings machinery's process state: the filters, the "once" registry and where a warning
+# goes (``pytest.warns`` / ``catch_warnings(record=True)`` point the last two at a list):
+# [Note: each rank's warnings].
+_WARNING_STATE = ("filters", "defaultaction", "onceregistry", "showwarning", "_showwarnmsg_impl")
 _CONTAINERS = (dict, list, set)
 _PLAIN = (int, float, str, bool, bytes, tuple, frozenset, type(None))
 
@@ -104,6 +109,9 @@ class Slots:
         self._slots: list[tuple[dict[str, Any], str]] = []
         self._known: set[str] = set()
         self._seen: tuple[int, str | None] = (-1, None)
+        self._known.add(warnings.__name__)
+        self.pairs.extend((warnings, name) for name in _WARNING_STATE)
+        self._slots.extend((vars(warnings), name) for name in _WARNING_STATE)
         self.grow()
 
     def grow(self) -> list[Any]:
@@ -130,8 +138,29 @@ class Slots:
 
     def write(self, values: list[Any]) -> None:
         """Put ``values`` back; a shorter list (saved before more modules joined) covers its prefix."""
+        filters = warnings.filters
         for (namespace, name), value in zip(self._slots, values, strict=False):
             namespace[name] = value
+        if warnings.filters != filters:
+            _filters_changed()
+
+
+# [Note: each rank's warnings]
+# ``pytest.warns`` and ``warnings.catch_warnings`` replace the warnings module's
+# filters and its ``showwarning`` for the duration of a ``with`` block: process
+# state. A rank that blocks inside the block hands the turn to a rank that
+# enters its own block; shared, the blocks would save and restore each other's
+# settings, and a warning would land in another rank's list (or the test
+# session's), so ``pytest.warns`` on a rank that communicates saw nothing.
+# Each rank therefore owns these names like any module global. The interpreter
+# remembers which warnings each module already showed (``__warningregistry__``)
+# for one version of the filters; when a switch changes the filters that memory
+# must be dropped, as changing the filters in one process does.
+def _filters_changed() -> None:
+    """Tell the interpreter the filters changed, through public API only."""
+    # Entering and leaving catch_warnings bumps the filters' version and puts every setting back.
+    with warnings.catch_warnings():
+        pass
 
 
 # [Note: cheap switches]
@@ -164,10 +193,13 @@ class Slots:
 #   level, as ``fork`` would give it), then keeps its own; globals a module
 #   declared rank-independent (``hp_core.share_across_ranks``: caches keyed by
 #   global shapes, not by a rank or a mesh object) stay one object for all;
+# * the warnings module's filters and destination (``pytest.warns`` on a rank
+#   records that rank's warnings): [Note: each rank's warnings];
 # * the CPU RNG state and the default dtype;
 # * ``sys.stdout`` / ``sys.stderr`` (each rank writes to its own buffer) and
 #   ``sys.excepthook`` (``init_process_group`` installs a rank-prefixing one);
-# * the torchrun environment variables (``RANK``, ``LOCAL_RANK``, ...).
+# * the torchrun environment variables (``RANK``, ``LOCAL_RANK``, ...);
+# * what the rank's ``monkeypatch`` fixture patched: [Note: a rank's monkeypatches].
 #
 # Only globals are swapped: state a module captured elsewhere (a class
 # attribute, a closure, an ``lru_cache``) stays shared between the ranks, which
@@ -185,6 +217,8 @@ class RankState:
         self.stderr = io.StringIO()
         self.excepthook = sys.excepthook
         self.env = env
+        # this rank's monkeypatches (:mod:`hp_testing._local_patches`): in place only while it runs
+        self.patches: list[Any] = []
 
     def adopt(self, values: list[Any], running: list[Any]) -> None:
         """Own a copy of the globals of modules imported since this rank last ran.
@@ -206,9 +240,13 @@ class RankState:
         for key, value in self.env.items():
             if environ.get(key) != value:  # see [Note: cheap switches]
                 environ[key] = value
+        for patch in self.patches:
+            patch.reapply()
 
     def leave(self) -> None:
         """Save what this rank changed, so the next rank can enter."""
+        for patch in self.patches:
+            patch.withdraw()
         self.globals = self.slots.read()
         self.rng = torch.get_rng_state()
         self.dtype = torch.get_default_dtype()
