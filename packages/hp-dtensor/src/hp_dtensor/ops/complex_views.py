@@ -16,6 +16,7 @@ import torch
 
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
 from hp_dtensor.ops.pointwise import pointwise_rule
+from hp_dtensor.ops.strided import elementwise
 from hp_dtensor.ops.views import map_dims
 
 __all__: list[str] = []
@@ -38,5 +39,5 @@ def view_as_real_rule(call: OpCall) -> Decision:
 
 
 register(aten.complex.default, aten.polar.default, keeps_layout=True)(
-    lambda call: pointwise_rule(call, inplace=False)
+    elementwise(lambda call: pointwise_rule(call, inplace=False))
 )

@@ -7,6 +7,7 @@ Why elements may live on different meshes: [Note: foreach over meshes] (above
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import SPECIAL, Decision, OpCall, Rule, _distinct
 from hp_dtensor.ops.meshes import common_mesh
 from hp_dtensor.ops.pointwise import pointwise_rule
+from hp_dtensor.ops.strided import decide, elementwise, reads_strided
 from hp_dtensor.placements import Replicate
 from hp_dtensor.redistribute import redistribute_local
 
@@ -50,9 +52,25 @@ def element_positions(args: tuple[Any, ...]) -> tuple[list[list[int]], set[int]]
     return elements, {p for lst in lists for p in lst}
 
 
+def _is_inplace(func: Any) -> bool:
+    return torch.Tag.inplace in func.tags or str(func).split(".")[1].endswith("_")
+
+
+@elementwise
+def _element_rule(call: OpCall) -> Decision:
+    """The pointwise rule over one element's DTensors (``call.positions``)."""
+    return pointwise_rule(call, inplace=_is_inplace(call.func))
+
+
+@reads_strided
 def _foreach_rule(call: OpCall) -> Decision:
-    func = call.func
-    inplace = torch.Tag.inplace in func.tags or str(func).split(".")[1].endswith("_")
+    """Each element asks :func:`decide` on its own, so a strided element keeps its cut.
+
+    Marked :func:`reads_strided` because it hands every element to
+    :func:`decide` itself: one element's ``StridedShard`` says nothing about
+    another's.
+    """
+    inplace = _is_inplace(call.func)
     elements, _ = element_positions(call.args)
     decision = Decision(inplace=inplace)
     for element in elements:
@@ -60,7 +78,8 @@ def _foreach_rule(call: OpCall) -> Decision:
         if not positions:
             decision.outputs.append(None)
             continue
-        sub = pointwise_rule(call, positions, inplace=inplace)
+        sub = decide(_element_rule, dataclasses.replace(call, positions=positions))
+        assert sub is not None
         decision.inputs.update(sub.inputs)
         decision.outputs.extend(sub.outputs)
     return decision
@@ -112,7 +131,8 @@ def dispatch_foreach(
         else:
             meshes.append(None)
     a, k = pytree.tree_unflatten(flat, spec)
-    decision = rule(OpCall(func, a, k, flat, positions))
+    # Through decide: a rule that never heard of StridedShard sees such an element replicated.
+    decision = decide(rule, OpCall(func, a, k, flat, positions))
     assert decision is not None
     for p in positions:
         if p not in listed:  # a tensor outside the lists meets every element: whole

@@ -28,6 +28,7 @@ from hp_dtensor.ops.dispatch import (
     OpCall,
     register,
 )
+from hp_dtensor.ops.strided import elementwise
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.redistribute import slice_for_layout
 
@@ -101,6 +102,7 @@ def _keeps_partial(
 # parameters stay sharded) and move the other arguments to match, which is how
 # ``torch.optim.AdamW`` with ``foreach=True`` steps sharded parameters without
 # gathering them: a partial gradient is reduced, a matching shard is used as is.
+@elementwise
 def pointwise_rule(call: OpCall, positions: list[int] | None = None, inplace: bool | None = None) -> Decision:
     """Placements for a pointwise op over the DTensors at ``positions`` (default: all of them)."""
     func = call.func
@@ -209,17 +211,19 @@ def resolve_by_tag(func: Any) -> Any:
 
 
 register(aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, keeps_layout=True)(
-    lambda call: pointwise_rule(call, inplace=True)
+    elementwise(lambda call: pointwise_rule(call, inplace=True))
 )
 # The .Scalar forms are registered by name so their value is part of the decision's key (a fill
 # with 0 keeps a partial, see [Note: linear partials]), which a rule found by tag would not be.
 register(aten.masked_fill.Tensor, aten.masked_fill.Scalar, keeps_layout=True)(
-    lambda call: pointwise_rule(call, inplace=False)
+    elementwise(lambda call: pointwise_rule(call, inplace=False))
 )
 register(aten.masked_fill_.Tensor, aten.masked_fill_.Scalar, keeps_layout=True)(
-    lambda call: pointwise_rule(call, inplace=True)
+    elementwise(lambda call: pointwise_rule(call, inplace=True))
 )
-register(aten._to_copy.default, keeps_layout=True)(lambda call: pointwise_rule(call, inplace=False))
+register(aten._to_copy.default, keeps_layout=True)(
+    elementwise(lambda call: pointwise_rule(call, inplace=False))
+)
 
 
 @register(
@@ -229,6 +233,7 @@ register(aten._to_copy.default, keeps_layout=True)(lambda call: pointwise_rule(c
     aten.full_like.default,
     keeps_layout=True,
 )
+@elementwise
 def like_rule(call: OpCall) -> Decision:
     """``*_like`` factories: the input's cut, no communication; partial inputs give replicated values."""
     layout = call.layout(call.positions[0])
@@ -335,13 +340,14 @@ _UNTAGGED_POINTWISE = (
     aten.softshrink_backward.default,
     aten.hardshrink_backward.default,
 )
-register(*_UNTAGGED_POINTWISE)(lambda call: pointwise_rule(call, inplace=False))
+register(*_UNTAGGED_POINTWISE)(elementwise(lambda call: pointwise_rule(call, inplace=False)))
 register(aten.hardswish_.default, aten.floor_divide_.Tensor, aten.floor_divide_.Scalar, keeps_layout=True)(
-    lambda call: pointwise_rule(call, inplace=True)
+    elementwise(lambda call: pointwise_rule(call, inplace=True))
 )
 
 
 @register(aten.fill.Scalar, aten.fill.Tensor, keeps_layout=True)
+@elementwise
 def fill_rule(call: OpCall) -> Decision:
     """``fill(x, v)``: ``x``'s cut, no communication; its values are never read, so a partial is not summed.
 

@@ -26,11 +26,20 @@ from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedS
 if TYPE_CHECKING:
     from hp_dtensor.ops.calls import Decision, OpCall
 
-__all__ = ["STRIDED_RULES", "decide", "may_produce_strided", "reads_strided", "wired"]
+__all__ = [
+    "ELEMENTWISE_RULES",
+    "STRIDED_RULES",
+    "decide",
+    "elementwise",
+    "may_produce_strided",
+    "reads_strided",
+    "wired",
+]
 
 Rule = Callable[["OpCall"], "Decision | None"]
 
 STRIDED_RULES: set[Any] = set()  # rules that read (and may produce) StridedShard themselves
+ELEMENTWISE_RULES: set[Any] = set()  # rules that see StridedShard as the Shard of the same dim
 
 _STATE = threading.local()
 
@@ -38,6 +47,17 @@ _STATE = threading.local()
 def reads_strided(rule: Rule) -> Rule:
     """Mark ``rule`` as one that handles ``StridedShard`` inputs and may produce the placement."""
     STRIDED_RULES.add(rule)
+    return rule
+
+
+def elementwise(rule: Rule) -> Rule:
+    """Mark ``rule`` elementwise: it sees ``StridedShard(d, k)`` as ``Shard(d)``, its answer mapped back.
+
+    A mark on the rule object rather than a name, so that every wrapper
+    (``lambda call: pointwise_rule(call, inplace=True)``) declares it too:
+    an unmarked wrapper would take the replicated road and gather.
+    """
+    ELEMENTWISE_RULES.add(rule)
     return rule
 
 
@@ -81,7 +101,8 @@ def _producing() -> Iterator[None]:
 # dispatcher and every rule:
 #
 # * a rule marked :func:`reads_strided` gets the call as it is;
-# * an elementwise op (``pointwise_rule``) over operands of one shape, or a
+# * an elementwise rule (marked :func:`elementwise`: ``pointwise_rule`` and
+#   every wrapper of it) over operands of one shape, or a
 #   sum / mean / amax / amin / any / all, sees ``Shard(d)`` for
 #   ``StridedShard(d, k)``, and every ``Shard`` it then names on that mesh
 #   dim is read back as ``StridedShard(_, k)``: such ops treat every element
@@ -119,10 +140,9 @@ def _strided_dims(layout: Layout) -> dict[int, StridedShard]:
 
 def _shard_like_rules() -> tuple[set[Any], set[Any]]:
     """(elementwise rules, reduction rules) that may see a ``StridedShard`` as a ``Shard``."""
-    from hp_dtensor.ops.pointwise import pointwise_rule
     from hp_dtensor.ops.reductions import amax_rule, amin_rule, any_all_rule, mean_rule, sum_rule
 
-    return {pointwise_rule}, {sum_rule, mean_rule, amax_rule, amin_rule, any_all_rule}
+    return ELEMENTWISE_RULES, {sum_rule, mean_rule, amax_rule, amin_rule, any_all_rule}
 
 
 def _reads_as_shard(rule: Rule, call: OpCall) -> bool:
