@@ -220,6 +220,20 @@ def _torch_case(item: pytest.Item, config: pytest.Config) -> TorchCase | None:
     return case
 
 
+# [Note: torch's test classes and local mode]
+# Local mode runs every rank as a thread of one process. torch's classes are
+# written for a process per rank: a TestCase instance per rank, ``self.rank``,
+# ``init_process_group`` on a file store, c10d's state (default group, group
+# names) per process. So they always run as processes: ``mode='local'`` on one
+# is an error, and ``HP_TEST_MODE=local`` (a whole-run default) leaves them on
+# the process pool with one warning per session saying so.
+_WHY_NOT_LOCAL = (
+    "torch's test classes run each rank as a process (a TestCase per rank, self.rank, "
+    "init_process_group on a file store, c10d state per process), and local mode's ranks share "
+    "one process"
+)
+
+
 def _torch_marker(item: pytest.Item, world: int) -> Any:
     """The ``distributed`` marker's options for a torch class: its world size is the class's own."""
     marker = item.get_closest_marker(MARKER)
@@ -230,10 +244,13 @@ def _torch_marker(item: pytest.Item, world: int) -> Any:
             f"{item.nodeid}: @pytest.mark.{MARKER}(world_size={given!r}) on a torch test class whose "
             f"world_size is {world}; the class decides its world size: drop world_size from the marker"
         )
-    if kwargs.pop("mode", "process") != "process":
+    mode = kwargs.pop("mode", "process")
+    if mode != "process":
         raise MarkerError(
-            f"{item.nodeid}: torch test classes run on the process pool; mode='local' is for marked "
-            f"test functions"
+            f"{item.nodeid}: @pytest.mark.{MARKER}(mode={mode!r}) on a torch test class; {_WHY_NOT_LOCAL}: "
+            f"drop mode= from the marker (the class runs on hp-testing's process pool), or write the test "
+            f"as a function marked @pytest.mark.{MARKER}(world_size=N, mode='local') taking the rank / "
+            f"device_mesh_factory fixtures"
         )
     kwargs["world_size"] = world
     return types.SimpleNamespace(args=tuple(marker.args) if marker is not None else (), kwargs=kwargs)
@@ -266,6 +283,7 @@ class HarnessSession:
         self.pools: dict[tuple[int, str], WorkerPool] = {}
         self.pooled_classes: set[str] = set()
         self.torch_way: dict[str, str] = {}  # class -> why it ran with torch's harness
+        self.warned_local_env = False  # [Note: torch's test classes and local mode]
 
     def pool(self, world_size: int, backend: str) -> WorkerPool:
         key = (world_size, backend)
@@ -355,6 +373,7 @@ class HarnessSession:
         if case is None:
             return
         name = f"{item.cls.__module__}.{item.cls.__qualname__}"  # type: ignore[attr-defined]
+        self._warn_local_env(item)
         if case.reason is not None:
             if name not in self.torch_way:
                 self.torch_way[name] = case.reason
@@ -380,6 +399,20 @@ class HarnessSession:
                 raise unittest.SkipTest(first.skipped)
 
         take_over(item, case, backend, run_on_pool)
+
+    def _warn_local_env(self, item: pytest.Item) -> None:
+        """Say once that ``HP_TEST_MODE=local`` leaves torch's classes on processes."""
+        if self.warned_local_env or os.environ.get(ENV_MODE, "").strip() != "local":
+            return
+        self.warned_local_env = True
+        item.warn(
+            pytest.PytestWarning(
+                f"${ENV_MODE}=local does not apply to torch test classes ({item.cls.__qualname__} "  # type: ignore[attr-defined]
+                f"and the rest): {_WHY_NOT_LOCAL}; they run on hp-testing's process pool anyway. "
+                f"Only functions marked @pytest.mark.{MARKER}(world_size=N) run in local mode; "
+                f"unset ${ENV_MODE} to silence this"
+            )
+        )
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.pooled_classes and not self.torch_way:
