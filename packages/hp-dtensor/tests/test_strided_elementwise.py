@@ -128,3 +128,18 @@ def test_foreach_other_rules_see_strided_replicated(rank, device_mesh_factory) -
     x, dx = _pair(mesh)
     (norm,) = torch._foreach_norm([dx])
     torch.testing.assert_close(norm.full_tensor(), torch.linalg.vector_norm(x))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_like_fill_complex_keep_strided_cut(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """``zeros_like``, out-of-place ``fill`` and ``complex(real, imag)`` keep the strided cut too."""
+    mesh = device_mesh_factory((2,))
+    x, dx = _pair(mesh)
+    y, dy = _pair(mesh, seed=1)
+    with record_collectives() as log, fallback_policy("error"):
+        zeros = torch.zeros_like(dx)
+        filled = torch.ops.aten.fill.Scalar(dx, 1.5)
+        pairs = torch.complex(dx, dy)
+    _check(zeros, torch.zeros(8, 3), log)
+    _check(filled, torch.full((8, 3), 1.5), log)
+    _check(pairs, torch.complex(x, y), log)
