@@ -99,3 +99,31 @@ def test_a_write_that_cannot_be_written_back_is_an_error_on_every_rank(rank, dev
         NotImplementedError, match=r"aten\.unfold\.default: this view's pieces had to be moved"
     ):
         windows.add_(1)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_writes_into_the_base_reach_its_moved_views(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    mesh = device_mesh_factory((2,))
+    expected = torch.arange(24.0).view(6, 4)
+    d = distribute_tensor(expected.clone(), mesh, [S0])
+    views = []
+    for t in (expected, d):
+        rows, row, inner = t[2:4], t[3], t[1:5][:, 2]
+        t.mul_(2)  # after the views were taken
+        t[0].add_(1)  # a write through another view
+        views.append((rows, row, inner))
+    for got, want in zip(views[1], views[0], strict=True):
+        torch.testing.assert_close(got.full_tensor(), want, rtol=0, atol=0)
+    torch.testing.assert_close(d.full_tensor(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_saved_moved_view_changed_by_a_write_is_refused_by_autograd(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """As for a plain tensor (autograd counts the moved view as a view of its base): no stale gradient."""
+    mesh = device_mesh_factory((2,))
+    w = distribute_tensor(torch.randn(6, 4), mesh, [S0]).requires_grad_()
+    y = w * 1
+    loss = (y[2:4] * y[2:4]).sum()  # saves the moved view
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

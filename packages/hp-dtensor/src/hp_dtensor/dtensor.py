@@ -117,6 +117,7 @@ class DTensor(torch.Tensor):
     # Set on a view whose pieces had to be moved (a copy, not an alias): where to write an
     # in-place change back to ([Note: writes through moved views] in ops/view_writes.py).
     _copy_of: Any = None
+    _moved_views: Any = None  # weak references to this tensor's moved views (same note)
 
     @staticmethod
     @torch._disable_dynamo

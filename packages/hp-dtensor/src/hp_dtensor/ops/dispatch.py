@@ -34,7 +34,14 @@ from hp_dtensor.ops.everywhere import decision_problem, to_meta
 from hp_dtensor.ops.fallback import run_fallback
 from hp_dtensor.ops.meshes import common_mesh as _mesh_of
 from hp_dtensor.ops.strided import decide
-from hp_dtensor.ops.view_writes import after_view, is_view_op, view_aliases, write_back, writes_first
+from hp_dtensor.ops.view_writes import (
+    after_view,
+    is_view_op,
+    refresh_views,
+    view_aliases,
+    write_back,
+    writes_first,
+)
 from hp_dtensor.placements import Placement, Replicate, Shard
 from hp_dtensor.redistribute import redistribute_local
 
@@ -291,7 +298,9 @@ def _torch_dispatch(
     dispatch fast path]). An untokened layout puts None in the key: a miss,
     and the slow path tokens it.
     """
-    if kwargs or (args and args[0].__class__ is DTensor and args[0]._copy_of is not None):
+    if kwargs or (
+        args and args[0].__class__ is DTensor and (args[0]._copy_of is not None or args[0]._moved_views)
+    ):
         return dispatch(func, args, kwargs or {})  # a moved view: see [Note: writes through moved views]
     hit: Any = None
     local: Any = None
@@ -566,8 +575,12 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     out = _dispatch(func, args, kwargs)
     if is_view_op(func):
         after_view(func, args, kwargs, out)
-    elif args and isinstance(args[0], DTensor) and args[0]._copy_of is not None and writes_first(func):
-        write_back(args[0]._copy_of)
+    elif args and isinstance(args[0], DTensor) and writes_first(func):
+        target = args[0]
+        if target._copy_of is not None:
+            write_back(target._copy_of)
+        if target._moved_views:
+            refresh_views(target)
     return out
 
 

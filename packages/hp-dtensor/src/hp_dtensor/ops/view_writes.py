@@ -6,6 +6,8 @@ See [Note: writes through moved views].
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +16,7 @@ import torch
 from hp_dtensor.dtensor import DTensor, new_dtensor
 from hp_dtensor.layout import Layout
 
-__all__ = ["after_view", "is_view_op", "view_aliases", "write_back", "writes_first"]
+__all__ = ["after_view", "is_view_op", "refresh_views", "view_aliases", "write_back", "writes_first"]
 
 aten = torch.ops.aten
 
@@ -38,9 +40,13 @@ aten = torch.ops.aten
 # Writing back is idempotent, so a view that did alias after all costs a
 # redundant copy, never a wrong value. A view op without a known inverse
 # (``unfold``, ``expand``) raises ``NotImplementedError`` on the write, on
-# every rank alike, naming the op. Not covered: a write into the *input* after
-# the view was taken does not reach a moved view (it holds the values of the
-# moment it was taken).
+# every rank alike, naming the op. The other direction: a write into the input
+# after a moved view was taken must reach the view, so the input keeps weak
+# references to its moved views, and after an in-place op on it each live
+# one is recomputed and its local values replaced in place (views aliasing it
+# see them). Autograd already counts a view op's output as a view of its input
+# (one version counter), so a saved moved view changed this way is refused at
+# backward, as for a plain tensor.
 @dataclasses.dataclass(frozen=True)
 class Mark:
     """Where a moved view's values came from: ``func(*args)`` of ``base`` (output ``index``)."""
@@ -99,6 +105,12 @@ def after_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: An
                 value._copy_of = inherited
         elif value.numel() > 0:
             value._copy_of = Mark(base, value._local, value._layout, func, args, dict(kwargs), index)
+            views = base._moved_views
+            if views is None:
+                views = base._moved_views = []
+            else:
+                views[:] = [ref for ref in views if ref() is not None]
+            views.append(weakref.ref(value))
 
 
 def write_back(mark: Mark) -> None:
@@ -114,7 +126,39 @@ def write_back(mark: Mark) -> None:
         )
     with torch.no_grad():
         updated = inverse(mark, copy)
-        aten.copy_.default(mark.base, updated)
+        _WRITING.source = mark.copy_local  # its values are already the base's: no refresh of it
+        try:
+            aten.copy_.default(mark.base, updated)
+        finally:
+            _WRITING.source = None
+
+
+_WRITING = threading.local()
+
+
+def refresh_views(base: DTensor) -> None:
+    """After an in-place op on ``base``: recompute its live moved views in place (see the note)."""
+    views = base._moved_views
+    if not views:
+        return
+    skip = getattr(_WRITING, "source", None)
+    live = [view for view in (ref() for ref in views) if view is not None]
+    base._moved_views = [weakref.ref(view) for view in live]
+    for view in live:
+        mark = view._copy_of
+        if mark is None or mark.base is not base or mark.copy_local is skip:
+            continue
+        with torch.no_grad():
+            fresh = mark.func(base, *mark.args[1:], **mark.kwargs)
+        if isinstance(fresh, (list, tuple)):
+            fresh = fresh[mark.index]
+        if fresh._layout != mark.copy_layout:
+            raise NotImplementedError(
+                f"{mark.func}: a write into a tensor changed the layout of a moved view of it "
+                f"({mark.copy_layout} then {fresh._layout}); take the view again after writing."
+            )
+        mark.copy_local.copy_(fresh._local)
+        refresh_views(view)
 
 
 def _arg(mark: Mark, position: int, name: str, default: Any) -> Any:
