@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -72,3 +73,23 @@ def test_a_ranks_monkeypatch_is_its_own(mode: str, rank: int, monkeypatch: pytes
     assert os.environ["HP_LOCAL_SUITES_PROBE"] == str(rank)
     monkeypatch.undo()
     assert dist.new_group is not no_new_group and "HP_LOCAL_SUITES_PROBE" not in os.environ
+
+
+@pytest.mark.parametrize("mode", BOTH_MODES)
+def test_a_ranks_mock_patch_of_torch_distributed_is_its_own(mode: str, rank: int) -> None:
+    # hp-core's test_mesh_from_torch.py: every rank patches dist.new_group for a block that
+    # communicates; interleaved in one process, each block saved another rank's patch as the
+    # original and the patch outlived them all.
+    real = dist.new_group
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("this rank's patch")
+
+    with mock.patch.object(dist, "new_group", refuse):
+        total = torch.tensor([1.0])
+        dist.all_reduce(total)
+        assert total.item() == 4.0 and dist.new_group is refuse
+    assert dist.new_group is real
+    dist.barrier()  # every rank's block has ended: the function is still the real one
+    assert dist.new_group is real
+    dist.new_group([0, 1, 2, 3])

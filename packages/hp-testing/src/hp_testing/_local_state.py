@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 __all__: list[str] = []
@@ -28,6 +29,10 @@ _PER_RANK_MODULES = ("hp_testing.collectives",)
 # goes (``pytest.warns`` / ``catch_warnings(record=True)`` point the last two at a list):
 # [Note: each rank's warnings].
 _WARNING_STATE = ("filters", "defaultaction", "onceregistry", "showwarning", "_showwarnmsg_impl")
+# Modules whose functions tests patch (``mock.patch.object(dist, "new_group", ...)``):
+# [Note: patched torch.distributed functions].
+_PATCHED_MODULES = (dist, c10d)
+_ABSENT = object()
 _CONTAINERS = (dict, list, set)
 _PLAIN = (int, float, str, bool, bytes, tuple, frozenset, type(None))
 
@@ -112,6 +117,11 @@ class Slots:
         self._known.add(warnings.__name__)
         self.pairs.extend((warnings, name) for name in _WARNING_STATE)
         self._slots.extend((vars(warnings), name) for name in _WARNING_STATE)
+        # [Note: patched torch.distributed functions]: the process's functions, to tell a rank's patch
+        self.functions = [
+            (vars(module), {k: v for k, v in vars(module).items() if callable(v) and not k.startswith("__")})
+            for module in _PATCHED_MODULES
+        ]
         self.grow()
 
     def grow(self) -> list[Any]:
@@ -156,6 +166,18 @@ class Slots:
 # remembers which warnings each module already showed (``__warningregistry__``)
 # for one version of the filters; when a switch changes the filters that memory
 # must be dropped, as changing the filters in one process does.
+# [Note: patched torch.distributed functions]
+# Tests patch torch.distributed's functions for a block (``with
+# mock.patch.object(dist, "new_group", refuse):``); the patch saves the
+# function it replaces and puts it back at the block's end. In one process
+# shared by the ranks, rank 0 patches and blocks in a collective inside the
+# block, rank 1 enters its block and saves rank 0's patch as "the original",
+# and after both blocks the patch stays for good (hp-core's
+# test_mesh_from_torch.py). So the functions of ``torch.distributed`` and
+# ``distributed_c10d`` are each rank's own: a rank that leaves with some of
+# them changed keeps its values and puts the process's back; it finds its
+# own again when it enters. An unpatched switch costs one dict-view
+# comparison per module (``items() <=``, done in C).
 def _filters_changed() -> None:
     """Tell the interpreter the filters changed, through public API only."""
     # Entering and leaving catch_warnings bumps the filters' version and puts every setting back.
@@ -217,6 +239,7 @@ class RankState:
         self.stderr = io.StringIO()
         self.excepthook = sys.excepthook
         self.env = env
+        self.functions: list[dict[str, Any]] = [{} for _ in slots.functions]  # its patched ones
         # this rank's monkeypatches (:mod:`hp_testing._local_patches`): in place only while it runs
         self.patches: list[Any] = []
 
@@ -233,6 +256,12 @@ class RankState:
     def enter(self) -> None:
         """Make this rank's state the process's."""
         self.slots.write(self.globals)
+        for (namespace, _), mine in zip(self.slots.functions, self.functions, strict=True):
+            for name, value in mine.items():
+                if value is _ABSENT:
+                    namespace.pop(name, None)
+                else:
+                    namespace[name] = value
         torch.set_rng_state(self.rng)
         torch.set_default_dtype(self.dtype)
         sys.stdout, sys.stderr, sys.excepthook = self.stdout, self.stderr, self.excepthook
@@ -247,6 +276,15 @@ class RankState:
         """Save what this rank changed, so the next rank can enter."""
         for patch in self.patches:
             patch.withdraw()
+        for (namespace, original), mine in zip(self.slots.functions, self.functions, strict=True):
+            mine.clear()
+            if original.items() <= namespace.items():  # nothing patched: one C-level pass
+                continue
+            for name, value in original.items():
+                now = namespace.get(name, _ABSENT)
+                if now is not value:
+                    mine[name] = now
+                    namespace[name] = value
         self.globals = self.slots.read()
         self.rng = torch.get_rng_state()
         self.dtype = torch.get_default_dtype()
