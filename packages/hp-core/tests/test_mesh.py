@@ -291,3 +291,13 @@ def test_2x2_concatenate_and_permute(rank, world_size, monkeypatch):
         mesh.permute("dp", "dp")
     with pytest.raises(KeyError, match=r"no dim named 'pp'"):
         mesh.permute("pp", "dp")
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_mesh_is_built_under_the_meta_device(rank: int) -> None:
+    """``fully_shard`` of a model built under ``with torch.device('meta')`` builds its default mesh there."""
+    with torch.device("meta"):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        listed = DeviceMesh("cpu", [0, 1])
+    assert mesh.size() == 2 and mesh.get_local_rank() == rank
+    assert listed.size() == 2 and listed.get_local_rank() == rank

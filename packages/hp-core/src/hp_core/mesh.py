@@ -252,7 +252,8 @@ class DeviceMesh:
             mesh_dim_names=mesh_dim_names,
         )
         try:
-            tensor = mesh if isinstance(mesh, torch.Tensor) else torch.tensor(mesh)
+            # rank tables live on the CPU whatever the ambient device (``with torch.device('meta')``)
+            tensor = mesh.cpu() if isinstance(mesh, torch.Tensor) else torch.tensor(mesh, device="cpu")
         except (TypeError, ValueError, RuntimeError):
             raise TypeError(
                 f"{what}: mesh must be a tensor or nested list of integer ranks, got {mesh!r}; "
@@ -776,7 +777,7 @@ def init_device_mesh(
             f"{what}: mesh_shape={shape} holds {math.prod(shape)} ranks but the world size is "
             f"{world_size}; choose a shape whose product is {world_size}, e.g. ({world_size},)."
         )
-    root = torch.arange(world_size, dtype=torch.int64).view(shape)
+    root = torch.arange(world_size, dtype=torch.int64, device="cpu").view(shape)  # not the ambient device
     mesh = DeviceMesh.__new__(DeviceMesh)  # the arguments are agreed and checked: skip __init__'s gather
     mesh._init_root(device_type, root, names)
     return mesh
