@@ -342,7 +342,7 @@ def test_concurrency_features_in_local_mode_name_the_process_mode(
 
 
 def test_a_marker_timeout_is_accepted_in_local_mode(pytester: pytest.Pytester) -> None:
-    """Suites whose markers carry ``timeout=`` run under local mode unchanged (hangs need no timeout there)."""
+    """Suites whose markers carry ``timeout=`` run under local mode unchanged (no timeout needed there)."""
     pytester.makepyfile(
         test_inner=textwrap.dedent(
             """
