@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Call", "NotAMemberError", "call_site", "describe"]
+__all__ = ["Call", "NotAMemberError", "call_site", "describe", "global_peer"]
 
 
 class NotAMemberError(RuntimeError):
@@ -294,3 +294,13 @@ def object_p2p(name: str, peer: int | None, group: Any) -> Call:
     call.shown = f"{name}(peer {peer})"
     call.key = (name,)
     return call
+
+
+def global_peer(args: dict[str, Any], send: bool) -> int | None:
+    """The peer of a p2p call as a global rank (``dst``/``src`` or ``group_dst``/``group_src``)."""
+    peer = args.get("dst" if send else "src")
+    group_peer = args.get("group_dst" if send else "group_src")
+    if peer is None and group_peer is not None:
+        group: Any = args.get("group") or dist.group.WORLD
+        peer = dist.get_global_rank(group, group_peer)
+    return peer

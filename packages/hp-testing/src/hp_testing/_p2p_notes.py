@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hp_testing._calls import Call, call_site, describe_p2p
+from hp_testing._calls import Call, call_site, describe_p2p, global_peer
 
 __all__ = ["Note", "enable", "issuing", "take"]
 
@@ -57,18 +57,9 @@ def enable(on: bool) -> bool:
     return previous
 
 
-def _peer(args: dict[str, Any], send: bool) -> int | None:
-    peer = args.get("dst" if send else "src")
-    group_peer = args.get("group_dst" if send else "group_src")
-    if peer is None and group_peer is not None:
-        group: Any = args.get("group") or dist.group.WORLD
-        peer = dist.get_global_rank(group, group_peer)
-    return peer
-
-
 def _single(name: str, args: dict[str, Any]) -> list[Note]:
     call = describe_p2p(
-        name, args["tensor"], _peer(args, "send" in name), args.get("group"), args.get("tag", 0)
+        name, args["tensor"], global_peer(args, "send" in name), args.get("group"), args.get("tag", 0)
     )
     call.site = call_site(3)
     return [Note(call)]

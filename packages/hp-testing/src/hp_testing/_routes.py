@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from hp_testing._backend_emulation import AllWork, BatchPart, execute, transfer_view
-from hp_testing._calls import Call, call_site, describe, describe_p2p, object_p2p
+from hp_testing._calls import Call, call_site, describe, describe_p2p, global_peer, object_p2p
 from hp_testing._hazards import AsyncBuffers, CheckedWork, DoneWork
 from hp_testing.profiles import check_call
 
@@ -26,16 +26,6 @@ if TYPE_CHECKING:
     from hp_testing._layer import Layer
 
 __all__ = ["check_collective", "run_batch", "run_collective", "run_object_p2p", "run_p2p", "torch_op"]
-
-
-def _global_peer(args: dict[str, Any], send: bool) -> int | None:
-    """The peer of a p2p call as a global rank (``dst``/``src`` or ``group_dst``/``group_src``)."""
-    peer = args.get("dst" if send else "src")
-    group_peer = args.get("group_dst" if send else "group_src")
-    if peer is None and group_peer is not None:
-        group: Any = args.get("group") or dist.group.WORLD
-        peer = dist.get_global_rank(group, group_peer)
-    return peer
 
 
 # [Note: the route of a call]
@@ -113,7 +103,7 @@ def run_p2p(layer: Layer, name: str, orig: Callable[..., Any], args: dict[str, A
     """One ``send``, ``recv``, ``isend`` or ``irecv``."""
     send = "send" in name
     tensor = args["tensor"]
-    peer = _global_peer(args, send)
+    peer = global_peer(args, send)
     call = describe_p2p(name, tensor, peer, args.get("group"), args.get("tag", 0))
     call.site = call_site(3)
     layer.calls += 1
@@ -220,7 +210,7 @@ def run_batch(layer: Layer, orig: Callable[..., Any], ops: list[Any], isend: Cal
 def run_object_p2p(layer: Layer, name: str, orig: Callable[..., Any], args: dict[str, Any]) -> Any:
     """``send_object_list`` / ``recv_object_list``: matched like p2p, checked for the list length."""
     send = name == "send_object_list"
-    peer = _global_peer(args, send)
+    peer = global_peer(args, send)
     call = object_p2p(name, peer, args.get("group"))
     call.site = call_site(3)
     call.key = ("object_p2p", "objects", len(args["object_list"]))
