@@ -57,7 +57,7 @@ CI_OPS = (
     # views and shapes
     "view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "flatten", "split",
     "chunk", "cat", "stack", "narrow", "select", "unflatten", "contiguous", "clone", "repeat", "tril", "triu",
-    "ravel", "view_as", "reshape_as", "repeat_interleave", "hstack", "vstack",
+    "ravel", "view_as", "reshape_as", "repeat_interleave", "hstack", "vstack", "kron",
     # spatial (vision towers)
     "nn.functional.conv2d", "nn.functional.conv1d", "nn.functional.pad.constant",
     "nn.functional.max_pool2d", "nn.functional.avg_pool2d", "nn.functional.adaptive_avg_pool2d",

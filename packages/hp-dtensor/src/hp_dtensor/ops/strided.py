@@ -15,7 +15,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch.utils import _pytree as pytree
 
@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 Rule = Callable[["OpCall"], "Decision | None"]
+# A rule keeps its own signature (extra keywords such as ``inplace=``) through the marking decorators.
+AnyRule = TypeVar("AnyRule", bound=Callable[..., Any])
 
 STRIDED_RULES: set[Any] = set()  # rules that read (and may produce) StridedShard themselves
 ELEMENTWISE_RULES: set[Any] = set()  # rules that see StridedShard as the Shard of the same dim
@@ -50,7 +52,7 @@ def reads_strided(rule: Rule) -> Rule:
     return rule
 
 
-def elementwise(rule: Rule) -> Rule:
+def elementwise(rule: AnyRule) -> AnyRule:
     """Mark ``rule`` elementwise: it sees ``StridedShard(d, k)`` as ``Shard(d)``, its answer mapped back.
 
     A mark on the rule object rather than a name, so that every wrapper
@@ -153,7 +155,8 @@ def _reads_as_shard(rule: Rule, call: OpCall) -> bool:
     if rule in elementwise and len({layout.shape for layout in layouts}) != 1:
         return False  # a broadcast operand would meet rows of another dim
     for m in range(layouts[0].mesh.ndim):
-        cuts = {layout.placements[m] for layout in layouts if isinstance(layout.placements[m], StridedShard)}
+        placed = [layout.placements[m] for layout in layouts]
+        cuts = {p for p in placed if isinstance(p, StridedShard)}
         if len(cuts) > 1:
             return False
         if not cuts:
@@ -203,7 +206,7 @@ def _as_shard(rule: Rule, call: OpCall, strided: list[int]) -> Decision | None:
         if placements is None:
             return None
         return tuple(
-            StridedShard(x.dim, factors[m]) if m in factors and isinstance(x, Shard) else x
+            StridedShard(x.dim, factors[m]) if factors.get(m, 1) > 1 and isinstance(x, Shard) else x
             for m, x in enumerate(placements)
         )
 

@@ -238,7 +238,7 @@ def _cut_after_view(
         return Replicate()
     if [s * inner for s in chunk_sizes(rows, n)] != [s * after for s in chunk_sizes(block, n)]:
         return Replicate()
-    return StridedShard(k, blocks)
+    return Shard(k) if blocks == 1 else StridedShard(k, blocks)
 
 
 def _view_decision(call: OpCall, layout: Layout, out_shape: Sequence[int]) -> Decision:
@@ -484,10 +484,12 @@ def _keep_strided_blocks(call: OpCall, layout: Layout, dim: int, decision: Decis
     """Turn ``decision`` (which gathers ``dim``) into a local slice when it takes whole strided blocks."""
     placements = layout.placements
     cuts = [m for m, p in enumerate(placements) if p.is_shard(dim)]
-    if len(cuts) != 1 or not isinstance(placements[cuts[0]], StridedShard):
+    if len(cuts) != 1:
         return
     m, placement = cuts[0], placements[cuts[0]]
-    size, factor = layout.shape[dim], placements[cuts[0]].split_factor
+    if not isinstance(placement, StridedShard):
+        return
+    size, factor = layout.shape[dim], placement.split_factor
     span = _slice_range(call, size)
     if size % factor or span is None:
         return
