@@ -335,13 +335,16 @@ class HarnessSession:
         marker = pyfuncitem.get_closest_marker(MARKER)
         if marker is None:
             return None
+        bad: str | None = None
         try:
             world, backend, timeout = _options(pyfuncitem, marker, self.config)
             options = _run_options(pyfuncitem, marker)
             mode = _mode(pyfuncitem, marker, backend, options)
             task = None if _inline() else _task(pyfuncitem)
         except MarkerError as exc:
-            pytest.fail(str(exc), pytrace=False)
+            bad = str(exc)
+        if bad is not None:  # failed outside the except block: one message, no chained traceback
+            pytest.fail(bad, pytrace=False)
         if task is None:
             _run_inline(world)
             return None  # pytest calls the function itself, in this process
@@ -380,6 +383,7 @@ class HarnessSession:
                 warning = f"hp-testing runs {name} with torch's own harness: {case.reason}"
                 item.warn(pytest.PytestWarning(warning))
             return
+        bad: str | None = None
         try:
             world = world_size_of(item.cls, item.instance)  # type: ignore[attr-defined]
             marker = _torch_marker(item, world)
@@ -388,7 +392,9 @@ class HarnessSession:
         except unittest.SkipTest as exc:
             pytest.skip(str(exc))
         except MarkerError as exc:
-            pytest.fail(str(exc), pytrace=False)
+            bad = str(exc)
+        if bad is not None:  # failed outside the except block: one message, no chained traceback
+            pytest.fail(bad, pytrace=False)
         self.pooled_classes.add(name)
 
         def run_on_pool(extra: dict[str, Any]) -> None:
