@@ -384,7 +384,7 @@ def _program(layout: Layout, placements: tuple[Placement, ...], itemsize: int) -
     if program is None:
         steps = []
         current = layout
-        planned = plan_redistribute(layout, placements, itemsize).steps
+        planned: Sequence[RedistributeStep] = plan_redistribute(layout, placements, itemsize).steps
         if not _strided_order_kept(layout.placements, planned):
             planned = _gather_then_cut(layout.placements, placements)
         for step in planned:

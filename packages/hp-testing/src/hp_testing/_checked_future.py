@@ -19,7 +19,7 @@ import torch
 __all__ = ["CheckedFuture"]
 
 
-class CheckedFuture(torch.futures.Future):  # type: ignore[type-arg]
+class CheckedFuture(torch.futures.Future):
     """A ``torch.futures.Future`` that mirrors ``inner`` and waits ``wait_work`` before answering."""
 
     def __init__(self, wait_work: Callable[[], object], inner: torch.futures.Future[Any]) -> None:

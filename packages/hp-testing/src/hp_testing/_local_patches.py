@@ -45,7 +45,9 @@ def _write(kind: str, target: Any, name: Any, value: Any) -> None:
 # its rank leaves and puts them in again when its rank enters; the other ranks
 # see the unpatched process. ``setenv`` / ``delenv`` go through ``setitem`` /
 # ``delitem`` and are covered; ``chdir`` and ``syspath_prepend`` stay shared.
-class RankMonkeyPatch(pytest.MonkeyPatch):
+# pytest marks MonkeyPatch final for typing only; a subclass (not a wrapper) is
+# what routes its own setenv/delenv through the setitem/delitem below.
+class RankMonkeyPatch(pytest.MonkeyPatch):  # type: ignore[misc]
     """``pytest.MonkeyPatch`` whose patches the local world withdraws while another rank runs."""
 
     def __init__(self) -> None:
@@ -60,7 +62,7 @@ class RankMonkeyPatch(pytest.MonkeyPatch):
             self._touched[key] = (kind, target, name)
             self._base[key] = _read(kind, target, name)
 
-    def setattr(self, target: Any, name: Any, value: Any = _ABSENT, raising: bool = True) -> None:  # type: ignore[override]
+    def setattr(self, target: Any, name: Any, value: Any = _ABSENT, raising: bool = True) -> None:
         if value is _ABSENT:  # setattr("package.module.attr", value)
             if not isinstance(target, str):
                 raise TypeError(
@@ -72,7 +74,7 @@ class RankMonkeyPatch(pytest.MonkeyPatch):
         self._touch("attr", target, name)
         super().setattr(target, name, value, raising=raising)
 
-    def delattr(self, target: Any, name: Any = _ABSENT, raising: bool = True) -> None:  # type: ignore[override]
+    def delattr(self, target: Any, name: Any = _ABSENT, raising: bool = True) -> None:
         if name is _ABSENT:  # delattr("package.module.attr")
             path, name = str(target).rsplit(".", 1)
             target = pkgutil.resolve_name(path)

@@ -120,6 +120,8 @@ def _fresh_keys_for_names(key: str) -> None:
     next groups are made under gets a fresh prefix (every rank the same one).
     """
     world = dist.GroupMember.WORLD
+    if world is None:
+        return  # no default group (as in :func:`rewind`): no store to move on
     backend, store = c10d._world.pg_map[world]
     if world not in _BASE_STORE:
         _BASE_STORE.clear()  # a re-created default group: the old one's store is gone

@@ -181,7 +181,8 @@ class _SubTestReport:
 
 def _reporting_subtests(instance: Any) -> Any:
     """``instance`` with an outcome that names a failing subtest ([Note: subtests in a pooled rank])."""
-    instance._outcome = unittest.case._Outcome(_SubTestReport())
+    # typeshed leaves out unittest's private _Outcome, which exists at runtime (3.11+)
+    instance._outcome = unittest.case._Outcome(_SubTestReport())  # type: ignore[attr-defined]
     return instance
 
 

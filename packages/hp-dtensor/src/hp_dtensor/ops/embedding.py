@@ -238,11 +238,11 @@ def embedding_bag_rule(call: OpCall) -> Decision:
     """The table's column cut passes to the pooled output; the rest is whole ([Note: column-wise bags])."""
     w_pos = call.position_of(call.args[0])
     cut = _column_cut(call.layout(w_pos))
-    whole = (R,) * len(cut)
+    whole: tuple[Placement, ...] = (R,) * len(cut)
     mode = call.args[4] if len(call.args) > 4 else call.kwargs.get("mode", 0)
     inputs = {p: whole for p in call.positions}
     inputs[w_pos] = cut
-    outputs = [cut, whole, whole, cut if mode == _BAG_MAX else whole]
+    outputs: list[tuple[Placement, ...] | None] = [cut, whole, whole, cut if mode == _BAG_MAX else whole]
     return Decision(inputs=inputs, outputs=outputs, kernel=_bag_kernel)
 
 
@@ -256,11 +256,11 @@ def embedding_bag_backward_rule(call: OpCall) -> Decision:
     grad = call.layout(call.position_of(call.args[0]))
     # the gradient, the table and max mode's arg-max indices have the column dim
     columns = [p for p in call.positions if call.layout(p).shape[1:] == grad.shape[1:]]
-    cut = tuple(
+    cut: tuple[Placement, ...] = tuple(
         Shard(1) if any(call.layout(p).placements[m] == Shard(1) for p in columns) else R
         for m in range(grad.mesh.ndim)
     )
-    whole = (R,) * len(cut)
+    whole: tuple[Placement, ...] = (R,) * len(cut)
     inputs = {p: cut if p in columns else whole for p in call.positions}
     if call.func is aten._embedding_bag_per_sample_weights_backward.default:
         return Decision(inputs=inputs, outputs=[tuple(SUM if p == Shard(1) else R for p in cut)])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import hp_core
 import hp_core.collectives as hc
@@ -242,6 +243,20 @@ def _swap_borders(
     return from_left, from_right
 
 
+def _received(rows: torch.Tensor | None, sent: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """The first ``n`` rows a neighbour sent this way (``sent``: this rank's buffer the other way).
+
+    A neighbour that exists always sends once ``n > 0``, except when every
+    buffer is empty (a zero-size dim elsewhere): nothing is posted then, and
+    the rows are the empty piece of the same shape.
+    """
+    if rows is not None:
+        return rows.narrow(dim, 0, n)
+    shape = list(sent.shape)
+    shape[dim] = n
+    return sent.new_empty(shape)
+
+
 def _pad_rows(rows: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     missing = size - rows.shape[dim]
     if missing == 0:
@@ -295,17 +310,13 @@ def extend(local: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
     if to_left or to_right:
         for_left = plan.right_need(r - 1) if r > 0 else 0
         for_right = plan.left_need(r + 1) if r + 1 < len(plan.ends) else 0
-        from_left, from_right = _swap_borders(
-            _pad_rows(local.narrow(dim, 0, for_left), dim, to_left),
-            _pad_rows(local.narrow(dim, local.shape[dim] - for_right, for_right), dim, to_right),
-            dim,
-            layout,
-            plan.mesh_dim,
-        )
+        send_left = _pad_rows(local.narrow(dim, 0, for_left), dim, to_left)
+        send_right = _pad_rows(local.narrow(dim, local.shape[dim] - for_right, for_right), dim, to_right)
+        from_left, from_right = _swap_borders(send_left, send_right, dim, layout, plan.mesh_dim)
         if plan.left_need(r):
-            parts.insert(0, from_left.narrow(dim, 0, plan.left_need(r)))
+            parts.insert(0, _received(from_left, send_right, dim, plan.left_need(r)))
         if plan.right_need(r):
-            parts.append(from_right.narrow(dim, 0, plan.right_need(r)))
+            parts.append(_received(from_right, send_left, dim, plan.right_need(r)))
     return torch.cat(parts, dim) if len(parts) > 1 else middle
 
 
@@ -324,19 +335,14 @@ def fold_back(grad: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor
     if to_left or to_right:
         mine_left = grad.narrow(dim, 0, left_n)  # rows of the left neighbour
         mine_right = grad.narrow(dim, grad.shape[dim] - right_n, right_n)
-        from_left, from_right = _swap_borders(
-            _pad_rows(mine_left, dim, to_left),
-            _pad_rows(mine_right, dim, to_right),
-            dim,
-            layout,
-            plan.mesh_dim,
-        )
+        send_left, send_right = _pad_rows(mine_left, dim, to_left), _pad_rows(mine_right, dim, to_right)
+        from_left, from_right = _swap_borders(send_left, send_right, dim, layout, plan.mesh_dim)
         if r > 0 and plan.right_need(r - 1):
             n = plan.right_need(r - 1)
-            out.narrow(dim, 0, n).add_(from_left.narrow(dim, 0, n))
+            out.narrow(dim, 0, n).add_(_received(from_left, send_right, dim, n))
         if r + 1 < len(plan.ends) and plan.left_need(r + 1):
             n = plan.left_need(r + 1)
-            out.narrow(dim, out.shape[dim] - n, n).add_(from_right.narrow(dim, 0, n))
+            out.narrow(dim, out.shape[dim] - n, n).add_(_received(from_right, send_left, dim, n))
     return out
 
 
@@ -401,9 +407,13 @@ def local_indices(
     return _reindex(indices, whole, extended, [-s for s in starts])
 
 
-def full_args(func: object, args: tuple[object, ...], kwargs: dict[str, object]) -> list[object]:
-    """Every schema argument of ``func`` positionally: given ones, then keyword ones, then defaults."""
-    out: list[object] = []
+def full_args(func: object, args: tuple[object, ...], kwargs: dict[str, object]) -> list[Any]:
+    """Every schema argument of ``func`` positionally: given ones, then keyword ones, then defaults.
+
+    ``Any`` items: each argument's type is the op schema's (a tensor, a size
+    list, a flag), which only the caller, knowing the op, can tell.
+    """
+    out: list[Any] = []
     for i, argument in enumerate(func._schema.arguments):  # type: ignore[attr-defined]
         if i < len(args):
             out.append(args[i])

@@ -114,8 +114,9 @@ def margin_loss_rule(call: OpCall) -> Decision:
         inputs.setdefault(position, (R,) * len(placements))
     if spec.grad is not None and reduction == _NONE and isinstance(args[spec.grad], DTensor):
         inputs[call.position_of(args[spec.grad])] = placements
+    outputs: list[tuple[Placement, ...] | None]
     if spec.grad is None:
-        outputs = [placements if reduction == _NONE else reduced] + [placements for _ in spec.extra]
+        outputs = [placements if reduction == _NONE else reduced, *(placements for _ in spec.extra)]
     else:
         outputs = [placements]
     kernel = None

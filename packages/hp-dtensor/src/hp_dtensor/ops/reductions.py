@@ -123,11 +123,8 @@ def mean_rule(call: OpCall) -> Decision:
     else:
         dims = _reduced_dims(layout, call.args[1] if len(call.args) > 1 else call.kwargs.get("dim"))
         keepdim = bool(_kwarg(call, 2, "keepdim", False))
-    cutting = [m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim in dims]
-    uneven = any(
-        len(set(chunk_sizes(layout.shape[layout.placements[m].dim], layout.mesh.shape[m]))) > 1
-        for m in cutting
-    )
+    cutting = {m: p.dim for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim in dims}
+    uneven = any(len(set(chunk_sizes(layout.shape[d], layout.mesh.shape[m]))) > 1 for m, d in cutting.items())
     if not uneven:
         return _reduce(call, "avg")
     inputs, out = reduce_decision(layout, dims, keepdim, "sum")

@@ -40,7 +40,7 @@ def segment_reduce_rule(call: OpCall) -> Decision:
     axis = int(call.kwargs.get("axis", 0)) % ndim
     cuts: list[Placement] = []
     for m in range(layouts[0].mesh.ndim):
-        found = [lay.placements[m].dim for lay in layouts if isinstance(lay.placements[m], Shard)]
+        found = [p.dim for p in (lay.placements[m] for lay in layouts) if isinstance(p, Shard)]
         cuts.append(Shard(found[0]) if found and found[0] != axis else R)
     placements = tuple(cuts)
     inputs = {p: placements for p in data_positions}
