@@ -9,6 +9,8 @@ the other rank's rows). torch's DTensor sends nothing in the same cases.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from hp_dtensor.dtensor import DTensor
@@ -18,7 +20,7 @@ from hp_dtensor.ops.pointwise import pointwise_rule
 from hp_dtensor.ops.views import covers, map_dims
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
-__all__: list[str] = []
+__all__ = ["linear_placements"]
 
 aten = torch.ops.aten
 
@@ -173,11 +175,29 @@ def slice_backward_rule(call: OpCall) -> Decision:
     ndim = len(call.args[1])
     dim = int(call.args[2]) % max(ndim, 1)
     selected = call.func is aten.select_backward.default
+
+    def moved(p: Shard) -> int | None:
+        out_dim = p.dim + 1 if selected and p.dim >= dim else p.dim
+        return None if out_dim == dim else out_dim
+
+    inputs, outputs = linear_placements(layout.placements, moved)
+    return Decision(inputs={call.positions[0]: inputs}, outputs=[outputs], size_arg=1)
+
+
+def linear_placements(
+    placements: Sequence[Placement], moved: Callable[[Shard], int | None]
+) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
+    """(inputs, outputs) per mesh dim for a linear op that moves tensor dims.
+
+    A cut stays a cut of dim ``moved(cut)`` (None: the op reads across it, so
+    it is gathered); sum / avg partials pass (the op is linear); anything else
+    is gathered.
+    """
     inputs: list[Placement] = []
     outputs: list[Placement] = []
-    for p in layout.placements:
-        out_dim = (p.dim + 1 if selected and p.dim >= dim else p.dim) if isinstance(p, Shard) else -1
-        if isinstance(p, Shard) and out_dim != dim:
+    for p in placements:
+        out_dim = moved(p) if isinstance(p, Shard) else None
+        if out_dim is not None:
             inputs.append(p)
             outputs.append(Shard(out_dim))
         elif isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
@@ -186,7 +206,7 @@ def slice_backward_rule(call: OpCall) -> Decision:
         else:
             inputs.append(Replicate())
             outputs.append(Replicate())
-    return Decision(inputs={call.positions[0]: tuple(inputs)}, outputs=[tuple(outputs)], size_arg=1)
+    return tuple(inputs), tuple(outputs)
 
 
 @register(aten.linalg_cross.default)

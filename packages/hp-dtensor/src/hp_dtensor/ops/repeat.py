@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from hp_dtensor.ops.along_dims import linear_placements
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
-from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+from hp_dtensor.placements import Replicate
 
 __all__ = ["repeat_rule"]
 
@@ -33,16 +34,7 @@ def repeat_rule(call: OpCall) -> Decision:
     if shift < 0:  # fewer counts than dims: the op's own error, from the whole tensor
         whole = (Replicate(),) * layout.mesh.ndim
         return Decision(inputs={position: whole}, outputs=[whole])
-    inputs: list[Placement] = []
-    outputs: list[Placement] = []
-    for p in layout.placements:
-        if isinstance(p, Shard) and repeats[p.dim + shift] == 1:
-            inputs.append(p)
-            outputs.append(Shard(p.dim + shift))
-        elif isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
-            inputs.append(p)
-            outputs.append(p)
-        else:
-            inputs.append(Replicate())
-            outputs.append(Replicate())
-    return Decision(inputs={position: tuple(inputs)}, outputs=[tuple(outputs)])
+    inputs, outputs = linear_placements(
+        layout.placements, lambda p: p.dim + shift if repeats[p.dim + shift] == 1 else None
+    )
+    return Decision(inputs={position: inputs}, outputs=[outputs])
