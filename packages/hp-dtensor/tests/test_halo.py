@@ -3,8 +3,8 @@
 Each case runs under ``fallback_policy("error")`` against the op on plain
 tensors (float64, values, max pooling indices and every gradient). The
 communication is counted inside the op: one all-gather of border rows in the
-forward; in the backward one for the input gradient's halo going home (and,
-for a convolution's weight gradient, one more of the input's halo), each
+forward; in the backward one for the input gradient's halo going home (a
+convolution's weight gradient reads the input's halo the forward kept), each
 payload computed here row by row, far below the input's size;
 pooling windows that line up with the cut send nothing. Cuts without a
 plan (an empty output piece, a window reaching past the neighbour on 4
@@ -76,10 +76,10 @@ def test_conv_on_cut_height_and_width_sends_border_rows_only(rank, device_mesh_f
             rows = 2 * 2
             assert forward.counts() == {GATHER: 1}, list(forward)
             assert forward.nbytes() == rows * _row_bytes(x.shape, dim) < x.numel() * 8 / 2
-            # the backward: the input's halo again (the weight gradient reads it), then the input
-            # gradient's halo home to its owners
-            assert backward.counts() == {GATHER: 2}, list(backward)
-            assert [r.nbytes for r in backward] == [rows * _row_bytes(x.shape, dim)] * 2
+            # the backward: only the input gradient's halo home to its owners (the weight gradient
+            # reads the input's halo the forward kept)
+            assert backward.counts() == {GATHER: 1}, list(backward)
+            assert [r.nbytes for r in backward] == [rows * _row_bytes(x.shape, dim)]
             assert out.placements == (cut,)
             assert dw.grad.placements == (SUM,) and db.grad.placements == (SUM,)
 

@@ -25,7 +25,6 @@ from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
 from hp_dtensor.ops.halo import (
     HaloDim,
     Window,
-    extend,
     extended_shape,
     fold_back,
     full_args,
@@ -34,6 +33,7 @@ from hp_dtensor.ops.halo import (
     per_dim,
     plan_halos,
 )
+from hp_dtensor.ops.halo_kept import extend_keeping, extend_kept, release_kept
 from hp_dtensor.ops.holding import first_that_holds
 from hp_dtensor.ops.matrix import contraction_placements
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
@@ -109,8 +109,8 @@ def _forward_kernel(halos: list[HaloDim], splits: int) -> Any:
     def run(call: LocalCall) -> torch.Tensor:
         args = list(call.args)
         layout = call.layout(0)
-        for plan in halos:
-            args[0] = extend(args[0], layout, plan)
+        if halos:  # the rows received are kept for the backward ([Note: halo rows kept for the backward])
+            args[0] = extend_keeping(args[0], layout, halos)
         args[8] = _local_groups(args[8], splits)
         out = call.func(*args)
         for plan in halos:
@@ -192,10 +192,12 @@ def convolution_rule(call: OpCall) -> Decision | None:
 # 1 / 0 when transposed.) A batch or spatial cut leaves each rank's weight
 # and bias gradients as its own terms of the sum: ``Partial("sum")``, which
 # FSDP's reduce-scatter and DP's all-reduce consume as they are. A spatial
-# cut costs two exchanges of border rows: the input's halo again (the weight
-# gradient reads it; skipped when no weight gradient is asked for) and the
-# input gradient's halo going home. The local op's ``bias_sizes`` is the
-# local channel count (a kernel fixes it).
+# cut costs one exchange of border rows, the input gradient's halo going
+# home: the weight gradient reads the input's halo the forward received and
+# kept ([Note: halo rows kept for the backward] in
+# :mod:`hp_dtensor.ops.halo_kept`; exchanged again only where nothing was
+# kept). The local op's ``bias_sizes`` is the local channel count (a kernel
+# fixes it).
 def _backward_row(
     m: int,
     layouts: tuple[Layout, Layout, Layout],
@@ -234,10 +236,10 @@ def _backward_kernel(halos: list[HaloDim], splits: int) -> Any:
         layout = call.layout(1)
         if halos and not args[10][1]:
             # no weight gradient: the input's values are not read, only its shape
+            release_kept(args[1], layout, halos)
             args[1] = args[1].new_zeros(extended_shape(args[1].shape, layout, halos))
-        else:
-            for plan in halos:
-                args[1] = extend(args[1], layout, plan)
+        elif halos:
+            args[1] = extend_kept(args[1], layout, halos)
         for plan in halos:
             args[0] = pad_output_grad(args[0], layout, plan)
         if args[3] is not None:

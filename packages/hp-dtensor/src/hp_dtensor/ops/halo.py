@@ -35,6 +35,7 @@ __all__ = [
     "fold_back",
     "full_args",
     "global_indices",
+    "halo_rows",
     "local_indices",
     "narrow_output",
     "pad_output_grad",
@@ -42,6 +43,7 @@ __all__ = [
     "plan_halos",
     "plan_line",
     "window_count",
+    "with_halo",
 ]
 
 
@@ -299,25 +301,43 @@ def _pad_rows(rows: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 # and it runs on the group's collective channels, while NCCL and HCCL set up
 # separate point-to-point connections and buffers on a communicator's first
 # send between a pair of ranks.
-def extend(local: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
-    """This rank's piece extended to the rows ``plan`` says it reads ([Note: halo exchange])."""
+def halo_rows(
+    local: torch.Tensor, layout: Layout, plan: HaloDim
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rows this rank reads from its left and right neighbours (``None``: none), by one exchange.
+
+    Every rank of the line must call it together ([Note: halo exchange]).
+    """
+    r = layout.my_coordinate()[plan.mesh_dim]
+    dim = plan.dim
+    to_left, to_right = plan.to_left, plan.to_right
+    if not (to_left or to_right):
+        return None, None
+    for_left = plan.right_need(r - 1) if r > 0 else 0
+    for_right = plan.left_need(r + 1) if r + 1 < len(plan.ends) else 0
+    send_left = _pad_rows(local.narrow(dim, 0, for_left), dim, to_left)
+    send_right = _pad_rows(local.narrow(dim, local.shape[dim] - for_right, for_right), dim, to_right)
+    from_left, from_right = _swap_borders(send_left, send_right, dim, layout, plan.mesh_dim)
+    left = _received(from_left, send_right, dim, plan.left_need(r)) if plan.left_need(r) else None
+    right = _received(from_right, send_left, dim, plan.right_need(r)) if plan.right_need(r) else None
+    return left, right
+
+
+def with_halo(
+    local: torch.Tensor, layout: Layout, plan: HaloDim, left: torch.Tensor | None, right: torch.Tensor | None
+) -> torch.Tensor:
+    """This rank's piece narrowed to the rows it reads of its own and joined to its halo rows."""
     r = layout.my_coordinate()[plan.mesh_dim]
     dim, (e0, e1) = plan.dim, plan.ends[r]
     own0, own1 = plan.starts[r], plan.starts[r + 1]
-    to_left, to_right = plan.to_left, plan.to_right
     middle = local.narrow(dim, max(e0, own0) - own0, min(e1, own1) - max(e0, own0))
-    parts = [middle]
-    if to_left or to_right:
-        for_left = plan.right_need(r - 1) if r > 0 else 0
-        for_right = plan.left_need(r + 1) if r + 1 < len(plan.ends) else 0
-        send_left = _pad_rows(local.narrow(dim, 0, for_left), dim, to_left)
-        send_right = _pad_rows(local.narrow(dim, local.shape[dim] - for_right, for_right), dim, to_right)
-        from_left, from_right = _swap_borders(send_left, send_right, dim, layout, plan.mesh_dim)
-        if plan.left_need(r):
-            parts.insert(0, _received(from_left, send_right, dim, plan.left_need(r)))
-        if plan.right_need(r):
-            parts.append(_received(from_right, send_left, dim, plan.right_need(r)))
+    parts = [t for t in (left, middle, right) if t is not None]
     return torch.cat(parts, dim) if len(parts) > 1 else middle
+
+
+def extend(local: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
+    """This rank's piece extended to the rows ``plan`` says it reads ([Note: halo exchange])."""
+    return with_halo(local, layout, plan, *halo_rows(local, layout, plan))
 
 
 def fold_back(grad: torch.Tensor, layout: Layout, plan: HaloDim) -> torch.Tensor:
