@@ -27,6 +27,7 @@ from hp_testing.collectives import (  # noqa: E402
     record_collectives,
 )
 from hp_testing.fixtures import DeviceMeshFactory  # noqa: E402
+from hp_testing.host_syncs import HostSync, HostSyncLog, count_host_syncs  # noqa: E402
 from hp_testing.local import ConcurrencyNeededError, LocalHangError, LocalModeFailed, run_local  # noqa: E402
 from hp_testing.pool import Outcome, PoolError, WorkerPool  # noqa: E402
 from hp_testing.profiles import BackendRuleError  # noqa: E402
@@ -41,6 +42,8 @@ __all__ = [
     "DeadlockError",
     "DeviceMeshFactory",
     "DroppedMessageError",
+    "HostSync",
+    "HostSyncLog",
     "LocalHangError",
     "LocalModeFailed",
     "Outcome",
@@ -51,6 +54,7 @@ __all__ = [
     "UnmatchedError",
     "WorkerPool",
     "__version__",
+    "count_host_syncs",
     "faults",
     "record_collectives",
     "run_local",
