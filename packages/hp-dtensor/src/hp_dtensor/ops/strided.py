@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,6 +33,7 @@ __all__ = [
     "elementwise",
     "may_produce_strided",
     "reads_strided",
+    "reduces_whole",
     "wired",
 ]
 
@@ -104,12 +105,20 @@ def _producing() -> Iterator[None]:
 #
 # * a rule marked :func:`reads_strided` gets the call as it is;
 # * an elementwise rule (marked :func:`elementwise`: ``pointwise_rule`` and
-#   every wrapper of it) over operands of one shape, or a
-#   sum / mean / amax / amin / any / all, sees ``Shard(d)`` for
-#   ``StridedShard(d, k)``, and every ``Shard`` it then names on that mesh
-#   dim is read back as ``StridedShard(_, k)``: such ops treat every element
-#   (or every row of the cut dim) alike, so any one assignment of rows to
-#   ranks, the same for every operand and the result, is as good as another.
+#   every wrapper of it), or a sum / mean / amax / amin / any / all /
+#   vector norm, sees ``Shard(d)`` for ``StridedShard(d, k)``, and every
+#   ``Shard`` it then names on that mesh dim is read back as
+#   ``StridedShard(_, k)``: such ops treat every element (or every row of the
+#   cut dim) alike, so any one assignment of rows to ranks, the same for every
+#   operand and the result, is as good as another. Operands may broadcast:
+#   the elementwise rule cuts an operand only on a dim of the output's size
+#   (one of size 1, or a missing one, stays whole), so every cut it names on
+#   that mesh dim splits a dim of one size with one factor, the same rows.
+#   Dims are compared as broadcasting aligns them (from the right); two
+#   strided cuts of different output dims or factors on one mesh dim, or a
+#   second cut of the strided output dim on another mesh dim, take the
+#   replicated road below. A reduction of every element (the foreach norms)
+#   reads a strided cut through :func:`reduces_whole`.
 #   A mean, max or min over the strided dim itself also reads the pieces'
 #   sizes (a mean keeps ``Partial("avg")`` on equal pieces only), so it takes
 #   this road only when the strided pieces have ``torch.chunk``'s sizes.
@@ -136,6 +145,32 @@ def decide(rule: Rule, call: OpCall) -> Decision | None:
     return _as_replicated(rule, call, strided)
 
 
+# How a reduction of every element of one tensor is cut: (input, output) placements from its layout.
+WholeDecision = Callable[[Layout], tuple[Sequence[Placement], Sequence[Placement]]]
+
+
+def reduces_whole(decide: WholeDecision) -> WholeDecision:
+    """``decide`` for a reduction over every element, reading ``StridedShard(d, k)`` as ``Shard(d)``.
+
+    A reduction over all elements (``_foreach_norm``, ``_foreach_max``,
+    ``_foreach_powsum``) does not care which rank holds which rows, only that
+    the pieces split the tensor, as a strided cut's pieces do (its rows are a
+    permutation of a plain cut's): so the rule reasons about the plain cut, and
+    an input it keeps cut keeps its strided cut, nothing moved. Its output is
+    a 0-d value, which no cut can name.
+    """
+
+    def run(layout: Layout) -> tuple[Sequence[Placement], Sequence[Placement]]:
+        if not _strided_dims(layout):
+            return decide(layout)
+        shown = tuple(Shard(p.dim) if isinstance(p, StridedShard) else p for p in layout.placements)
+        inputs, out = decide(Layout(layout.mesh, shown, layout.shape, layout.stride))
+        pairs = zip(layout.placements, shown, inputs, strict=True)
+        return [real if asked == seen else asked for real, seen, asked in pairs], out
+
+    return run
+
+
 def _strided_dims(layout: Layout) -> dict[int, StridedShard]:
     return {m: p for m, p in enumerate(layout.placements) if isinstance(p, StridedShard)}
 
@@ -143,8 +178,9 @@ def _strided_dims(layout: Layout) -> dict[int, StridedShard]:
 def _shard_like_rules() -> tuple[set[Any], set[Any]]:
     """(elementwise rules, reduction rules) that may see a ``StridedShard`` as a ``Shard``."""
     from hp_dtensor.ops.reductions import amax_rule, amin_rule, any_all_rule, mean_rule, sum_rule
+    from hp_dtensor.ops.vector_norms import vector_norm_rule
 
-    return ELEMENTWISE_RULES, {sum_rule, mean_rule, amax_rule, amin_rule, any_all_rule}
+    return ELEMENTWISE_RULES, {sum_rule, mean_rule, amax_rule, amin_rule, any_all_rule, vector_norm_rule}
 
 
 def _reads_as_shard(rule: Rule, call: OpCall) -> bool:
@@ -152,20 +188,29 @@ def _reads_as_shard(rule: Rule, call: OpCall) -> bool:
     if rule not in elementwise and rule not in reductions:
         return False
     layouts = [call.layout(p) for p in call.positions]
-    if rule in elementwise and len({layout.shape for layout in layouts}) != 1:
-        return False  # a broadcast operand would meet rows of another dim
+    # Dims counted from the right, as broadcasting aligns them: -1 is every operand's last dim.
+    rank = max(layout.ndim for layout in layouts)
     for m in range(layouts[0].mesh.ndim):
-        placed = [layout.placements[m] for layout in layouts]
-        cuts = {p for p in placed if isinstance(p, StridedShard)}
-        if len(cuts) > 1:
-            return False
-        if not cuts:
+        strided = {
+            (_out_dim(layout, p, rank), p.split_factor)
+            for layout in layouts
+            if isinstance(p := layout.placements[m], StridedShard)
+        }
+        if len(strided) > 1:
+            return False  # two strided cuts on one mesh dim: no one Shard view fits both
+        if not strided:
             continue
-        (cut,) = cuts
+        ((dim, _),) = strided
         for layout in layouts:
-            if any(p.is_shard(cut.dim) for i, p in enumerate(layout.placements) if i != m):
-                return False  # nested cuts of one dim: the shard view would change the rows
+            for i, p in enumerate(layout.placements):
+                if i != m and isinstance(p, Shard | StridedShard) and _out_dim(layout, p, rank) == dim:
+                    return False  # nested cuts of one dim: the shard view would change the rows
     return True
+
+
+def _out_dim(layout: Layout, cut: Shard | StridedShard, rank: int) -> int:
+    """The dim ``cut`` cuts, numbered in a broadcast output of ``rank`` dims (aligned from the right)."""
+    return cut.dim + rank - layout.ndim
 
 
 def _sizes_hold(rule: Rule, call: OpCall, decision: Decision) -> bool:
@@ -182,12 +227,17 @@ def _sizes_hold(rule: Rule, call: OpCall, decision: Decision) -> bool:
     layout = call.layout(call.positions[0])
     out = decision.outputs[0] or ()
     for m, cut in _strided_dims(layout).items():
-        if m < len(out) and (isinstance(out[m], StridedShard) or out[m] == Partial("sum")):
-            continue  # a kept cut, or a sum of the pieces, whatever their sizes
+        if m < len(out) and (isinstance(out[m], StridedShard) or _size_blind(out[m])):
+            continue  # a kept cut, or a sum or norm of the pieces, whatever their sizes
         size, n = layout.shape[cut.dim], layout.mesh.size(m)
         if strided_sizes(size, cut.split_factor, n) != chunk_sizes(size, n):
             return False
     return True
+
+
+def _size_blind(placement: Placement) -> bool:
+    """A partial that reads no piece's size: a sum, or a p-norm (whose kernel fills empty pieces itself)."""
+    return isinstance(placement, Partial) and placement.reduce_op in ("sum", "norm")
 
 
 def _as_shard(rule: Rule, call: OpCall, strided: list[int]) -> Decision | None:

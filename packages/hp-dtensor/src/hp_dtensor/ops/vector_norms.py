@@ -26,6 +26,7 @@ from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import SPECIAL, Decision, LocalCall, OpCall, register
 from hp_dtensor.ops.foreach import dispatch_foreach, element_positions
 from hp_dtensor.ops.reductions import reduce_decision
+from hp_dtensor.ops.strided import WholeDecision, reads_strided, reduces_whole
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["norm_partial", "vector_norm_decision"]
@@ -150,19 +151,21 @@ def vector_norm_rule(call: OpCall) -> Decision:
     return Decision(inputs={position: inputs}, outputs=[out], kernel=kernel)
 
 
-# How a whole-tensor reduction of one element is cut: (input, output) placements from its layout.
-WholeDecision = Callable[[Layout], tuple[Sequence[Placement], Sequence[Placement]]]
-
-
 # [Note: whole-tensor foreach reductions]
 # ``_foreach_max`` (the inf-norm building block of torch's foreach norm paths)
 # and ``_foreach_powsum`` (``sum(|x|**p)``, the p-norm before its root) are
 # whole-tensor reductions too: ``Partial("max")`` and ``Partial("sum")``, one
-# all-reduce when read, never a gather.
-def _foreach_whole_rule(decide: WholeDecision) -> Callable[[OpCall], Decision]:
-    """A foreach rule reducing each element to a scalar: ``decide`` cuts every DTensor element."""
+# all-reduce when read, never a gather. A ``StridedShard`` element is reduced
+# as it is cut (``strided.reduces_whole``), so the rules read the placement.
+def _foreach_whole_rule(decider: Callable[[OpCall], WholeDecision]) -> Callable[[OpCall], Decision]:
+    """A foreach rule reducing each element to a scalar: ``decider(call)`` cuts every DTensor element.
 
+    Built once per op at import: the mark of :func:`reads_strided` is kept on the rule object.
+    """
+
+    @reads_strided
     def rule(call: OpCall) -> Decision:
+        decide = reduces_whole(decider(call))
         decision = Decision()
         elements, _ = element_positions(call.args)
         for element in elements:
@@ -220,8 +223,7 @@ def _foreach_norm_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return _fill_empty(func, args, kwargs, fill)
 
 
-def _foreach_norm_rule(call: OpCall) -> Decision:
-    return _foreach_whole_rule(_foreach_norm_decision(call))(call)
+_foreach_norm_rule = _foreach_whole_rule(_foreach_norm_decision)
 
 
 # [Note: clip_grad_norm_ as one partial]
@@ -261,6 +263,9 @@ def _lowest(t: torch.Tensor) -> torch.Tensor:
     return torch.full((), value, dtype=t.dtype, device=t.device)
 
 
+_foreach_max_rule = _foreach_whole_rule(lambda call: _max_decision)
+
+
 def _foreach_max(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``_foreach_max(tensors)``: each element's maximum stays ``Partial("max")`` over its shards.
 
@@ -272,7 +277,7 @@ def _foreach_max(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         aten._foreach_max.default,
         args,
         kwargs,
-        _foreach_whole_rule(_max_decision),
+        _foreach_max_rule,
         output_shape=lambda layout: ((), ()),
         local_run=lambda func, a, k: _fill_empty(func, a, k, _lowest),
     )
@@ -280,6 +285,9 @@ def _foreach_max(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _powsum_decision(layout: Layout) -> tuple[Sequence[Placement], Sequence[Placement]]:
     return reduce_decision(layout, list(range(layout.ndim)), False, "sum")
+
+
+_foreach_powsum_rule = _foreach_whole_rule(lambda call: _powsum_decision)
 
 
 def _foreach_powsum(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -292,7 +300,7 @@ def _foreach_powsum(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         aten._foreach_powsum.Scalar,
         args,
         kwargs,
-        _foreach_whole_rule(_powsum_decision),
+        _foreach_powsum_rule,
         output_shape=lambda layout: ((), ()),
     )
 
