@@ -9,8 +9,11 @@ Batch norm normalises each channel (dim 1) over every other dim. So:
   the batch statistics]. In evaluation the running statistics are used and
   every piece normalises on its own.
 
-Partial inputs are reduced first. The running statistics are updated in
-place and keep their placement ([Note: running statistics keep their placement]).
+A channel cut may also be a ``StridedShard`` of dim 1: ``instance_norm``
+views ``(N, C, *)`` as ``(1, N*C, *)``, and a cut of ``C`` becomes one of the
+merged dim ([Note: strided channels]). Partial inputs are reduced first. The
+running statistics are updated in place and keep their placement ([Note:
+running statistics keep their placement]).
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import torch
 from hp_core.distributed import mesh_group
 
 from hp_dtensor.dtensor import DTensor
-from hp_dtensor.layout import Layout
+from hp_dtensor.layout import Layout, strided_rows
 from hp_dtensor.ops.dispatch import SPECIAL, Decision, LocalCall, OpCall, register
-from hp_dtensor.placements import Partial, Placement, Replicate, Shard
+from hp_dtensor.ops.strided import reads_strided
+from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 
 if TYPE_CHECKING:
     from hp_core import DeviceMesh
@@ -61,13 +65,51 @@ def _forward_args(call: OpCall | LocalCall) -> _Args:
     return _Args(1, 2, 3, 4, bool(a[5]), float(a[6]), float(a[7]), 3)  # native_batch_norm, _legit
 
 
+# [Note: strided channels]
+# ``F.instance_norm`` reaches DTensor as a view of ``(N, C, *)`` to ``(1, N*C,
+# *)`` followed by batch norm (its weight, bias and running statistics
+# repeated ``N`` times). A cut of ``C`` makes the merged channel dim
+# ``StridedShard(1, N)``: each rank holds its ``C`` piece of every sample.
+# Batch norm's channels are independent, so that cut is as local as a
+# ``Shard(1)``: the per-channel vectors go to ``StridedShard(0, N)`` (a local
+# cut of a replicated vector), the outputs keep the cut, and viewing back to
+# ``(N, C, *)`` gives the ``Shard(1)`` back, all without communication. A
+# strided cut of another dim, or one nested with another cut of the channel
+# dim, is gathered as before. A whole (replicated) running statistic is read
+# at this rank's rows, a copy rather than a view (the rows are not one run),
+# and :func:`_sync_full` writes every rank's updated rows back.
+def _cuts_channels(p: Placement) -> bool:
+    return isinstance(p, (Shard, StridedShard)) and p.dim == 1
+
+
 def _channel_target(layout: Layout) -> tuple[Placement, ...]:
     """Where a per-channel vector of this input goes: cut where the channel dim is cut."""
-    return tuple(Shard(0) if isinstance(p, Shard) and p.dim == 1 else Replicate() for p in layout.placements)
+    return tuple(
+        StridedShard(0, p.split_factor)
+        if isinstance(p, StridedShard)
+        else Shard(0)
+        if _cuts_channels(p)
+        else Replicate()
+        for p in layout.placements
+    )
 
 
 def _input_target(layout: Layout) -> tuple[Placement, ...]:
-    return tuple(p if isinstance(p, Shard) else Replicate() for p in layout.placements)
+    """Shards stay; a strided cut stays when it is the channel dim's only cut ([Note: strided channels])."""
+    alone = sum(_cuts_channels(p) for p in layout.placements) == 1
+    return tuple(
+        p if isinstance(p, Shard) or (alone and _cuts_channels(p)) else Replicate() for p in layout.placements
+    )
+
+
+def _rows(layout: Layout, mesh_dim: int, index: int) -> list[int]:
+    """The channels rank ``index`` of ``mesh_dim`` holds, that mesh dim being the channels' only cut."""
+    placement = layout.placements[mesh_dim]
+    if isinstance(placement, StridedShard):
+        return strided_rows(layout.shape[1], placement.split_factor, layout.mesh.shape[mesh_dim], index)
+    sizes = layout.line_sizes(mesh_dim, 1)
+    start = sum(sizes[:index])
+    return list(range(start, start + sizes[index]))
 
 
 def _batch_mesh_dims(target: tuple[Placement, ...]) -> list[int]:
@@ -87,9 +129,16 @@ def _stat_target(
 
 
 def _narrow(vector: torch.Tensor | None, layout: Layout | None, x_layout: Layout) -> torch.Tensor | None:
-    """This rank's channels of a per-channel vector (a view, so in-place updates reach the vector)."""
+    """This rank's channels of a per-channel vector.
+
+    A view for a ``Shard`` cut; a copy for a strided one ([Note: strided channels]).
+    """
     if vector is None or layout is None or not _is_full(layout, x_layout):
         return vector
+    strided = [m for m, p in enumerate(x_layout.placements) if isinstance(p, StridedShard)]
+    if strided:
+        rows = _rows(x_layout, strided[0], x_layout.my_coordinate()[strided[0]])
+        return vector.index_select(0, torch.tensor(rows, dtype=torch.long, device=vector.device))
     return vector.narrow(0, x_layout.local_offset()[1], x_layout.local_shape()[1])
 
 
@@ -99,8 +148,8 @@ def _is_full(layout: Layout, x_layout: Layout) -> bool:
     Decided from layouts alone, so every rank takes the same branch (and joins
     the same collectives), whatever its own piece's size.
     """
-    channel_cut = any(isinstance(p, Shard) and p.dim == 1 for p in x_layout.placements)
-    return channel_cut and layout.ndim == 1 and not any(isinstance(p, Shard) for p in layout.placements)
+    channel_cut = any(_cuts_channels(p) for p in x_layout.placements)
+    return channel_cut and layout.ndim == 1 and not any(p.is_shard() for p in layout.placements)
 
 
 def _channel_sums(values: list[torch.Tensor], dims: list[int], groups: list[Any]) -> list[torch.Tensor]:
@@ -172,23 +221,27 @@ def _broadcast_shape(x: torch.Tensor) -> list[int]:
 # ``all_gather`` of ``2 C / world`` values, so every rank holds the same, right
 # values afterwards (torch's DTensor updates a temporary cut copy instead and
 # skips that exchange, leaving the module's running statistics stale).
-def _sync_full(full: list[torch.Tensor], x_layout: Layout) -> None:
-    """Every rank's updated channel slice into every rank's full vectors: one all_gather per cut mesh dim."""
-    cutting = [m for m, p in enumerate(x_layout.placements) if isinstance(p, Shard) and p.dim == 1]
+def _sync_full(full: list[tuple[torch.Tensor, torch.Tensor]], x_layout: Layout) -> None:
+    """Every rank's updated channel rows into every rank's full vectors: one all_gather.
+
+    ``full`` pairs each whole vector with this rank's updated rows of it.
+    """
+    cutting = [m for m, p in enumerate(x_layout.placements) if _cuts_channels(p)]
     if len(cutting) != 1:  # a channel dim cut twice: gather through the general path instead
         raise NotImplementedError("batch norm: a channel dim cut over two mesh dims with replicated stats")
     m = cutting[0]
-    sizes = x_layout.line_sizes(m, 1)
-    width = max(sizes)
-    mine = torch.zeros(len(full), width, dtype=full[0].dtype, device=full[0].device)
-    offset, size = x_layout.local_offset()[1], x_layout.local_shape()[1]
-    for row, vector in enumerate(full):
-        mine[row, :size] = vector.narrow(0, offset, size)
-    gathered = mine.new_empty((len(sizes), len(full), width))
+    rows = [_rows(x_layout, m, r) for r in range(x_layout.mesh.shape[m])]
+    width = max(len(r) for r in rows)
+    vectors = [vector for vector, _ in full]
+    mine = torch.zeros(len(full), width, dtype=vectors[0].dtype, device=vectors[0].device)
+    for row, (_, piece) in enumerate(full):
+        mine[row, : piece.numel()] = piece
+    gathered = mine.new_empty((len(rows), len(full), width))
     hc.all_gather_into_tensor(gathered, mine, mesh_group(x_layout.mesh, m))
-    pieces = [gathered[r, :, :s] for r, s in enumerate(sizes)]
-    merged = torch.cat(pieces, dim=1)
-    for row, vector in enumerate(full):
+    merged = mine.new_empty((len(full), x_layout.shape[1]))
+    for r, held in enumerate(rows):
+        merged[:, held] = gathered[r, :, : len(held)]
+    for row, vector in enumerate(vectors):
         vector.copy_(merged[row])
 
 
@@ -216,9 +269,11 @@ def _forward_kernel(call: LocalCall) -> Any:
         result = _train_forward(x, vectors, spec, x_layout, batch)
     if spec.training:
         full = [
-            call.args[i]
-            for i in (spec.running_mean, spec.running_var)
-            if i is not None and call.args[i] is not None and _is_full(call.layouts[i], x_layout)
+            (call.args[getattr(spec, name)], vectors[name])
+            for name in ("running_mean", "running_var")
+            if getattr(spec, name) is not None
+            and call.args[getattr(spec, name)] is not None
+            and _is_full(call.layouts[getattr(spec, name)], x_layout)
         ]
         if full:
             _sync_full(full, x_layout)
@@ -297,6 +352,7 @@ _FORWARD = [
 
 
 @register(*_FORWARD)
+@reads_strided
 def batch_norm_rule(call: OpCall) -> Decision | None:
     """Channel cuts are local; batch cuts in training use [Note: distributed batch norm]."""
     position = call.position_of(call.args[0])
@@ -369,6 +425,7 @@ def _backward_kernel(call: LocalCall) -> Any:
 
 
 @register(*_BACKWARD)
+@reads_strided
 def batch_norm_backward_rule(call: OpCall) -> Decision | None:
     """``grad_input`` cut like the input; weight and bias gradients cut like the channels.
 
@@ -457,11 +514,18 @@ def _three_output_forward(args: tuple[Any, ...], kwargs: dict[str, Any], func: A
             return out[0], out[1], out[2]
         return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, spec.momentum, spec.eps)
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-    out = (x - rm.view(shape)) * (rv + spec.eps).rsqrt().view(shape)
+    # A strided operand meets a broadcast one only by gathering: give the vectors the input's shape
+    # (an expanded view, no copy) so that a strided channel cut stays local ([Note: strided channels]).
+    strided = isinstance(x, DTensor) and any(isinstance(p, StridedShard) for p in x.placements)
+
+    def per_channel(vector: Any) -> Any:
+        return vector.view(shape).expand(x.shape) if strided else vector.view(shape)
+
+    out = (x - per_channel(rm)) * per_channel((rv + spec.eps).rsqrt())
     if weight is not None:
-        out = out * weight.view(shape)
+        out = out * per_channel(weight)
     if bias is not None:
-        out = out + bias.view(shape)
+        out = out + per_channel(bias)
     if out.dtype != x.dtype:  # low-precision input, float statistics
         out = aten._to_copy.default(out, dtype=x.dtype)
     return out, _empty_replicated(x), _empty_replicated(x)
