@@ -7,12 +7,12 @@ and backward, with no communication (the backward's gradient, input and max
 pooling indices are cut alike; the indices count positions inside a plane,
 so they need no offset). A shard of a spatial dim needs the neighbours'
 border rows: average and max pooling (adaptive ones whose windows line up
-too) take a halo exchange and stay cut
-(:mod:`hp_dtensor.ops.pool_halo`), and so does upsampling by an integer
-scale (:mod:`hp_dtensor.ops.upsample_halo`); the other ops, and cuts without a halo
-plan, gather that mesh dim (a redistribution, not the fallback). The shuffles, the grid
-sampler and linear partials: [Note: spatial ops one by one], [Note: grid
-sampler gradients], [Note: grid sampler pieces].
+too; :mod:`hp_dtensor.ops.pool_halo`), upsampling by an integer scale
+(:mod:`hp_dtensor.ops.upsample_halo`) and reflection / replication padding
+(:mod:`hp_dtensor.ops.pad_halo`) take a halo exchange and stay cut; the other
+ops, and cuts without a halo plan, gather that mesh dim (a redistribution,
+not the fallback). The shuffles, the grid sampler and linear partials: [Note:
+spatial ops one by one], [Note: grid sampler gradients], [Note: grid sampler pieces].
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import Decision, OpCall, register
 from hp_dtensor.ops.halo import HaloDim
 from hp_dtensor.ops.holding import first_that_holds
+from hp_dtensor.ops.pad_halo import INDEX_PAD_OPS, index_pad_halos, index_pad_kernel
 from hp_dtensor.ops.pool_halo import pool_halos, pool_kernel
 from hp_dtensor.ops.upsample_halo import UPSAMPLE_OPS, upsample_halos, upsample_kernel
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
@@ -101,10 +102,17 @@ _planes("reflection_pad1d_backward replication_pad1d_backward", 1)
 
 
 def _halo_kernel(func: Any, plans: list[HaloDim], lead: int) -> Any:
-    """The local op on halo-extended pieces: upsampling's or pooling's."""
+    """The local op on halo-extended pieces: upsampling's, padding's or pooling's."""
     if func in UPSAMPLE_OPS:
         return upsample_kernel(func, plans, lead)
+    if func in INDEX_PAD_OPS:
+        return index_pad_kernel(func, plans)
     return pool_kernel(func, plans, lead)
+
+
+def _halos(call: OpCall, lead: int) -> dict[int, HaloDim]:
+    """The halo plans of whichever windowed op ``call`` is (none for the others)."""
+    return pool_halos(call, lead) or upsample_halos(call, lead) or index_pad_halos(call, lead)
 
 
 @register(*_PLANE_OPS)
@@ -120,7 +128,7 @@ def plane_rule(call: OpCall) -> Decision:
     mesh = layouts[0].mesh
     single = len(positions) == 1
     returns = max(_returns(call.func), 1)
-    halos = (pool_halos(call, lead) or upsample_halos(call, lead)) if alike else {}
+    halos = _halos(call, lead) if alike else {}
 
     def build(gathered: frozenset[int]) -> Decision:
         targets: list[Placement] = []
