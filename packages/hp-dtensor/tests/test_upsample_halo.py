@@ -3,8 +3,9 @@
 A single-process property test of the plans (every rank's extended piece,
 upsampled, gives exactly its own output rows), then multi-process values and
 gradients against plain float64 tensors under ``fallback_policy("error")``,
-with the transfers counted; ``align_corners=True`` and non-integer scales
-are gathered and still right.
+with the transfers counted; bicubic ``align_corners=True`` and non-integer
+scales are gathered and still right (linear modes with aligned corners:
+``test_upsample_corners.py``).
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def test_upsampling_a_cut_dim_keeps_the_cut(rank, device_mesh_factory) -> None: 
             expect=[S3],
             local=False,
         )
-        # no plan: corners aligned, a scale of 1.5; gathered, still right
-        corners = lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True)  # noqa: E731
+        # no plan: bicubic with corners aligned, a scale of 1.5; gathered, still right
+        corners = lambda x: F.interpolate(x, scale_factor=2, mode="bicubic", align_corners=True)  # noqa: E731
         check(corners, [x], [S2], mesh, expect=[R], local=False)
         check(
             lambda x: F.interpolate(x, scale_factor=1.5, mode="nearest"),

@@ -12,7 +12,7 @@ and the caller gathers that mesh dim instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +36,10 @@ __all__ = [
     "full_args",
     "global_indices",
     "halo_rows",
+    "line_reads",
     "local_indices",
     "narrow_output",
+    "neighbourly",
     "pad_output_grad",
     "per_dim",
     "plan_halos",
@@ -171,15 +173,45 @@ def plan_line(length: int, ranks: int, window: Window) -> LinePlan | None:
     shift: list[int] = []
     for r in range(ranks):
         e0, e1, c = window.reads(outs[r], outs[r + 1], length)
-        if e0 < starts[max(r - 1, 0)] or e1 > starts[min(r + 2, ranks)]:
-            return None  # rows from beyond a neighbour: gather instead
-        if max(e0, starts[r]) >= min(e1, starts[r + 1]):
-            return None  # reads none of its own rows: gather instead
+        if not neighbourly(starts, r, e0, e1):
+            return None
         if not 0 <= outs[r] - c <= outs[r + 1] - c <= window.count(e1 - e0):
             return None  # the local op would not give this rank's outputs: gather instead
         ends.append((e0, e1))
         shift.append(c)
     return LinePlan(starts, tuple(ends), outs, tuple(shift))
+
+
+def neighbourly(starts: Sequence[int], r: int, e0: int, e1: int) -> bool:
+    """Whether rank ``r`` reading rows ``[e0, e1)`` reads some of its own and none beyond a neighbour.
+
+    A plan needs both (the exchange reaches the two neighbours only, and the
+    extended piece joins the halos to the rank's own rows); otherwise the
+    caller gathers.
+    """
+    ranks = len(starts) - 1
+    if e0 < starts[max(r - 1, 0)] or e1 > starts[min(r + 2, ranks)]:
+        return False
+    return max(e0, starts[r]) < min(e1, starts[r + 1])
+
+
+def line_reads(
+    length: int, ranks: int, out_length: int, reads: Callable[[int, int], tuple[int, int]]
+) -> LinePlan | None:
+    """The line plan of an op whose outputs ``[first, stop)`` read the input rows ``reads(first, stop)``.
+
+    Both lines are cut by ``torch.chunk``; None where a piece is empty or a
+    rank's reads are not :func:`neighbourly`. Each rank's shift is its ``e0``.
+    """
+    sizes, out_sizes = chunk_sizes(length, ranks), chunk_sizes(max(out_length, 0), ranks)
+    if ranks < 2 or min(sizes) == 0 or min(out_sizes) == 0:
+        return None
+    starts = tuple(sum(sizes[:r]) for r in range(ranks + 1))
+    outs = tuple(sum(out_sizes[:r]) for r in range(ranks + 1))
+    ends = tuple(reads(outs[r], outs[r + 1]) for r in range(ranks))
+    if not all(neighbourly(starts, r, e0, e1) for r, (e0, e1) in enumerate(ends)):
+        return None
+    return LinePlan(starts, ends, outs, tuple(e0 for e0, _ in ends))
 
 
 def plan_halos(layout: Layout, spatial: Sequence[int], windows: Sequence[Window]) -> dict[int, HaloDim]:

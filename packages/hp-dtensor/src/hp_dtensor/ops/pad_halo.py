@@ -23,7 +23,7 @@ import torch
 
 from hp_dtensor.layout import Layout, chunk_sizes
 from hp_dtensor.ops.dispatch import LocalCall, OpCall
-from hp_dtensor.ops.halo import HaloDim, Window, extend, fold_back, full_args
+from hp_dtensor.ops.halo import HaloDim, Window, extend, fold_back, full_args, line_reads, neighbourly
 from hp_dtensor.placements import Shard
 
 __all__ = [
@@ -82,10 +82,8 @@ def plan_pad(
         e0, e1 = _clamp(outs[r] - before, 0, length), _clamp(outs[r + 1] - before, 0, length)
         n = outs[r + 1] - outs[r]
         fill = (_clamp(before - outs[r], 0, n), _clamp(outs[r + 1] - before - length, 0, n))
-        if e0 < starts[max(r - 1, 0)] or e1 > starts[min(r + 2, ranks)]:
-            return None  # rows from beyond a neighbour: gather instead
-        if e0 < e1 and max(e0, starts[r]) >= min(e1, starts[r + 1]):
-            return None  # reads none of its own rows: gather instead
+        if e0 < e1 and not neighbourly(starts, r, e0, e1):
+            return None  # see neighbourly: gather instead
         if e0 == e1:  # all padding: an empty read at the own piece's start
             e0 = e1 = starts[r]
         ends.append((e0, e1))
@@ -179,27 +177,17 @@ def source_rows(first: int, stop: int, length: int, before: int, mode: str, devi
 # plan: that mesh dim is gathered.
 def plan_index_pad(length: int, ranks: int, before: int, after: int, mode: str) -> HaloDim | None:
     """The halo of a reflection / replication padding of a cut dim ([Note: reflecting a cut dim])."""
-    out_length = length + before + after
     if mode == "reflection" and max(before, after) >= length:
         return None  # torch refuses it: the gathered op raises its own error
-    sizes, out_sizes = chunk_sizes(length, ranks), chunk_sizes(max(out_length, 0), ranks)
-    if ranks < 2 or min(sizes) == 0 or min(out_sizes) == 0:
-        return None
-    starts = tuple(sum(sizes[:r]) for r in range(ranks + 1))
-    outs = tuple(sum(out_sizes[:r]) for r in range(ranks + 1))
-    ends: list[tuple[int, int]] = []
-    for r in range(ranks):
-        first, last = outs[r], outs[r + 1] - 1
+
+    def reads(first: int, stop: int) -> tuple[int, int]:
         # the map's extremes lie at the run's ends or where it turns (input rows 0 and L - 1)
-        turns = [o for o in (before, before + length - 1) if first < o < last]
-        rows = [_source(o, length, before, mode) for o in (first, last, *turns)]
-        e0, e1 = min(rows), max(rows) + 1
-        if e0 < starts[max(r - 1, 0)] or e1 > starts[min(r + 2, ranks)]:
-            return None  # rows from beyond a neighbour: gather instead
-        if max(e0, starts[r]) >= min(e1, starts[r + 1]):
-            return None  # reads none of its own rows: gather instead
-        ends.append((e0, e1))
-    return HaloDim(starts, tuple(ends), outs, tuple(outs[:-1]), window=Window(1, 1, 0))
+        turns = [o for o in (before, before + length - 1) if first < o < stop - 1]
+        rows = [_source(o, length, before, mode) for o in (first, stop - 1, *turns)]
+        return min(rows), max(rows) + 1
+
+    line = line_reads(length, ranks, length + before + after, reads)
+    return None if line is None else HaloDim(line.starts, line.ends, line.outs, line.outs[:-1])
 
 
 def index_pad_halos(call: OpCall, lead: int) -> dict[int, HaloDim]:

@@ -5,9 +5,11 @@ With an integer scale ``s`` the output row ``o`` reads input rows near
 piece extended by a row or two of each neighbour gets exactly its own
 output rows, which stay cut ([Note: upsampling on extended pieces]). The
 backward sums the halo rows' gradients back to their owners, as pooling's
-does. ``align_corners=True`` (whose scale is ``(L - 1) / (sL - 1)``, not a
-shift of one rule), a non-integer scale and the antialiased ops have no plan
-and are gathered.
+does. Linear upsampling with ``align_corners=True`` (whose scale ``(L - 1)
+/ (n - 1)`` is no shift of one rule) is computed by hand from the two rows
+each output reads, any output size ([Note: aligned corners on a cut dim]);
+bicubic with aligned corners, a non-integer scale of the others and the
+antialiased ops have no plan and are gathered.
 """
 
 from __future__ import annotations
@@ -17,12 +19,28 @@ from typing import Any
 
 import torch
 
-from hp_dtensor.layout import Layout, chunk_sizes
+from hp_dtensor.layout import Layout
 from hp_dtensor.ops.dispatch import LocalCall, OpCall
-from hp_dtensor.ops.halo import HaloDim, Window, extend, fold_back, full_args, narrow_output, pad_output_grad
+from hp_dtensor.ops.halo import (
+    HaloDim,
+    Window,
+    extend,
+    fold_back,
+    full_args,
+    line_reads,
+    narrow_output,
+    pad_output_grad,
+)
 from hp_dtensor.placements import Shard
 
-__all__ = ["UPSAMPLE_OPS", "plan_upsample", "upsample_halos", "upsample_kernel"]
+__all__ = [
+    "UPSAMPLE_OPS",
+    "corner_taps",
+    "plan_corners",
+    "plan_upsample",
+    "upsample_halos",
+    "upsample_kernel",
+]
 
 aten = torch.ops.aten
 
@@ -63,22 +81,17 @@ for _names, _margin in (
 # :func:`~hp_dtensor.ops.halo.fold_back`.
 def plan_upsample(length: int, ranks: int, scale: int, margin: int) -> HaloDim | None:
     """The halo of upsampling ``length`` cut rows by ``scale`` ([Note: upsampling on extended pieces])."""
-    sizes, out_sizes = chunk_sizes(length, ranks), chunk_sizes(length * scale, ranks)
-    if ranks < 2 or scale < 1 or min(sizes) == 0 or min(out_sizes) == 0:
+    if scale < 1:
         return None
-    starts = tuple(sum(sizes[:r]) for r in range(ranks + 1))
-    outs = tuple(sum(out_sizes[:r]) for r in range(ranks + 1))
-    ends: list[tuple[int, int]] = []
-    for r in range(ranks):
-        e0 = max(0, outs[r] // scale - margin)
-        e1 = min(length, -(-outs[r + 1] // scale) + margin)
-        if e0 < starts[max(r - 1, 0)] or e1 > starts[min(r + 2, ranks)]:
-            return None  # rows from beyond a neighbour: gather instead
-        if max(e0, starts[r]) >= min(e1, starts[r + 1]):
-            return None  # reads none of its own rows: gather instead
-        ends.append((e0, e1))
-    shift = tuple(scale * e0 for e0, _ in ends)
-    return HaloDim(starts, tuple(ends), outs, shift, window=Window(scale, scale, 0, transposed=True))
+
+    def reads(first: int, stop: int) -> tuple[int, int]:
+        return max(0, first // scale - margin), min(length, -(-stop // scale) + margin)
+
+    line = line_reads(length, ranks, length * scale, reads)
+    if line is None:
+        return None
+    shift = tuple(scale * e0 for e0, _ in line.ends)
+    return HaloDim(line.starts, line.ends, line.outs, shift, window=Window(scale, scale, 0, transposed=True))
 
 
 def _named(func: Any, args: list[Any], prefix: str) -> list[tuple[int, Any]]:
@@ -94,8 +107,9 @@ def upsample_halos(call: OpCall, lead: int) -> dict[int, HaloDim]:
     margin, backward = spec
     args = full_args(call.func, call.args, call.kwargs)
     layout: Layout = call.layout(call.position_of(args[0]))
-    if any(bool(value) for _, value in _named(call.func, args, "align_corners")):
-        return {}  # see the module docstring
+    corners = any(bool(value) for _, value in _named(call.func, args, "align_corners"))
+    if corners and margin != 1:
+        return {}  # bicubic with aligned corners: see the module docstring
     out_size = [int(v) for v in args[1]]
     in_size = [int(v) for v in args[2]][lead:] if backward else list(layout.shape[lead:])
     scales = [value for _, value in _named(call.func, args, "scales")]
@@ -107,6 +121,11 @@ def upsample_halos(call: OpCall, lead: int) -> dict[int, HaloDim]:
             continue
         i = p.dim - lead
         length, out = in_size[i], out_size[i]
+        if corners:  # [Note: aligned corners on a cut dim]
+            found = plan_corners(length, layout.mesh.shape[m], out)
+            if found is not None:
+                plans[m] = HaloDim(found.starts, found.ends, found.outs, found.shift, m, p.dim, found.window)
+            continue
         scale = out // length if length else 0
         if scale < 1 or out != scale * length:
             continue
@@ -126,6 +145,8 @@ def upsample_kernel(func: Any, plans: list[HaloDim], lead: int) -> Callable[[Loc
         args = full_args(call.func, call.args, call.kwargs)
         layout = call.layout(0)
         out_size = [int(v) for v in args[1]]
+        if any(bool(value) for _, value in _named(call.func, args, "align_corners")):
+            return _corners(args[0], layout, plans, lead, out_size, None if not backward else args[2])
         if not backward:
             for plan in plans:
                 args[0] = extend(args[0], layout, plan)
@@ -149,3 +170,84 @@ def upsample_kernel(func: Any, plans: list[HaloDim], lead: int) -> Callable[[Loc
         return grad
 
     return run
+
+
+# [Note: aligned corners on a cut dim]
+# With ``align_corners=True`` linear upsampling of ``L`` rows to ``n`` makes
+# output ``o`` read the input at ``src = o (L - 1) / (n - 1)``: rows ``i0 =
+# floor(src)`` and ``i0 + 1`` (clamped to ``L - 1``), weighted ``1 - t`` and
+# ``t`` with ``t = src - i0``. The step ``(L - 1) / (n - 1)`` is not ``1 /
+# s``, so the op on a piece of rows (whose own step is ``(e1 - e0 - 1) /
+# (n' - 1)``) gives other sample points, whatever the scale: the local op
+# cannot be reused as the ``align_corners=False`` plan does. The two taps are
+# computed here instead, in integers (``i0 = o (L - 1) // (n - 1)``, exact,
+# so the plan and the kernel agree on every row), and each rank blends the
+# rows ``index_select`` picks from its piece extended by the rows it reads
+# of its neighbours: ``[i0(O_r), i0(O_r+1 - 1) + 2)`` clamped, at most a row
+# or two, any output size. Dims that are not cut are blended the same way
+# over their whole length (linear interpolation is separable, so dim by dim
+# is the op; the values match PyTorch's to rounding). The backward adds each
+# output gradient onto its two rows (``index_add_``) and sends the halo
+# rows' sums home. Bicubic with aligned corners reads four rows with cubic
+# weights and is gathered.
+def corner_taps(
+    first: int, stop: int, length: int, out: int, dtype: torch.dtype, device: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``i0``, ``i1`` and weights ``t`` of outputs ``[first, stop)``.
+
+    See [Note: aligned corners on a cut dim]; integer arithmetic for the rows,
+    so the plan and every kernel agree on them exactly.
+    """
+    scaled = torch.arange(first, stop, device=device) * (length - 1)
+    steps = max(out - 1, 1)
+    i0 = torch.div(scaled, steps, rounding_mode="floor")
+    t = (scaled - i0 * steps).to(dtype) / steps
+    return i0, (i0 + 1).clamp(max=length - 1), t
+
+
+def plan_corners(length: int, ranks: int, out: int) -> HaloDim | None:
+    """The halo of an ``align_corners=True`` linear upsampling of a cut dim of ``length`` rows to ``out``."""
+    if out < 2:
+        return None
+
+    def reads(first: int, stop: int) -> tuple[int, int]:
+        return first * (length - 1) // (out - 1), min(length, (stop - 1) * (length - 1) // (out - 1) + 2)
+
+    line = line_reads(length, ranks, out, reads)
+    return None if line is None else HaloDim(line.starts, line.ends, line.outs, line.shift)
+
+
+def _corners(
+    x: torch.Tensor,
+    layout: Layout,
+    plans: list[HaloDim],
+    lead: int,
+    out_size: list[int],
+    in_size: list[int] | None,
+) -> torch.Tensor:
+    """Aligned-corner linear upsampling (``in_size`` None) or its backward, dim by dim on extended pieces."""
+    cut = {plan.dim: plan for plan in plans}
+    if in_size is None:
+        for plan in plans:
+            x = extend(x, layout, plan)
+    shape = list(x.shape)
+    for i, out in enumerate(out_size):
+        dim = lead + i
+        plan = cut.get(dim)
+        first, stop, e0, e1 = 0, out, 0, layout.shape[dim] if in_size is None else int(in_size[dim])
+        if plan is not None:
+            r = layout.my_coordinate()[plan.mesh_dim]
+            first, stop, (e0, e1) = plan.outs[r], plan.outs[r + 1], plan.ends[r]
+        length = plan.starts[-1] if plan is not None else e1
+        i0, i1, t = corner_taps(first, stop, length, out, x.dtype, x.device)
+        i0, i1 = i0 - e0, i1 - e0
+        t = t.reshape([-1] + [1] * (x.ndim - 1 - dim))
+        if in_size is None:
+            x = x.index_select(dim, i0) * (1 - t) + x.index_select(dim, i1) * t
+        else:
+            shape[dim] = e1 - e0
+            x = x.new_zeros(shape).index_add_(dim, i0, x * (1 - t)).index_add_(dim, i1, x * t)
+    if in_size is not None:
+        for plan in reversed(plans):
+            x = fold_back(x, layout, plan)
+    return x
