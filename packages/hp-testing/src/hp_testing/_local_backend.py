@@ -153,6 +153,14 @@ class LocalGroup(dist.ProcessGroup):
         self._ranks = tuple(ranks)
         self._group_rank = group_rank
         self._seq = 0
+        # [Note: the local group's device type]
+        # c10d keeps a ProcessGroup subclass returned by a backend's creator as the group itself and
+        # registers no backend in it, so ``_device_types`` would be empty, and torch helpers that
+        # read it fail (``_broadcast_tensors`` of ``set_model_state_dict(broadcast_from_rank0=True)``
+        # takes ``_device_types[0]``). Registering the CPU device type, as a gloo group has it, with
+        # no backend object behind it (c10d accepts None; a Python class cannot be a c10d Backend):
+        # collectives still reach the methods below, and ``_get_backend("cpu")`` still raises.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, None)
 
     def getBackendName(self) -> str:
         return BACKEND
