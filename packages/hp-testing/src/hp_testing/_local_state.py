@@ -190,9 +190,48 @@ def _filters_changed() -> None:
 # switch per rank), so a switch must cost microseconds, not a hundred: slots
 # are read and written by indexing the modules' namespaces (a module's
 # globals are its ``__dict__``; ``getattr`` / ``setattr`` cost three times as
-# much), and only the torchrun variables whose value differs from the
-# environment's are set (each set is a ``putenv``). The scheduler wakes only
+# much), and a rank's environment is compared and saved as ``os.environ``
+# holds it, encoded (:func:`_encoded_environ`), and only the variables whose
+# value differs are set (each set is a ``putenv``). The scheduler wakes only
 # the rank that runs next (:mod:`hp_testing._local_world`).
+
+
+# [Note: each rank's environment]
+# A process's environment is its own: torchrun gives each rank its ``RANK``
+# and ``LOCAL_RANK``, and a script sets variables itself (a device, a port, a
+# test saving and restoring one) with ``os.environ[...] =``, not through
+# ``monkeypatch``. So each local rank owns the whole environment, swapped like
+# its globals: it starts as the launching thread's plus its torchrun variables,
+# what it sets or deletes stays its own across switches, and the launching
+# thread gets its own environment back when the world ends. Threads the code
+# under test starts see the environment of the rank that holds the turn.
+def _encoded_environ() -> dict[Any, Any]:
+    """``os.environ``'s own table of encoded entries: equal tables compare in a microsecond.
+
+    Decoding the environment (``dict(os.environ)``) costs tens of microseconds
+    per switch; the table ``os.environ`` keeps (``_data``, in CPython's ``os``
+    since 3.2) is what its ``__setitem__`` writes, so it is always current.
+    """
+    return os.environ._data  # type: ignore[attr-defined]
+
+
+def _encoded_with(variables: dict[str, str]) -> dict[Any, Any]:
+    """A copy of the process environment's table with ``variables`` set."""
+    environ, table = os.environ, dict(_encoded_environ())
+    for key, value in variables.items():
+        table[environ.encodekey(key)] = environ.encodevalue(value)
+    return table
+
+
+def _put_environ(target: dict[Any, Any]) -> None:
+    """Make the process environment ``target`` (an encoded table), setting only what differs."""
+    environ, now = os.environ, _encoded_environ()
+    if now == target:
+        return
+    for key in now.keys() - target.keys():
+        del environ[environ.decodekey(key)]
+    for key, value in target.items() - now.items():
+        environ[environ.decodekey(key)] = environ.decodevalue(value)
 
 
 # [Note: one process, many ranks' state]
@@ -220,7 +259,8 @@ def _filters_changed() -> None:
 # * the CPU RNG state and the default dtype;
 # * ``sys.stdout`` / ``sys.stderr`` (each rank writes to its own buffer) and
 #   ``sys.excepthook`` (``init_process_group`` installs a rank-prefixing one);
-# * the torchrun environment variables (``RANK``, ``LOCAL_RANK``, ...);
+# * the environment: the torchrun variables (``RANK``, ``LOCAL_RANK``, ...) and
+#   what the rank sets itself: [Note: each rank's environment];
 # * what the rank's ``monkeypatch`` fixture patched: [Note: a rank's monkeypatches].
 #
 # Only globals are swapped: state a module captured elsewhere (a class
@@ -238,7 +278,7 @@ class RankState:
         self.stdout = io.StringIO()
         self.stderr = io.StringIO()
         self.excepthook = sys.excepthook
-        self.env = env
+        self.environ = _encoded_with(env)  # the launching thread's, and the rank's torchrun variables
         self.functions: list[dict[str, Any]] = [{} for _ in slots.functions]  # its patched ones
         # this rank's monkeypatches (:mod:`hp_testing._local_patches`): in place only while it runs
         self.patches: list[Any] = []
@@ -265,10 +305,7 @@ class RankState:
         torch.set_rng_state(self.rng)
         torch.set_default_dtype(self.dtype)
         sys.stdout, sys.stderr, sys.excepthook = self.stdout, self.stderr, self.excepthook
-        environ = os.environ
-        for key, value in self.env.items():
-            if environ.get(key) != value:  # see [Note: cheap switches]
-                environ[key] = value
+        _put_environ(self.environ)  # see [Note: cheap switches]
         for patch in self.patches:
             patch.reapply()
 
@@ -286,6 +323,7 @@ class RankState:
                     mine[name] = now
                     namespace[name] = value
         self.globals = self.slots.read()
+        self.environ = dict(_encoded_environ())
         self.rng = torch.get_rng_state()
         self.dtype = torch.get_default_dtype()
         self.excepthook = sys.excepthook
@@ -294,22 +332,18 @@ class RankState:
 class HostState:
     """The launching thread's state, put back once the world has finished."""
 
-    def __init__(self, slots: Slots, env_keys: Iterable[str]) -> None:
+    def __init__(self, slots: Slots) -> None:
         self.slots = slots
         self.globals = slots.read()
         self.rng = torch.get_rng_state()
         self.dtype = torch.get_default_dtype()
         self.stdout, self.stderr, self.excepthook = sys.stdout, sys.stderr, sys.excepthook
-        self.env = {key: os.environ.get(key) for key in env_keys}
+        self.environ = dict(_encoded_environ())
 
     def restore(self) -> None:
         """Put the launching thread's state back (modules the ranks imported keep the last rank's)."""
         sys.stdout, sys.stderr, sys.excepthook = self.stdout, self.stderr, self.excepthook
-        for key, value in self.env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _put_environ(self.environ)
         torch.set_rng_state(self.rng)
         torch.set_default_dtype(self.dtype)
         self.slots.write(self.globals)

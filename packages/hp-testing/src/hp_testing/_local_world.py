@@ -47,6 +47,11 @@ def current() -> tuple[World, int]:
     return world, _tls.rank
 
 
+def on_rank() -> bool:
+    """Whether the calling thread is a rank of a local world (and not the thread that launched it)."""
+    return getattr(_tls, "world", None) is not None
+
+
 @dataclass
 class RankOutcome:
     """What one rank of a local world did."""
@@ -180,7 +185,7 @@ class World:
     def run(self, body: Callable[[int], Any], env: Callable[[int], dict[str, str]]) -> list[RankOutcome]:
         """Run ``body(rank)`` on every rank; the calling thread's process state is put back after."""
         envs = [env(rank) for rank in range(self.size)]
-        host = HostState(self.slots, {key for each in envs for key in each})
+        host = HostState(self.slots)
         parent = self.slots.read()
         self.states = {rank: RankState(self.slots, parent, envs[rank]) for rank in range(self.size)}
         self.alive = set(range(self.size))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from hp_testing._local_backend import BACKEND, register
 from hp_testing._local_contract import report_unmatched
 from hp_testing._local_emulation import emulated
+from hp_testing._local_profiler import refusing_profilers
 from hp_testing._local_state import Slots
 from hp_testing._local_world import LocalHangError, RankOutcome, World
 
@@ -43,10 +44,12 @@ _HP_MODULES = ("hp_core", "hp_testing.collectives", "hp_dtensor", "hp_fsdp", "hp
 # Local mode cannot do what needs ranks that run at the same time: async hazards
 # (a touch of a pending collective's buffer is only a race when the collective
 # runs concurrently), fault injection (killing or stalling a process) and
-# timeouts. Those stay with the multi-process mode, and asking for them here
-# raises :class:`ConcurrencyNeededError`.
+# timeouts; nor what torch keeps once per process, as its profiler
+# ([Note: torch's profiler in local mode] in :mod:`hp_testing._local_profiler`).
+# Those stay with the multi-process mode, and asking for them here raises
+# :class:`ConcurrencyNeededError`.
 class ConcurrencyNeededError(RuntimeError):
-    """A feature that needs ranks running at the same time was asked for in local mode."""
+    """A feature that needs ranks running at the same time, or a process each, was asked for in local mode."""
 
 
 class LocalModeFailed(RuntimeError):
@@ -121,7 +124,7 @@ def run_local_outcomes(
         dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
         return fn(rank)
 
-    with emulated(emulate) as profile:
+    with emulated(emulate) as profile, refusing_profilers():
         # hp_core judges the ranks' groups as the profile's backend (gloo unless emulating)
         previous = set_backend_semantics(BACKEND, profile.backend)
         world = World(world_size, Slots(state_packages), p2p_tags=profile.p2p_tags)
