@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 from hp_core import DeviceMesh
+from torch.distributed._functional_collectives import _are_we_tracing
 from torch.utils import _pytree as pytree
 
-from hp_dtensor.dtensor import DTensor, _check_mesh
+from hp_dtensor._agree import agree_over_mesh
+from hp_dtensor.dtensor import DTensor, _check_mesh, _FromLocal, _layout_for_local
 from hp_dtensor.layout import normalize_placements
 from hp_dtensor.pending import wait_local
 from hp_dtensor.placements import Placement
@@ -50,18 +52,22 @@ def local_map(
       refused otherwise), then handed to ``func`` as its local tensor
       (``to_local(grad_placements=...)`` with ``in_grad_placements``);
     * each tensor in ``func``'s flattened output becomes a DTensor with its entry
-      of ``out_placements`` (``from_local``, no communication: even shards assumed,
-      as in torch); non-tensor outputs need ``None`` there;
+      of ``out_placements``; non-tensor outputs need ``None`` there;
     * without any DTensor argument ``func`` runs as it is and its outputs are
       returned unchanged;
     * ``local_map(out_placements=..., ...)`` without ``func`` is a decorator;
-    * keyword arguments are passed through untouched, as torch does.
+    * keyword arguments are passed through untouched, as torch does; a DTensor
+      among them is refused (torch hands it to ``func`` as a DTensor).
 
     ``in_placements`` and
     ``in_grad_placements`` have one entry per flattened positional argument
     (``None`` for non-tensors); ``out_placements`` one per flattened output,
     or a single placement list when ``func`` returns one value.
     ``device_mesh`` defaults to the first DTensor argument's mesh.
+
+    Where torch assumes even output shards, hp gets the global shape right
+    for any per-rank sizes: one small exchange of the sharded outputs' local
+    shapes per call ([Note: uneven local_map outputs]).
     """
     if redistribute_inputs is not True and redistribute_inputs is not False:
         raise TypeError(
@@ -161,6 +167,7 @@ def _call(func: Callable[..., Any], options: _Options, args: tuple[Any, ...], kw
         if in_grad_placements is not None:
             grad = _placements(in_grad_placements[index], value, f"in_grad_placements[{index}]")
         local_flat.append(_to_local(value, move_to, grad))
+    _refuse_dtensor_kwargs(kwargs)
     out = func(*pytree.tree_unflatten(local_flat, spec), **kwargs)
     if first is None:  # no DTensor argument: func ran on plain values, as torch's local_map does
         return out
@@ -173,6 +180,23 @@ def _call(func: Callable[..., Any], options: _Options, args: tuple[Any, ...], kw
         lambda value, placements: _from_local_like(value, like, placements),
         first.device_mesh,
     )
+
+
+def _refuse_dtensor_kwargs(kwargs: dict[str, Any]) -> None:
+    """A DTensor keyword argument is an error: in_placements covers positional arguments only.
+
+    torch 2.13 hands such an argument to ``func`` as a DTensor, where it
+    meets local tensors (hp's op dispatch would take those as replicated: a
+    silently wrong value), so hp refuses it, naming the fix.
+    """
+    for name, value in kwargs.items():
+        if any(isinstance(leaf, DTensor) for leaf in pytree.tree_leaves(value)):
+            raise TypeError(
+                f"{_WHAT}: keyword argument {name!r} holds a DTensor; keyword arguments reach func untouched "
+                "(in_placements covers positional arguments only), so func would see a DTensor among local "
+                f"tensors. Pass it positionally with an in_placements entry, or pass "
+                f"{name}=<dtensor>.to_local()."
+            )
 
 
 def _wrap_outputs(out: Any, out_placements: OutputPlacements, from_local: FromLocal, mesh: DeviceMesh) -> Any:
@@ -206,8 +230,59 @@ def _wrap_outputs(out: Any, out_placements: OutputPlacements, from_local: FromLo
                 f"entry is None; give its placements, e.g. {[_example(mesh)]}."
             )
         normalized = normalize_placements(placements, mesh, value.dim(), f"{_WHAT} out_placements")
-        wrapped.append(from_local(value, normalized))
-    return pytree.tree_unflatten(wrapped, spec)
+        wrapped.append((value, normalized))
+    return pytree.tree_unflatten(_as_dtensors(wrapped, from_local, mesh), spec)
+
+
+# [Note: uneven local_map outputs]
+# torch's local_map wraps each output with ``from_local`` assuming even shards
+# (global size = local size x mesh size), which is wrong as soon as func
+# returns pieces of different sizes (7 rows on 2 ranks: 4 and 3, or a
+# data-dependent count per rank). hp gathers the local shapes of all sharded
+# outputs in one small exchange over the mesh per call (the cross-rank
+# agreement of ``from_local(run_check=True)``, which also checks that every
+# rank returned outputs of the same number of dims and dtype), and builds each
+# output's layout from that table: torch.chunk sizes give a plain layout,
+# others a ragged one. The sizes are host values already (tensor shapes), so
+# the exchange reads nothing back from a device beyond its own result. No
+# exchange when no output is sharded over a mesh dim of more than one rank, or
+# while torch.compile traces (shapes cannot be gathered there: even shards are
+# assumed, as ``from_local`` assumes them). torch's signature, which the API
+# contract pins, has no place to pass known global shapes instead.
+def _as_dtensors(outputs: list[Any], from_local: FromLocal, mesh: DeviceMesh) -> list[Any]:
+    """Each ``(local, placements)`` output as a DTensor, with its global shape right; others unchanged."""
+    pairs = [(i, item) for i, item in enumerate(outputs) if isinstance(item, tuple)]
+    unknown = [
+        i
+        for i, (value, placements) in pairs
+        if any(p.is_shard() and mesh.size(m) > 1 for m, p in enumerate(placements))
+    ]
+    tables: dict[int, list[tuple[int, ...]]] = {}
+    if unknown and not _are_we_tracing():
+        described = [(outputs[i][0].dim(), str(outputs[i][0].dtype), repr(outputs[i][1])) for i in unknown]
+        extra = [size for i in unknown for size in outputs[i][0].shape]
+        rows = agree_over_mesh(
+            _WHAT,
+            mesh,
+            "make func return, on every rank, outputs of the same number of dims and dtype (their sizes "
+            "may differ only along sharded dims).",
+            {"outputs": described},
+            extra=extra,
+        )
+        assert rows is not None
+        start = 0
+        for i in unknown:
+            ndim = outputs[i][0].dim()
+            tables[i] = [tuple(row[start : start + ndim]) for row in rows]
+            start += ndim
+    result = list(outputs)
+    for i, (value, placements) in pairs:
+        if i in tables:
+            layout = _layout_for_local(value, mesh, placements, None, tables[i], f"{_WHAT} output {i}")
+            result[i] = _FromLocal.apply(value, layout)
+        else:
+            result[i] = from_local(value, placements)
+    return result
 
 
 def _placements(given: Any, value: DTensor, what: str) -> tuple[Placement, ...]:

@@ -100,6 +100,33 @@ class PendingTensor(torch.Tensor):
             self._finish = None
         return value
 
+    # [Note: a pending tensor entering a compiled region]
+    # A PendingTensor handed to a ``torch.compile``d function (``y.to_local()``
+    # of an async redistribution) is a traceable wrapper subclass: its one inner
+    # tensor is the finished value, so flattening it, which the compiled code's
+    # entry does with every input at run time, waits. The graph itself sees a
+    # completed PendingTensor around a fake value and traces the ops on it;
+    # the result is what eager ops on the finished value give.
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["finished"], None
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], context: None, outer_size: Any, outer_stride: Any
+    ) -> PendingTensor:
+        value = inner["finished"]
+        size = value.shape if outer_size is None else outer_size
+        stride = value.stride() if outer_stride is None else outer_stride
+        out = PendingTensor(None, lambda: value, size, stride, value.dtype, value.device)
+        out._value = value
+        out._finish = None
+        return out
+
+    @property
+    def finished(self) -> torch.Tensor:
+        """The finished value (waits): the inner tensor ``torch.compile`` sees."""
+        return self.wait()
+
     def __repr__(self) -> str:  # type: ignore[override]
         return f"PendingTensor({self.wait()!r})"
 

@@ -19,7 +19,8 @@ from torch.utils import _pytree as pytree
 
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.interop import _from_torch_placement
-from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, clear_caches, register
+from hp_dtensor.ops.dispatch import SPECIAL, Decision, LocalCall, OpCall, clear_caches, register
+from hp_dtensor.out_variants import is_out_variant, meta_result, out_positions, run_out_variant
 from hp_dtensor.placements import Partial, Placement, Shard
 from hp_dtensor.planner import plan_redistribute
 
@@ -112,6 +113,11 @@ def register_rule(*ops: Any, keeps_layout: bool = False, cached: bool = True) ->
         if not callable(rule):
             raise TypeError(f"register_rule: the rule must be callable, got {type(rule).__name__} {rule!r}.")
         register(*overloads, keeps_layout=keeps_layout, cached=cached)(rule)
+        for overload in _each_overload(overloads):
+            if getattr(SPECIAL.get(overload), "out_variant_rule", None) is not None:
+                del SPECIAL[overload]  # an earlier registration's out= runner
+            if is_out_variant(overload):  # see [Note: out= variants] in hp_dtensor.out_variants
+                SPECIAL[overload] = _OutRunner(overload, rule)
         clear_caches()  # decisions remembered for an earlier rule must not serve this one
         return rule
 
@@ -135,6 +141,25 @@ def register_sharding(op: Any) -> Callable[[Callable[..., Any]], Callable[..., A
         return sharding_fn
 
     return wrapper
+
+
+class _OutRunner:
+    """The dispatcher's entry for an out= op with a registered rule (see :mod:`hp_dtensor.out_variants`)."""
+
+    def __init__(self, func: Any, rule: Rule) -> None:
+        self.func, self.out_variant_rule = func, rule
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return run_out_variant(self.out_variant_rule, self.func, args, kwargs)
+
+
+def _each_overload(ops: list[Any]) -> list[Any]:
+    """OpOverloads, packets expanded to every overload."""
+    return [
+        o
+        for op in ops
+        for o in ([getattr(op, n) for n in op.overloads()] if hasattr(op, "overloads") else [op])
+    ]
 
 
 def _op(op: Any, what: str) -> Any:
@@ -166,25 +191,26 @@ class _ShardingRule:
 
     def __call__(self, call: OpCall) -> Decision:
         func = call.func
-        layouts = [call.layout(p) for p in call.positions]
-        mesh = layouts[0].mesh
+        outs = out_positions(call) if is_out_variant(func) else []
+        inputs = [p for p in call.positions if p not in outs]  # out tensors are written, never moved
+        layouts = [call.layout(p) for p in inputs]
+        mesh = call.layout(call.positions[0]).mesh
         spec_args, spec_kwargs = pytree.tree_map_only(DTensor, _spec, (call.args, call.kwargs))
         listed = self.sharding_fn(*spec_args, **spec_kwargs)
         groups = _tensor_groups(call)
-        returns = len(func._schema.returns)
+        returned = _flat_returns(meta_result(func, call.args, call.kwargs), len(func._schema.returns))
         strategies = [
-            self._one(item, index, groups, returns, func) for index, item in enumerate(_items(listed, func))
+            self._one(item, index, groups, set(outs), returned, func)
+            for index, item in enumerate(_items(listed, func))
         ]
-        out_dims = [
-            m.dim() if isinstance(m, torch.Tensor) else None for m in _flat_returns(_meta_outputs(call))
-        ]
+        out_dims = [m.dim() if isinstance(m, torch.Tensor) else None for each in returned for m in each]
         inplace = _is_inplace(func)
         best: tuple[Any, ...] | None = None
         for order, combo in enumerate(itertools.product(strategies, repeat=mesh.ndim)):
-            candidate = _combine(combo, len(call.positions), returns)
+            candidate = _combine(combo, len(inputs), len(out_dims))
             if not self._valid(candidate, call, layouts, out_dims, inplace, func):
                 continue
-            cost = _cost(call, layouts, candidate.inputs)
+            cost = _cost(call, inputs, layouts, candidate.inputs)
             if best is None or (cost, order) < best[:2]:
                 best = (cost, order, candidate)
         if best is None:
@@ -196,45 +222,66 @@ class _ShardingRule:
             )
         candidate = best[2]
         return Decision(
-            inputs=dict(zip(call.positions, candidate.inputs, strict=True)),
+            inputs=dict(zip(inputs, candidate.inputs, strict=True)),
             outputs=list(candidate.outputs),
             inplace=inplace,
         )
 
     def _one(
-        self, item: Any, index: int, groups: list[list[int]], returns: int, func: Any
+        self,
+        item: Any,
+        index: int,
+        groups: list[list[int]],
+        outs: set[int],
+        returned: list[list[Any]],
+        func: Any,
     ) -> tuple[list[Placement | None], list[Placement]]:
-        """One listed sharding as (a placement per output, a placement per DTensor argument)."""
+        """One listed sharding as (a placement per output tensor, a placement per moved DTensor argument).
+
+        A ``Tensor[]`` output takes one placement for every element or a
+        list of one per element, as a tensor-list argument does; an out=
+        variant's out arguments may be left out of the inputs (they follow
+        their output) or given equal to it ([Note: out= variants]).
+        """
         where = f"register_sharding: sharding {index} returned by {self.name} for {func}"
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise ValueError(
                 f"{where} is {item!r}; each must be a pair (output_placements, input_placements)."
             )
-        outs, ins = (
+        outs_given, ins = (
             _placement_list(part, where, name) for part, name in zip(item, ("outputs", "inputs"), strict=True)
         )
-        if len(outs) != returns:
+        if len(outs_given) != len(returned):
             raise ValueError(
-                f"{where} gives {len(outs)} output placement(s) {outs} but the op returns {returns} "
-                "value(s); give one per output (None for non-tensor outputs)."
+                f"{where} gives {len(outs_given)} output placement(s) {outs_given} but the op returns "
+                f"{len(returned)} value(s); give one per output (None for non-tensor outputs, one placement "
+                "or a list of one per element for a Tensor[] output)."
             )
+        per_output = [
+            _per_member(entry, len(each), where, "output")
+            for entry, each in zip(outs_given, returned, strict=True)
+        ]
+        out_flat = [p for each in per_output for p in each]
         entries = [p for p in ins if p is not None]
-        if len(entries) != len(groups):
+        moved = [members for members in groups if not set(members) & outs]
+        if len(entries) == len(groups) and len(moved) < len(groups):
+            given_outs = [e for e, members in zip(entries, groups, strict=True) if set(members) & outs]
+            if any(g != o for g, o in zip(given_outs, out_flat, strict=False)):
+                raise ValueError(
+                    f"{where} places the out argument(s) as {given_outs} but the output(s) as {out_flat}; "
+                    "an out tensor receives the output: give it the output's placement (or leave it out)."
+                )
+            entries = [e for e, members in zip(entries, groups, strict=True) if not set(members) & outs]
+        if len(entries) != len(moved):
             raise ValueError(
                 f"{where} gives {len(entries)} input placement(s) {entries} (None entries skipped) but the "
-                f"call has {len(groups)} DTensor argument(s); give one placement per tensor argument and "
+                f"call has {len(moved)} DTensor argument(s); give one placement per tensor argument and "
                 "None for the others, as in torch."
             )
         per_tensor: list[Placement] = []
-        for entry, members in zip(entries, groups, strict=True):
-            values = list(entry) if isinstance(entry, (list, tuple)) else [entry] * len(members)
-            if len(values) != len(members):
-                raise ValueError(
-                    f"{where}: a tensor-list argument of {len(members)} DTensors got placements {values}; "
-                    "give one placement for all or one per tensor."
-                )
-            per_tensor.extend(values)
-        return outs, per_tensor
+        for entry, members in zip(entries, moved, strict=True):
+            per_tensor.extend(_per_member(entry, len(members), where, "input"))
+        return out_flat, per_tensor
 
     def _valid(
         self,
@@ -311,6 +358,18 @@ def _placement(value: Any, where: str) -> Any:
     raise ValueError(f"{where}: {value!r} is not a placement; use Shard(d), Replicate(), Partial() or None.")
 
 
+def _per_member(entry: Any, members: int, where: str, what: str) -> list[Any]:
+    """One placement per tensor of a (tensor-list) argument or output: one given for all, or one each."""
+    if not isinstance(entry, tuple):
+        return [entry] * members
+    if len(entry) != members:
+        raise ValueError(
+            f"{where}: a tensor-list {what} of {members} tensors got placements {list(entry)}; "
+            "give one placement for all or one per tensor."
+        )
+    return list(entry)
+
+
 def _combine(combo: tuple[Any, ...], tensors: int, returns: int) -> _Candidate:
     """One sharding per mesh dim, as placements per tensor (torch's expand_to_full_mesh_op_strategy)."""
     outputs: list[tuple[Placement, ...] | None] = []
@@ -339,14 +398,16 @@ def _shardable(layout: Any, placements: tuple[Placement, ...]) -> bool:
     return all(size >= n for size, n in zip(layout.shape, parts, strict=True))
 
 
-def _cost(call: OpCall, layouts: list[Any], targets: list[tuple[Placement, ...]]) -> tuple[int, int, int]:
+def _cost(
+    call: OpCall, positions: list[int], layouts: list[Any], targets: list[tuple[Placement, ...]]
+) -> tuple[int, int, int]:
     """(bytes received per rank, collectives, placements changed) to move the DTensor arguments.
 
     The last term prefers leaving a tensor as it is over a free local cut:
     the cut still copies, and keeps the output no less sharded than needed.
     """
     total = count = changed = 0
-    for position, layout, target in zip(call.positions, layouts, targets, strict=True):
+    for position, layout, target in zip(positions, layouts, targets, strict=True):
         if target != layout.placements:
             plan = plan_redistribute(layout, target, call.flat[position].element_size())
             total += plan.total_bytes
@@ -360,20 +421,9 @@ def _is_inplace(func: Any) -> bool:
     return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
 
 
-def _meta_outputs(call: OpCall) -> Any:
-    """The op's outputs on meta tensors: their dims bound the output shards a rule may name."""
-
-    def meta(value: Any) -> Any:
-        if isinstance(value, DTensor):
-            layout = value.layout_spec
-            return torch.empty_strided(layout.shape, layout.stride, dtype=value.dtype, device="meta")
-        if isinstance(value, torch.Tensor):
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-        return value
-
-    args, kwargs = pytree.tree_map(meta, (call.args, call.kwargs))
-    return call.func(*args, **kwargs)
-
-
-def _flat_returns(result: Any) -> list[Any]:
-    return list(result) if isinstance(result, (tuple, list)) else [result]
+def _flat_returns(result: Any, returns: int) -> list[list[Any]]:
+    """The op's outputs per schema return: a ``Tensor[]`` return's elements, one item otherwise."""
+    if returns == 0:
+        return []
+    values = list(result) if returns > 1 else [result]
+    return [list(v) if isinstance(v, (list, tuple)) else [v] for v in values]
