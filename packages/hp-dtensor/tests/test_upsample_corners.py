@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def _corners(**kwargs):  # type: ignore[no-untyped-def]
 def test_aligned_corners_keep_the_cut(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
-    cases = [  # (input shape, interpolate arguments, cut dims)
+    cases: list[tuple[tuple[int, ...], dict[str, Any], list[Shard]]] = [  # shape, arguments, cuts
         ((2, 3, 7, 6), {"scale_factor": 2, "mode": "bilinear"}, [S2, S3]),
         ((2, 3, 7, 6), {"size": (10, 13), "mode": "bilinear"}, [S2, S3]),  # not whole-number scales
         ((2, 3, 9), {"scale_factor": 3, "mode": "linear"}, [S2]),

@@ -253,11 +253,11 @@ def index_pad_kernel(func: Any, plans: list[HaloDim]) -> Callable[[LocalCall], A
         grad = args[0]
         shape = list(grad.shape)
         for dim, rows in _picks(layout, plans, pad, mode, grad.device):
-            plan = next((p for p in plans if p.dim == dim), None)
-            if plan is None:
+            cut = next((p for p in plans if p.dim == dim), None)
+            if cut is None:
                 shape[dim] = layout.shape[dim]
             else:
-                e0, e1 = plan.ends[layout.my_coordinate()[plan.mesh_dim]]
+                e0, e1 = cut.ends[layout.my_coordinate()[cut.mesh_dim]]
                 shape[dim] = e1 - e0
             grad = grad.new_zeros(shape).index_add_(dim, rows, grad)
         for plan in reversed(plans):

@@ -226,10 +226,10 @@ def _corners(
     in_size: list[int] | None,
 ) -> torch.Tensor:
     """Aligned-corner linear upsampling (``in_size`` None) or its backward, dim by dim on extended pieces."""
-    cut = {plan.dim: plan for plan in plans}
+    cut = {p.dim: p for p in plans}
     if in_size is None:
-        for plan in plans:
-            x = extend(x, layout, plan)
+        for p in plans:
+            x = extend(x, layout, p)
     shape = list(x.shape)
     for i, out in enumerate(out_size):
         dim = lead + i
@@ -248,6 +248,6 @@ def _corners(
             shape[dim] = e1 - e0
             x = x.new_zeros(shape).index_add_(dim, i0, x * (1 - t)).index_add_(dim, i1, x * t)
     if in_size is not None:
-        for plan in reversed(plans):
-            x = fold_back(x, layout, plan)
+        for p in reversed(plans):
+            x = fold_back(x, layout, p)
     return x
