@@ -164,6 +164,10 @@ def test_out_variants_write_into_the_callers_dtensors(rank, device_mesh_factory)
         assert (out.to_local().data_ptr() == before) == (x_placements == out_placements)
         torch.testing.assert_close(out.full_tensor(), X * 3)
         assert OUT_SEEN[-1].shape == (8, 6) and OUT_SEEN[-1].placements == tuple(out_placements)
+    # The out tensor is also the input (an in-place write through out=), as on plain tensors.
+    y = distribute_tensor(X, mesh, [Shard(1)])
+    assert scale_out(y, 2.0, out=y) is y and y.placements == (Shard(1),)
+    torch.testing.assert_close(y.full_tensor(), X * 2)
     # torch.mul-style call through the Python binding, two out tensors, an input cut moved once
     x = distribute_tensor(X, mesh, [Shard(1)])
     lo = distribute_tensor(torch.zeros(8, dtype=torch.float64), mesh, [Replicate()])
