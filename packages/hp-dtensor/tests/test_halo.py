@@ -213,7 +213,10 @@ def test_halos_on_four_ranks_and_two_mesh_dims(rank, device_mesh_factory) -> Non
             out = conv(xd, wd)
         assert log.counts() == {GATHER: 2}  # one exchange per mesh dim; corners travel through both
         assert out.placements == (S2, S3)
-        (out * out).sum().backward()
+        with record_collectives() as back:
+            (out * out).sum().backward()
+    # the input gradient's halo home along each mesh dim; the input's halos were kept from the forward
+    assert back.count(GATHER) == 2, list(back)
     torch.testing.assert_close(out.full_tensor(), ref.detach())
     torch.testing.assert_close(xd.grad.full_tensor(), full_x.grad)
     torch.testing.assert_close(wd.grad.full_tensor(), full_w.grad)

@@ -155,3 +155,18 @@ def test_index_pad_on_four_ranks(rank, device_mesh_factory) -> None:  # type: ig
         with record_collectives() as log:
             F.pad(xd, (0, 0, 2, 2), mode="reflect")  # 16 rows cut 4 each: shifted by 1 row per rank
     assert len(log) == 0 and log.p2p_batches() == 1, list(log)
+    # height on one mesh dim, width on the other: both halos, corners through the first exchange
+    grid = device_mesh_factory((2, 2))
+    x2 = _t(2, 3, 7, 6)
+    for name in MODES.values():
+        fn = lambda x, m=name: F.pad(x, (2, 1, 1, 3), mode=m)  # noqa: E731
+        full = x2.clone().requires_grad_()
+        ref = fn(full)
+        (ref * ref).sum().backward()
+        xd2 = distribute_tensor(x2, grid, [S2, S3]).requires_grad_()
+        with fallback_policy("error"):
+            out2 = fn(xd2)
+            (out2 * out2).sum().backward()
+        assert out2.placements == (S2, S3)
+        torch.testing.assert_close(out2.full_tensor(), ref.detach())
+        torch.testing.assert_close(xd2.grad.full_tensor(), full.grad)

@@ -113,3 +113,17 @@ def test_aligned_corners_on_four_ranks(rank, device_mesh_factory) -> None:  # ty
         with record_collectives() as log:
             F.interpolate(xd, scale_factor=2, mode="bilinear", align_corners=True)
     assert len(log) == 0 and log.p2p_batches() == 1, list(log)
+    # height on one mesh dim, width on the other: both halos, corners through the first exchange
+    grid = device_mesh_factory((2, 2))
+    x2 = _t(2, 3, 6, 8)
+    full = x2.clone().requires_grad_()
+    up = _corners(size=(11, 16), mode="bilinear")
+    ref = up(full)
+    (ref * ref).sum().backward()
+    xd2 = distribute_tensor(x2, grid, [S2, S3]).requires_grad_()
+    with fallback_policy("error"):
+        out2 = up(xd2)
+        (out2 * out2).sum().backward()
+    assert out2.placements == (S2, S3)
+    torch.testing.assert_close(out2.full_tensor(), ref.detach())
+    torch.testing.assert_close(xd2.grad.full_tensor(), full.grad)
