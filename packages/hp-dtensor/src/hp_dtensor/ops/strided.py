@@ -47,7 +47,7 @@ ELEMENTWISE_RULES: set[Any] = set()  # rules that see StridedShard as the Shard 
 _STATE = threading.local()
 
 
-def reads_strided(rule: Rule) -> Rule:
+def reads_strided(rule: AnyRule) -> AnyRule:
     """Mark ``rule`` as one that handles ``StridedShard`` inputs and may produce the placement."""
     STRIDED_RULES.add(rule)
     return rule
@@ -70,6 +70,12 @@ def wired() -> bool:
     Until it does, no DTensor may carry a ``StridedShard``: rules that never
     heard of it would misread it. :func:`hp_dtensor.layout.normalize_placements`
     refuses one then, and views gather as before.
+
+    Always True now (``ops.dispatch`` imports :func:`decide` and asks every
+    rule through it), like :func:`may_produce_strided` (the view rules that
+    call it run only through :func:`decide`): dead gating, kept only while its
+    callers (``layout._check_strided_wired``, the ``strided_ok`` of
+    ``ops.views``, the strided tests' ``through_decide``) remain; it goes with them.
     """
     from hp_dtensor.ops import dispatch
 
