@@ -73,6 +73,7 @@ def halves_sharding(x):  # type: ignore[no-untyped-def]
 _lib = torch.library.Library("hp_test_reg_out", "DEF")
 _lib.define("scale.out(Tensor x, float s, *, Tensor(a!) out) -> Tensor(a!)")
 _lib.define("minmax.out(Tensor x, *, Tensor(a!) lo, Tensor(b!) hi) -> (Tensor(a!), Tensor(b!))")
+_lib.define("pair.out(Tensor x, *, Tensor(a!)[] out) -> ()")
 
 
 def _scale_out(x: torch.Tensor, s: float, *, out: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,12 @@ def _minmax_out(x: torch.Tensor, *, lo: torch.Tensor, hi: torch.Tensor) -> tuple
     return lo, hi
 
 
-for _name, _fn in (("scale.out", _scale_out), ("minmax.out", _minmax_out)):
+def _pair_out(x: torch.Tensor, *, out: list[torch.Tensor]) -> None:
+    for target in out:
+        target.copy_(x)
+
+
+for _name, _fn in (("scale.out", _scale_out), ("minmax.out", _minmax_out), ("pair.out", _pair_out)):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 scale_out = torch.ops.hp_test_reg_out.scale.out
 minmax_out = torch.ops.hp_test_reg_out.minmax.out
@@ -190,6 +196,10 @@ def test_bad_out_and_list_shardings(rank, device_mesh_factory) -> None:  # type:
         scale_out(x, 2.0, out=wrong_shape)
     with pytest.raises(TypeError, match=r"out= is a Tensor, not a DTensor"):
         scale_out(x, 2.0, out=torch.zeros(8, 6, dtype=torch.float64))
+    register_sharding(torch.ops.hp_test_reg_out.pair.out)(lambda x, *, out: [([], [Shard(0), Shard(0)])])
+    pair = [distribute_tensor(torch.zeros(8, 6, dtype=torch.float64), mesh, [Shard(0)]) for _ in range(2)]
+    with pytest.raises(NotImplementedError, match=r"out= is a list of tensors.*call the functional overload"):
+        torch.ops.hp_test_reg_out.pair.out(x, out=pair)
     saved = register_sharding  # the rules below replace the module's, which are put back at the end
     try:
         saved(rowcol)(lambda x: [([[Shard(0), Shard(0), Shard(0)]], [Shard(0)])])

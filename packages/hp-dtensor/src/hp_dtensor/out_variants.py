@@ -65,6 +65,11 @@ def run_out_variant(rule: Callable[[OpCall], Decision | None], func: Any, args: 
     """``func`` (an out variant) on DTensors under ``rule``; returns the out DTensor(s), updated."""
     outs = _out_values(func, args, kwargs)
     for name, value in zip(out_names(func), outs, strict=True):
+        if isinstance(value, (list, tuple)):
+            raise NotImplementedError(
+                f"{func}: {name}= is a list of tensors; out= variants writing into tensor lists (the foreach "
+                "ops' .out overloads) are not supported: call the functional overload and copy_ the results."
+            )
         if not isinstance(value, DTensor):
             raise TypeError(
                 f"{func}: {name}= is a {type(value).__name__}, not a DTensor, while the inputs are DTensors; "
