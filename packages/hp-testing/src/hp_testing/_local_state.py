@@ -224,14 +224,19 @@ def _encoded_with(variables: dict[str, str]) -> dict[Any, Any]:
 
 
 def _put_environ(target: dict[Any, Any]) -> None:
-    """Make the process environment ``target`` (an encoded table), setting only what differs."""
+    """Make the process environment ``target`` (an encoded table), setting only what differs.
+
+    The tables of two ranks share the objects of the variables neither changed
+    (both are copies of ``os.environ``'s), so most entries compare by identity,
+    in a plain loop: cheaper than set differences of the items.
+    """
     environ, now = os.environ, _encoded_environ()
-    if now == target:
-        return
-    for key in now.keys() - target.keys():
-        del environ[environ.decodekey(key)]
-    for key, value in target.items() - now.items():
-        environ[environ.decodekey(key)] = environ.decodevalue(value)
+    get = now.get
+    for key in [key for key, value in target.items() if (old := get(key)) is not value and old != value]:
+        environ[environ.decodekey(key)] = environ.decodevalue(target[key])
+    if len(now) != len(target):  # ``now`` has every key of ``target`` by now: the others go
+        for key in [key for key in now if key not in target]:
+            del environ[environ.decodekey(key)]
 
 
 # [Note: one process, many ranks' state]
