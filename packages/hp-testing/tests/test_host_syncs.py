@@ -182,17 +182,23 @@ def test_a_string_for_allow_is_refused_with_the_fix() -> None:
 @pytest.mark.parametrize(
     "backend_name",
     [
-        pytest.param(b, marks=pytest.mark.distributed(world_size=2, backend=b), id=b)
+        pytest.param(b, marks=pytest.mark.distributed(world_size=2, backend=b, strict=True), id=b)
         for b in ("gloo", "nccl-emu")
     ],
 )
 def test_collectives_and_the_emulation_layer_make_no_host_sync(rank: int, backend_name: str) -> None:
-    """The layer's own checks (under nccl-emu) read tensors: those reads are not the program's."""
+    """The layer's own checks (strict mode compares snapshots at ``wait()``) are not the program's."""
     t = torch.full((4,), float(rank))
+    got = torch.empty(4)
     with count_host_syncs() as log:
         dist.all_reduce(t)
         work = dist.all_reduce(t, async_op=True)
         work.wait()
+        peer = 1 - rank
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer), dist.P2POp(dist.irecv, got, peer)])
+        for w in works:
+            w.wait()
         total = t.sum().item()  # the planted one
     assert total == 8.0  # (0 + 1) summed twice over 2 ranks, 4 elements
+    assert torch.equal(got, t)
     assert log.count == 1 and log.syncs[0].what == "aten._local_scalar_dense", log.report()
