@@ -109,3 +109,27 @@ def test_inplace_broadcast_keeps_strided_destination(rank, device_mesh_factory) 
     assert dx.placements == (StridedShard(0, 3),) and dy.placements == (StridedShard(0, 3),)
     torch.testing.assert_close(dx.full_tensor(), x * row, rtol=0, atol=0)
     torch.testing.assert_close(dy.full_tensor(), row.expand(6, 4), rtol=0, atol=0)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_broadcast_on_a_2d_mesh(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """``[StridedShard(0, 3), Shard(1)]`` times a replicated row: both cuts kept, nothing sent."""
+    mesh = device_mesh_factory((2, 2))
+    _check_product(mesh, (6, 4), [StridedShard(0, 3), Shard(1)], (4,), [R, R], [StridedShard(0, 3), Shard(1)])
+
+
+@pytest.mark.distributed(world_size=4)
+def test_fsdp_tp_layout_is_kept(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """torch's FSDP2 + TP layout ``[StridedShard(0, 2), Shard(0)]``: a Shard above the strided cut of its dim.
+
+    Elementwise ops cut every operand of that dim alike on both mesh dims, so
+    the nested layout is kept (nothing sent with a broadcast or alike-cut
+    partner); a partner cut another way is moved to it, values right.
+    """
+    mesh = device_mesh_factory((2, 2))
+    fsdp_tp = [StridedShard(0, 2), Shard(0)]
+    _check_product(mesh, (8, 4), fsdp_tp, (4,), [R, R], fsdp_tp)
+    _check_product(mesh, (8, 4), fsdp_tp, (8, 1), fsdp_tp, fsdp_tp)
+    _check_product(mesh, (8, 4), fsdp_tp, (8, 1), [R, R], fsdp_tp)
+    _check_product(mesh, (8, 4), fsdp_tp, (8, 4), [Shard(0), R], fsdp_tp, moves=True)
+    _check_product(mesh, (8, 4), [StridedShard(0, 2), R], (8, 4), [R, Shard(0)], fsdp_tp, moves=True)

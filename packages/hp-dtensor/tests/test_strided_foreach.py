@@ -130,3 +130,34 @@ def test_clip_grad_norm_over_shard_strided_and_replicated(rank, device_mesh_fact
         for r, p, (_, placements) in zip(ref, params, ELEMENTS, strict=True):
             assert p.grad.placements == tuple(placements)
             torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_clip_grad_norm_on_a_2d_mesh_with_the_fsdp_tp_layout(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """``[StridedShard(0, 2), Shard(0)]`` (FSDP2 over TP) and others: one scalar all-reduce per mesh dim."""
+    mesh = device_mesh_factory((2, 2))
+    elements = [
+        ((8, 4), [StridedShard(0, 2), Shard(0)]),
+        ((6, 4), [Shard(1), StridedShard(0, 3)]),
+        ((5, 3), [Shard(0), Shard(1)]),
+        ((4,), [R, R]),
+    ]
+    torch.manual_seed(8)
+    grads = [torch.randn(shape, dtype=torch.float64) for shape, _ in elements]
+    ref = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape, _ in elements]
+    params = [
+        torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.float64), mesh, p))
+        for shape, p in elements
+    ]
+    for r, p, g, (_, placements) in zip(ref, params, grads, elements, strict=True):
+        r.grad = g.clone()
+        p.grad = distribute_tensor(g.clone(), mesh, placements)
+    want = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    with record_collectives() as log, fallback_policy("error"):
+        got = torch.nn.utils.clip_grad_norm_(params, 0.5)
+    assert log.counts() == {"all_reduce": 2}, log.counts()
+    assert log.nbytes("all_reduce") == 2 * 8  # one float64 scalar per mesh dim
+    torch.testing.assert_close(got.full_tensor(), want)
+    for r, p, (_, placements) in zip(ref, params, elements, strict=True):
+        assert p.grad.placements == tuple(placements)
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad)

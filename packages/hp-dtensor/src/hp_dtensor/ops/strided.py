@@ -121,9 +121,14 @@ def _producing() -> Iterator[None]:
 #   (one of size 1, or a missing one, stays whole), so every cut it names on
 #   that mesh dim splits a dim of one size with one factor, the same rows.
 #   Dims are compared as broadcasting aligns them (from the right); two
-#   strided cuts of different output dims or factors on one mesh dim, or a
-#   second cut of the strided output dim on another mesh dim, take the
-#   replicated road below. A reduction of every element (the foreach norms)
+#   strided cuts of different output dims or factors on one mesh dim take
+#   the replicated road below, and so does a second cut of the strided
+#   output dim on another mesh dim, except, for an elementwise rule, a plain
+#   ``Shard`` on a higher mesh dim (torch's FSDP2 + TP layout
+#   ``[StridedShard(0, k), Shard(0)]``): the rule cuts every operand of that
+#   dim alike on each mesh dim, so all of them read back to that same valid
+#   layout and hold the same elements; a reduction would read the nested
+#   pieces' sizes wrongly. A reduction of every element (the foreach norms)
 #   reads a strided cut through :func:`reduces_whole`.
 #   A mean, max or min over the strided dim itself also reads the pieces'
 #   sizes (a mean keeps ``Partial("avg")`` on equal pieces only), so it takes
@@ -209,8 +214,11 @@ def _reads_as_shard(rule: Rule, call: OpCall) -> bool:
         ((dim, _),) = strided
         for layout in layouts:
             for i, p in enumerate(layout.placements):
-                if i != m and isinstance(p, Shard | StridedShard) and _out_dim(layout, p, rank) == dim:
-                    return False  # nested cuts of one dim: the shard view would change the rows
+                if i == m or not isinstance(p, Shard | StridedShard) or _out_dim(layout, p, rank) != dim:
+                    continue
+                if rule in elementwise and i > m and isinstance(p, Shard):
+                    continue  # a plain cut above the strided one (FSDP2 + TP): see the note
+                return False  # nested cuts of one dim: the shard view would change the rows
     return True
 
 
