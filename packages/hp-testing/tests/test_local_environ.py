@@ -9,6 +9,9 @@ process environment; each rank's is swapped in with the rest of its state.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -33,6 +36,11 @@ def _set_then_all_reduce(rank: int, world_size: int) -> None:
     assert total.item() == sum(range(world_size))
     assert os.environ[PROBE] == f"rank {rank}"
     assert os.environ["LOCAL_RANK"] == str(world_size - 1 - rank) and os.environ["RANK"] == str(rank)
+    # a test's save-and-restore of the environment around a collective restores this rank's own
+    with mock.patch.dict(os.environ, {PROBE: f"patched by {rank}"}):
+        dist.all_reduce(total)
+        assert os.environ[PROBE] == f"patched by {rank}"
+    assert os.environ[PROBE] == f"rank {rank}"
 
 
 @pytest.mark.parametrize("mode", BOTH_MODES)
@@ -56,3 +64,22 @@ def test_the_ranks_environments_stay_out_of_the_launching_process(monkeypatch: p
 
     assert run_local(body, 2) == [None, "host"]
     assert dict(os.environ) == before
+
+
+@pytest.mark.parametrize("mode", BOTH_MODES)
+def test_a_ranks_monkeypatched_cwd_and_sys_path_are_its_own(
+    mode: str, rank: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    mine = tmp_path / f"rank{rank}"
+    mine.mkdir()
+    monkeypatch.chdir(mine)
+    monkeypatch.syspath_prepend(str(mine))
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)  # every other rank moved to its own folder meanwhile
+    Path("written.txt").write_text(f"rank {rank}")  # a relative path: this rank's folder
+    assert (mine / "written.txt").read_text() == f"rank {rank}" and Path.cwd() == mine
+    assert sys.path[0] == str(mine) and not any(
+        entry.startswith(str(tmp_path / "rank")) for entry in sys.path[1:]
+    )
+    monkeypatch.undo()
+    assert Path.cwd() != mine and str(mine) not in sys.path

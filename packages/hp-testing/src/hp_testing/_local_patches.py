@@ -5,7 +5,9 @@ Why: [Note: a rank's monkeypatches] (above :class:`RankMonkeyPatch`).
 
 from __future__ import annotations
 
+import os
 import pkgutil
+import sys
 from typing import Any
 
 import pytest
@@ -16,13 +18,21 @@ _ABSENT = object()  # an attribute or key that is not there
 
 
 def _read(kind: str, target: Any, name: Any) -> Any:
+    if kind == "cwd":
+        return os.getcwd()
+    if kind == "syspath":
+        return list(sys.path)
     if kind == "attr":
         return getattr(target, name, _ABSENT)
     return target.get(name, _ABSENT) if hasattr(target, "get") else target[name]
 
 
 def _write(kind: str, target: Any, name: Any, value: Any) -> None:
-    if kind == "attr":
+    if kind == "cwd":
+        os.chdir(value)
+    elif kind == "syspath":
+        sys.path[:] = value
+    elif kind == "attr":
         if value is _ABSENT:
             if hasattr(target, name):
                 delattr(target, name)
@@ -44,7 +54,10 @@ def _write(kind: str, target: Any, name: Any, value: Any) -> None:
 # between ranks, takes its values out (putting back what the process had) when
 # its rank leaves and puts them in again when its rank enters; the other ranks
 # see the unpatched process. ``setenv`` / ``delenv`` go through ``setitem`` /
-# ``delitem`` and are covered; ``chdir`` and ``syspath_prepend`` stay shared.
+# ``delitem`` and are covered (each rank owns its whole environment anyway:
+# [Note: each rank's environment] in :mod:`hp_testing._local_state`);
+# ``chdir`` and ``syspath_prepend`` take the working directory and the whole
+# ``sys.path`` out and in the same way (a plain ``os.chdir`` stays shared).
 # pytest marks MonkeyPatch final for typing only; a subclass (not a wrapper) is
 # what routes its own setenv/delenv through the setitem/delitem below.
 class RankMonkeyPatch(pytest.MonkeyPatch):  # type: ignore[misc]
@@ -80,6 +93,14 @@ class RankMonkeyPatch(pytest.MonkeyPatch):  # type: ignore[misc]
             target = pkgutil.resolve_name(path)
         self._touch("attr", target, name)
         super().delattr(target, name, raising=raising)
+
+    def chdir(self, path: str | os.PathLike[str]) -> None:
+        self._touch("cwd", os, "getcwd")
+        super().chdir(path)
+
+    def syspath_prepend(self, path: Any) -> None:
+        self._touch("syspath", sys, "path")
+        super().syspath_prepend(path)
 
     def setitem(self, dic: Any, name: Any, value: Any) -> None:
         self._touch("item", dic, name)
