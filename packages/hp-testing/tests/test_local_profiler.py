@@ -77,11 +77,16 @@ def test_one_rank_profiling_fails_the_run_without_a_hang() -> None:
     assert "rank 0 raised ConcurrencyNeededError" in str(outcomes[1].exception)
 
 
-def test_record_function_runs_on_local_ranks() -> None:
-    # record_function marks a range only when a profiler runs: nothing process-wide to refuse
-    totals = run_local(
-        lambda rank: _profiled_all_reduce(lambda: torch.profiler.record_function("step"), rank), 4
-    )
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.profiler.record_function("step"),  # marks a range only when a profiler runs
+        lambda: autograd_profiler.profile(enabled=False),  # ``profile(enabled=args.profile)`` off
+    ],
+    ids=["record_function", "disabled_profile"],
+)
+def test_what_starts_no_profiler_runs_on_local_ranks(make: Callable[[], AbstractContextManager[Any]]) -> None:
+    totals = run_local(lambda rank: _profiled_all_reduce(make, rank), 4)
     expected = torch.tensor([1.0, 2.0, 3.0, 4.0]).sum(0, keepdim=True)
     for total in totals:
         torch.testing.assert_close(total, expected, rtol=0, atol=0)
