@@ -17,6 +17,7 @@ from hp_dtensor.ops import (  # noqa: F401  (registration)  # noqa: F401  (regis
     diagonals,
     distances,
     embedding,
+    embedding_bag,
     fft,
     flat_index,
     foreach,

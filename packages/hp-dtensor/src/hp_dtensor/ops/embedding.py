@@ -6,11 +6,8 @@ sum without communication ([Note: row-wise lookup]); ``R`` table, ``S(d)`` ids:
 each rank looks up its ids (output ``S(d)``). A table and ids both sharded on
 one mesh dim keep the table's shard and gather the ids (ids are small, tables
 are not). The row-wise backward computes only this rank's rows
-([Note: row-wise backward]).
-
-``embedding_bag`` (``_embedding_bag`` and its backward ops) keeps a column
-cut of the table: each rank pools its columns of every bag, with the
-indices, offsets and per-sample weights whole ([Note: column-wise bags]).
+([Note: row-wise backward]). ``embedding_bag`` is in
+:mod:`hp_dtensor.ops.embedding_bag`.
 """
 
 from __future__ import annotations
@@ -193,75 +190,3 @@ def embedding_backward_rule(call: OpCall) -> Decision | None:
             out.append(R)
     kernel = functools.partial(_rowwise_backward_kernel, table) if table is not None else None
     return Decision(inputs={pg: tuple(tg), pi: tuple(ti)}, outputs=[tuple(out)], kernel=kernel)
-
-
-# [Note: column-wise bags]
-# ``_embedding_bag(weight, indices, offsets, ..., mode, ...)`` pools the
-# rows of each bag (sum, mean or max), column by column, so a table cut on
-# its columns gives each rank its columns of every bag, with no
-# communication: the pooled output (and, for ``max``, the ``(bags, dim)``
-# arg-max indices) keep the column cut; ``offset2bag`` and ``bag_size`` are
-# the same on every rank. The table's gradient keeps the cut too, and the
-# per-sample weights' gradient (a dot product over the columns) is a partial
-# sum. Any other cut (the table's rows, the indices) is gathered.
-#
-# The dispatcher shapes outputs by the op's meta kernel, and for ``sum`` /
-# ``mean`` the CPU kernel returns two auxiliary outputs in other shapes: an
-# empty ``offset2bag`` for ``sum`` (the meta kernel: one bag index per
-# index) and a ``(bags,)`` ``max_indices`` (the meta kernel: empty). The
-# kernel below returns them in the meta shapes: the bag of each index (what
-# the backward otherwise rebuilds from the offsets when it finds
-# ``offset2bag`` empty), and an empty ``max_indices``, which only ``max``
-# reads.
-_BAG_MAX = 2
-
-
-def _bag_kernel(call: LocalCall) -> tuple[torch.Tensor, ...]:
-    """The op, its auxiliary outputs in the meta kernel's shapes ([Note: column-wise bags])."""
-    output, offset2bag, bag_size, max_indices = call.func(*call.args, **call.kwargs)
-    indices, offsets = call.args[1], call.args[2]
-    mode = call.args[4] if len(call.args) > 4 else call.kwargs.get("mode", 0)
-    if offset2bag.numel() == 0 and indices.numel() > 0:
-        positions = torch.arange(indices.numel(), device=indices.device, dtype=offsets.dtype)
-        offset2bag = torch.searchsorted(offsets, positions, right=True) - 1
-    if mode != _BAG_MAX:
-        max_indices = max_indices.new_empty(0)
-    return output, offset2bag, bag_size, max_indices
-
-
-def _column_cut(layout: Layout) -> tuple[Placement, ...]:
-    return tuple(Shard(1) if p == Shard(1) else R for p in layout.placements)
-
-
-@register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
-def embedding_bag_rule(call: OpCall) -> Decision:
-    """The table's column cut passes to the pooled output; the rest is whole ([Note: column-wise bags])."""
-    w_pos = call.position_of(call.args[0])
-    cut = _column_cut(call.layout(w_pos))
-    whole: tuple[Placement, ...] = (R,) * len(cut)
-    mode = call.args[4] if len(call.args) > 4 else call.kwargs.get("mode", 0)
-    inputs = {p: whole for p in call.positions}
-    inputs[w_pos] = cut
-    outputs: list[tuple[Placement, ...] | None] = [cut, whole, whole, cut if mode == _BAG_MAX else whole]
-    return Decision(inputs=inputs, outputs=outputs, kernel=_bag_kernel)
-
-
-@register(
-    aten._embedding_bag_backward.default,
-    aten._embedding_bag_dense_backward.default,
-    aten._embedding_bag_per_sample_weights_backward.default,
-)
-def embedding_bag_backward_rule(call: OpCall) -> Decision:
-    """Column cuts of the gradient stay (the per-sample weights' gradient sums over them)."""
-    grad = call.layout(call.position_of(call.args[0]))
-    # the gradient, the table and max mode's arg-max indices have the column dim
-    columns = [p for p in call.positions if call.layout(p).shape[1:] == grad.shape[1:]]
-    cut: tuple[Placement, ...] = tuple(
-        Shard(1) if any(call.layout(p).placements[m] == Shard(1) for p in columns) else R
-        for m in range(grad.mesh.ndim)
-    )
-    whole: tuple[Placement, ...] = (R,) * len(cut)
-    inputs = {p: cut if p in columns else whole for p in call.positions}
-    if call.func is aten._embedding_bag_per_sample_weights_backward.default:
-        return Decision(inputs=inputs, outputs=[tuple(SUM if p == Shard(1) else R for p in cut)])
-    return Decision(inputs=inputs, outputs=[cut])
