@@ -19,7 +19,7 @@ from hp_testing._local_world import on_rank
 __all__: list[str] = []
 
 PROCESS_MODE = (
-    'mode="process" on the test\'s marker (and no HP_TEST_MODE=local), hp-run without --local, '
+    'mode="process" on the test\'s marker (it wins over HP_TEST_MODE=local), hp-run without --local, '
     "or torchrun / hp-run in place of hp_testing.run_local"
 )
 
