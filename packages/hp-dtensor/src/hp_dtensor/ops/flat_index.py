@@ -50,16 +50,33 @@ R = Replicate()
 # ``unravel(i, shape)``; the rank owns it when, in every dim, ``start <= c
 # < start + size`` for its piece, and then finds it at ``ravel(c - start,
 # piece shape)`` in its piece. An empty piece owns nothing.
+# [Note: range check without a host sync]
+# Reading the index on the host to test its range waits, on an accelerator,
+# for everything queued before it, on every call (and ``take``'s backward is a
+# ``put``). On the CPU the read costs nothing, so there the check names the
+# first bad position, as torch's CPU ``take`` does; elsewhere it is a
+# device-side assert (``torch._assert_async``), as torch's own CUDA ``take``
+# makes: the error surfaces at the program's next sync, without the value.
+def _check_range(flat: torch.Tensor, numel: int, shape: tuple[int, ...]) -> None:
+    """Raise unless each position is in ``[-numel, numel)`` ([Note: range check without a host sync])."""
+    fix = f"use indices in [-{numel}, {numel})"
+    if flat.device.type != "cpu":
+        inside = ((flat < numel) & (flat >= -numel)).all()
+        message = f"take/put: an index is out of range for a tensor of {numel} elements; {fix}"
+        torch._assert_async(inside, message)
+        return
+    if flat.numel() and (bool((flat >= numel).any()) or bool((flat < -numel).any())):
+        bad = flat[(flat >= numel) | (flat < -numel)][0].item()
+        raise IndexError(
+            f"take/put: index {bad} is out of range for a tensor of {numel} elements (shape {shape}); {fix}."
+        )
+
+
 def _owned(index: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     """(whether this rank owns each position, its flat position in the piece, 0 where not owned)."""
     numel = math.prod(layout.shape)
     flat = index.reshape(-1)
-    if flat.numel() and (bool((flat >= numel).any()) or bool((flat < -numel).any())):
-        bad = flat[(flat >= numel) | (flat < -numel)][0].item()
-        raise IndexError(
-            f"take/put: index {bad} is out of range for a tensor of {numel} elements (shape "
-            f"{tuple(layout.shape)}); use indices in [-{numel}, {numel})."
-        )
+    _check_range(flat, numel, tuple(layout.shape))
     flat = torch.where(flat < 0, flat + numel, flat)
     start, sizes = layout.local_offset(), layout.local_shape()
     if not layout.shape:  # a 0-d tensor: position 0 is the value
@@ -97,10 +114,21 @@ def _put_kernel(summed: tuple[int, ...], call: LocalCall) -> torch.Tensor:
         out = torch.zeros_like(x)
     else:
         out = x if call.func is aten.put_.default else x.clone()
-    if x.numel() == 0 or not bool(inside.any()):
+    if x.numel() == 0:
         return out
-    values = source.reshape(-1)[inside]
-    out.view(-1).index_put_((position[inside],), values, accumulate=accumulate)
+    # No mask selection: its size depends on the data, a host sync on an accelerator
+    # ([Note: range check without a host sync]). Positions this rank does not own add a zero
+    # (-0.0 leaves every float as it is, -0.0 included) or write to a spare slot past the piece.
+    values = source.reshape(-1)
+    if accumulate:
+        zero = torch.zeros_like(values)
+        zero = zero.neg() if zero.is_floating_point() or zero.is_complex() else zero
+        out.view(-1).index_put_((position,), torch.where(inside, values, zero), accumulate=True)
+        return out
+    n = out.numel()
+    spare = torch.cat([out.reshape(-1), out.new_zeros(1)])
+    spare.index_put_((torch.where(inside, position, torch.full_like(position, n)),), values)
+    out.view(-1).copy_(spare[:n])
     return out
 
 
