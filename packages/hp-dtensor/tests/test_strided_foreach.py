@@ -161,3 +161,42 @@ def test_clip_grad_norm_on_a_2d_mesh_with_the_fsdp_tp_layout(rank, device_mesh_f
     for r, p, (_, placements) in zip(ref, params, elements, strict=True):
         assert p.grad.placements == tuple(placements)
         torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+
+
+@pytest.mark.distributed(world_size=4)
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_foreach_optimizer_step_keeps_strided_parameters(rank, device_mesh_factory, name) -> None:  # type: ignore[no-untyped-def]
+    """A ``foreach=True`` step over strided (FSDP2 + TP too) parameters: nothing sent, values as plain."""
+    mesh = device_mesh_factory((2, 2))
+    elements = [
+        ((8, 4), [StridedShard(0, 2), Shard(0)]),
+        ((6, 4), [R, StridedShard(0, 3)]),
+        ((5, 3), [Shard(0), R]),
+        ((4,), [R, R]),
+    ]
+
+    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if name == "adamw":
+            return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, foreach=True)
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=True)
+
+    torch.manual_seed(9)
+    init = [torch.randn(shape, dtype=torch.float64) for shape, _ in elements]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    params = [
+        torch.nn.Parameter(distribute_tensor(t.clone(), mesh, placements))
+        for t, (_, placements) in zip(init, elements, strict=True)
+    ]
+    opt, ref_opt = make(params), make(ref)
+    for _ in range(2):
+        grads = [torch.randn(shape, dtype=torch.float64) for shape, _ in elements]
+        for r, p, g, (_, placements) in zip(ref, params, grads, elements, strict=True):
+            r.grad = g.clone()
+            p.grad = distribute_tensor(g.clone(), mesh, placements)
+        ref_opt.step()
+        with record_collectives() as log, fallback_policy("error"):
+            opt.step()
+        assert log.count() == 0, log.counts()
+        for r, p, (_, placements) in zip(ref, params, elements, strict=True):
+            assert p.placements == tuple(placements)
+            torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-12, atol=1e-12)
