@@ -4,7 +4,9 @@ A strided cut's pieces split the tensor as a plain cut's do (its rows are a
 permutation of them), so a reduction over every element is a partial of the
 per-piece values, nothing gathered. Uneven strided cuts and an empty piece
 (two rows in two blocks over two ranks) included; ``clip_grad_norm_`` over a
-mix of Shard, StridedShard and Replicate gradients runs without a fallback.
+mix of Shard, StridedShard and Replicate gradients runs without a fallback,
+and so does a foreach optimizer step, torch's FSDP2 + TP layout
+``[StridedShard(0, k), Shard(0)]`` included (2-D mesh, 4 ranks).
 """
 
 from __future__ import annotations
