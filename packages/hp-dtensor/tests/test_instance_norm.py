@@ -103,16 +103,18 @@ SHAPES = [(4, 6, 5), (3, 5, 7), (2, 3, 4, 5), (2, 3, 2, 3, 4)]  # even, uneven c
 def test_instance_norm_channel_cut_is_local(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
-    _sweep(mesh, SHAPES, [S1], _stats_sync, _local_backward, [S1])
+    _sweep(mesh, SHAPES, [S1], _stats_sync, _local_backward, [S1], affines=(True,))
+    _sweep(mesh, SHAPES[:1], [S1], _stats_sync, _local_backward, [S1], affines=(False,))
 
 
 @pytest.mark.distributed(world_size=2)
 def test_instance_norm_spatial_cut_shares_moments(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
-    _sweep(mesh, SHAPES, [S2], _moments, _spatial_backward, [S2])
-    _sweep(mesh, [(2, 3, 4, 5)], [S3], _moments, _spatial_backward, [S3])
-    _sweep(mesh, [(2, 3, 2, 3, 4)], [S4], _moments, _spatial_backward, [S4])
+    _sweep(mesh, SHAPES, [S2], _moments, _spatial_backward, [S2], affines=(True,))
+    _sweep(mesh, SHAPES[:1], [S2], _moments, _spatial_backward, [S2], affines=(False,))
+    _sweep(mesh, [(2, 3, 4, 5)], [S3], _moments, _spatial_backward, [S3], affines=(True,))
+    _sweep(mesh, [(2, 3, 2, 3, 4)], [S4], _moments, _spatial_backward, [S4], affines=(False,))
 
 
 @pytest.mark.distributed(world_size=2)

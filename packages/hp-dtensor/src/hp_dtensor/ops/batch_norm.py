@@ -268,13 +268,11 @@ def _forward_kernel(call: LocalCall) -> Any:
     else:
         result = _train_forward(x, vectors, spec, x_layout, batch)
     if spec.training:
-        full = [
-            (call.args[getattr(spec, name)], vectors[name])
-            for name in ("running_mean", "running_var")
-            if getattr(spec, name) is not None
-            and call.args[getattr(spec, name)] is not None
-            and _is_full(call.layouts[getattr(spec, name)], x_layout)
-        ]
+        full: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name in ("running_mean", "running_var"):
+            index, piece = getattr(spec, name), vectors[name]
+            if index is not None and piece is not None and _is_full(call.layouts[index], x_layout):
+                full.append((call.args[index], piece))
         if full:
             _sync_full(full, x_layout)
     return result
