@@ -97,6 +97,16 @@ def test_vocab_cut_without_a_plan_gathers(rank, device_mesh_factory) -> None:  #
     assert out.placements == (R,)
 
 
+@pytest.mark.distributed(world_size=2)
+def test_column_cut_with_the_last_offset_included(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    # the CPU kernel's bag_size had one entry fewer than the meta kernel's: an internal error before
+    mesh = device_mesh_factory((2,))
+    torch.manual_seed(0)
+    for mode in ("sum", "mean", "max"):
+        out = check_placed(_bags(mode)[2], [randn(10, 5)], [[S1]], mesh)
+        assert out.placements == (S1,)
+
+
 @pytest.mark.distributed(world_size=4)
 def test_vocab_cut_on_a_2d_mesh(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2, 2))

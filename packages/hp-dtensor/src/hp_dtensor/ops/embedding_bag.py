@@ -89,16 +89,20 @@ def _options(call: OpCall | LocalCall, names: tuple[str, ...]) -> dict[str, Any]
 # The dispatcher shapes outputs by the op's meta kernel, and for ``sum`` /
 # ``mean`` the CPU kernel returns two auxiliary outputs in other shapes: an
 # empty ``offset2bag`` for ``sum`` (the meta kernel: one bag index per
-# index) and a ``(bags,)`` ``max_indices`` (the meta kernel: empty). The
-# kernel below returns them in the meta shapes: the bag of each index (what
-# the backward otherwise rebuilds from the offsets when it finds
-# ``offset2bag`` empty), and an empty ``max_indices``, which only ``max``
-# reads.
+# index) and a ``(bags,)`` ``max_indices`` (the meta kernel: empty); with
+# ``include_last_offset`` its ``bag_size`` has one entry per bag where the
+# meta kernel's has one per offset. The kernel below returns them in the
+# meta shapes: the bag of each index (what the backward otherwise rebuilds
+# from the offsets when it finds ``offset2bag`` empty), an empty
+# ``max_indices``, which only ``max`` reads, and ``bag_size`` padded with a
+# zero, which the backward reads only at the bags' indices.
 def _meta_shaped(
     outputs: tuple[torch.Tensor, ...], indices: torch.Tensor, offsets: torch.Tensor, mode: int
 ) -> tuple[torch.Tensor, ...]:
     """The op's outputs with its auxiliary ones in the meta kernel's shapes ([Note: column-wise bags])."""
     output, offset2bag, bag_size, max_indices = outputs
+    if bag_size.numel() < offsets.numel():  # include_last_offset: the meta kernel counts every offset
+        bag_size = torch.cat([bag_size, bag_size.new_zeros(offsets.numel() - bag_size.numel())])
     if offset2bag.numel() == 0 and indices.numel() > 0:
         positions = torch.arange(indices.numel(), device=indices.device, dtype=offsets.dtype)
         offset2bag = torch.searchsorted(offsets, positions, right=True) - 1
@@ -181,14 +185,8 @@ def _bags(
     positions = torch.arange(indices.numel(), device=indices.device, dtype=offsets.dtype)
     offset2bag = (torch.searchsorted(offsets, positions, right=True) - 1).to(indices.dtype)
     counted = offset2bag if padding_idx < 0 else offset2bag[indices != padding_idx]
-    sizes = (
-        torch.bincount(counted, minlength=offsets.numel())
-        if indices.numel()
-        else offsets.new_zeros(offsets.numel())
-    )
-    bag_size = sizes[: offsets.numel() - 1 if include_last_offset else offsets.numel()]
-    if include_last_offset:
-        bag_size = torch.cat([bag_size, bag_size.new_zeros(1)])
+    # every id's bag is below the bag count, so an entry for the last offset stays 0
+    bag_size = torch.bincount(counted.long(), minlength=offsets.numel())[: offsets.numel()]
     return offset2bag, bag_size.to(indices.dtype)
 
 
