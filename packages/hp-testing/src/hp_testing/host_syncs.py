@@ -31,8 +31,6 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-from hp_testing._nesting import STATE as _LAYER
-
 __all__ = ["ALLOWED_BY_DEFAULT", "HostSync", "HostSyncLog", "count_host_syncs"]
 
 aten = torch.ops.aten
@@ -59,8 +57,8 @@ aten = torch.ops.aten
 #
 # A read inside another read (printing calls ``tolist``; hp_dtensor's ``.item()``
 # of a DTensor calls ``.item()`` of its local tensor) is one sync, counted once.
-# Reads the hp_testing emulation layer makes for its own checks are not the
-# program's and are not counted.
+# Reads hp_testing makes for its own checks (the emulation layer, strict mode)
+# are not the program's and are not counted.
 _SCALAR_READS = {
     aten._local_scalar_dense.default: "reads a scalar to the host: .item(), float(), int() or bool()",
     aten.item.default: "reads a scalar to the host: .item(), float(), int() or bool()",
@@ -220,9 +218,10 @@ class HostSyncLog:
 def _by_the_harness(frame: Any) -> bool:
     """Whether the first frame outside torch is hp_testing's own (the emulation layer's checks).
 
-    The layer marks most of its work with ``hp_testing._nesting``; strict
-    mode's check at a work handle's ``wait()`` (input snapshots compared)
-    runs outside that mark, called from the program's ``wait()``.
+    Its checks (strict mode compares input snapshots at a work handle's
+    ``wait()``, the emulation layer clones and compares) run inside the
+    program's calls, from hp_testing's frames. Another hp_testing dispatch mode
+    (the strict read guard) passing the program's op down is not such a frame.
     """
     torch_dir, own_dir = _skipped_dirs()
     while frame is not None:
@@ -287,7 +286,7 @@ class _Mode(TorchDispatchMode):
             if kind.__torch_dispatch__ is not _PLAIN:
                 return NotImplemented  # [Note: seeing the ops inside a tensor subclass]
         kwargs = kwargs or {}
-        if not _READING.depth and not _LAYER.depth:
+        if not _READING.depth:
             why = _why(func, args, kwargs)
             if why is not None and _reads_data(args, kwargs):
                 self.log._add(f"aten.{func._schema.name.split('::')[-1]}", why)
@@ -303,7 +302,7 @@ def _reader(original: Callable[..., Any], what: str, why: str) -> Callable[..., 
 
     @functools.wraps(original)
     def read(*args: Any, **kwargs: Any) -> Any:
-        if not _READING.depth and not _LAYER.depth:
+        if not _READING.depth:
             for log in _OPEN:
                 log._add(what, why)
         _READING.depth += 1
