@@ -30,6 +30,14 @@ ELEMENTS = [
     ((4,), [R]),
 ]
 
+# On a 2-D mesh: torch's FSDP2 + TP layout (a Shard above the strided cut of its dim), and others
+FSDP_TP_ELEMENTS = [
+    ((8, 4), [StridedShard(0, 2), Shard(0)]),
+    ((6, 4), [Shard(1), StridedShard(0, 3)]),
+    ((5, 3), [Shard(0), Shard(1)]),
+    ((4,), [R, R]),
+]
+
 
 def _elements(mesh, seed: int = 0):  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
@@ -107,62 +115,56 @@ def test_vector_norm_of_a_strided_tensor(rank, device_mesh_factory, ord) -> None
     torch.testing.assert_close(dx.grad.full_tensor(), ref.grad)
 
 
+def _parameters(mesh, elements, fill):  # type: ignore[no-untyped-def]
+    """Plain and DTensor parameters of the same ``fill(shape)`` values, cut as ``elements`` say."""
+    init = [fill(shape, dtype=torch.float64) for shape, _ in elements]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    params = [
+        torch.nn.Parameter(distribute_tensor(t.clone(), mesh, placements))
+        for t, (_, placements) in zip(init, elements, strict=True)
+    ]
+    return ref, params
+
+
+def _set_grads(mesh, elements, ref, params) -> None:  # type: ignore[no-untyped-def]
+    """The same random gradients on both sets, each DTensor gradient cut like its parameter."""
+    grads = [torch.randn(shape, dtype=torch.float64) for shape, _ in elements]
+    for r, p, g, (_, placements) in zip(ref, params, grads, elements, strict=True):
+        r.grad = g.clone()
+        p.grad = distribute_tensor(g.clone(), mesh, placements)
+
+
+def _check_clip(mesh, elements, ord: float = 2.0, foreach: bool | None = None) -> None:  # type: ignore[no-untyped-def]
+    """``clip_grad_norm_``: no fallback, one float64 all-reduce per mesh dim, values and cuts as plain."""
+    ref, params = _parameters(mesh, elements, torch.zeros)
+    _set_grads(mesh, elements, ref, params)
+    want = torch.nn.utils.clip_grad_norm_(ref, 0.5, ord, foreach=foreach)
+    with record_collectives() as log, fallback_policy("error"):
+        got = torch.nn.utils.clip_grad_norm_(params, 0.5, ord, foreach=foreach)
+    assert log.counts() == {"all_reduce": mesh.ndim}, (ord, log.counts())
+    assert log.nbytes("all_reduce") == 8 * mesh.ndim  # one float64 scalar per mesh dim
+    torch.testing.assert_close(got.full_tensor(), want)
+    for r, p, (_, placements) in zip(ref, params, elements, strict=True):
+        assert p.grad.placements == tuple(placements)
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+
+
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("foreach", [None, False])
 def test_clip_grad_norm_over_shard_strided_and_replicated(rank, device_mesh_factory, foreach) -> None:  # type: ignore[no-untyped-def]
-    """``clip_grad_norm_``: no fallback, one scalar all-reduce, total norm and clipped gradients as plain."""
+    """``clip_grad_norm_`` over every kind of element, foreach and per-tensor norms, four ords."""
     mesh = device_mesh_factory((2,))
+    torch.manual_seed(4)
     for ord in [2.0, 1.0, 3.0, math.inf]:
-        torch.manual_seed(4)
-        grads = [torch.randn(shape, dtype=torch.float64) for shape, _ in ELEMENTS]
-        ref = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape, _ in ELEMENTS]
-        params = [
-            torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.float64), mesh, p))
-            for shape, p in ELEMENTS
-        ]
-        for r, p, g, (_, placements) in zip(ref, params, grads, ELEMENTS, strict=True):
-            r.grad = g.clone()
-            p.grad = distribute_tensor(g.clone(), mesh, placements)
-        want = torch.nn.utils.clip_grad_norm_(ref, 0.5, ord, foreach=foreach)
-        with record_collectives() as log, fallback_policy("error"):
-            got = torch.nn.utils.clip_grad_norm_(params, 0.5, ord, foreach=foreach)
-        assert log.counts() == {"all_reduce": 1}, (ord, log.counts())
-        assert log.nbytes("all_reduce") == 8  # one float64 scalar
-        torch.testing.assert_close(got.full_tensor(), want)
-        for r, p, (_, placements) in zip(ref, params, ELEMENTS, strict=True):
-            assert p.grad.placements == tuple(placements)
-            torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+        _check_clip(mesh, ELEMENTS, ord, foreach)
 
 
 @pytest.mark.distributed(world_size=4)
 def test_clip_grad_norm_on_a_2d_mesh_with_the_fsdp_tp_layout(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     """``[StridedShard(0, 2), Shard(0)]`` (FSDP2 over TP) and others: one scalar all-reduce per mesh dim."""
     mesh = device_mesh_factory((2, 2))
-    elements = [
-        ((8, 4), [StridedShard(0, 2), Shard(0)]),
-        ((6, 4), [Shard(1), StridedShard(0, 3)]),
-        ((5, 3), [Shard(0), Shard(1)]),
-        ((4,), [R, R]),
-    ]
     torch.manual_seed(8)
-    grads = [torch.randn(shape, dtype=torch.float64) for shape, _ in elements]
-    ref = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape, _ in elements]
-    params = [
-        torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.float64), mesh, p))
-        for shape, p in elements
-    ]
-    for r, p, g, (_, placements) in zip(ref, params, grads, elements, strict=True):
-        r.grad = g.clone()
-        p.grad = distribute_tensor(g.clone(), mesh, placements)
-    want = torch.nn.utils.clip_grad_norm_(ref, 0.5)
-    with record_collectives() as log, fallback_policy("error"):
-        got = torch.nn.utils.clip_grad_norm_(params, 0.5)
-    assert log.counts() == {"all_reduce": 2}, log.counts()
-    assert log.nbytes("all_reduce") == 2 * 8  # one float64 scalar per mesh dim
-    torch.testing.assert_close(got.full_tensor(), want)
-    for r, p, (_, placements) in zip(ref, params, elements, strict=True):
-        assert p.grad.placements == tuple(placements)
-        torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+    _check_clip(mesh, FSDP_TP_ELEMENTS)
 
 
 @pytest.mark.distributed(world_size=4)
@@ -170,12 +172,7 @@ def test_clip_grad_norm_on_a_2d_mesh_with_the_fsdp_tp_layout(rank, device_mesh_f
 def test_foreach_optimizer_step_keeps_strided_parameters(rank, device_mesh_factory, name) -> None:  # type: ignore[no-untyped-def]
     """A ``foreach=True`` step over strided (FSDP2 + TP too) parameters: nothing sent, values as plain."""
     mesh = device_mesh_factory((2, 2))
-    elements = [
-        ((8, 4), [StridedShard(0, 2), Shard(0)]),
-        ((6, 4), [R, StridedShard(0, 3)]),
-        ((5, 3), [Shard(0), R]),
-        ((4,), [R, R]),
-    ]
+    elements = FSDP_TP_ELEMENTS
 
     def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if name == "adamw":
@@ -183,18 +180,10 @@ def test_foreach_optimizer_step_keeps_strided_parameters(rank, device_mesh_facto
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=True)
 
     torch.manual_seed(9)
-    init = [torch.randn(shape, dtype=torch.float64) for shape, _ in elements]
-    ref = [torch.nn.Parameter(t.clone()) for t in init]
-    params = [
-        torch.nn.Parameter(distribute_tensor(t.clone(), mesh, placements))
-        for t, (_, placements) in zip(init, elements, strict=True)
-    ]
+    ref, params = _parameters(mesh, elements, torch.randn)
     opt, ref_opt = make(params), make(ref)
     for _ in range(2):
-        grads = [torch.randn(shape, dtype=torch.float64) for shape, _ in elements]
-        for r, p, g, (_, placements) in zip(ref, params, grads, elements, strict=True):
-            r.grad = g.clone()
-            p.grad = distribute_tensor(g.clone(), mesh, placements)
+        _set_grads(mesh, elements, ref, params)
         ref_opt.step()
         with record_collectives() as log, fallback_policy("error"):
             opt.step()
