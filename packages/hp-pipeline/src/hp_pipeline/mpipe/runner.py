@@ -195,6 +195,8 @@ class MPipeRunner(StepRunner):
         """The per-step state of the tower, the loaded data and the features."""
         super().begin_step()
         self._pending_reduce: Any = None
+        #: ids of this step's tower-gradient buffers to which this rank sent every gradient
+        self._contributed: set[int] = set()
         self.local_tokens = 0
         self._data: dict[int, dict[str, torch.Tensor]] = {}
         self._tower_in: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -404,6 +406,7 @@ class MPipeRunner(StepRunner):
         from hp_core import all_reduce
 
         params = [p for p in self.preprocess.parameters() if p.requires_grad]
+        self._contributed = set()  # a step whose reduction never finished leaves no stale id
         by_dtype: dict[torch.dtype, list[int]] = {}
         for index, p in enumerate(params):
             by_dtype.setdefault(p.dtype, []).append(index)
@@ -421,6 +424,8 @@ class MPipeRunner(StepRunner):
                     flags.append(1.0)
             flat = torch.cat([*parts, torch.tensor(flags, dtype=dtype, device=parts[0].device)])
             packs.append((indices, params, flat))
+            if all(flags):  # every sum has this rank's share: its flags need no read
+                self._contributed.add(id(flat))
             try:
                 works.append(all_reduce(flat, "sum", self.group, async_op=True))
             except Exception as exc:
@@ -432,7 +437,13 @@ class MPipeRunner(StepRunner):
             flag_at = flat.numel() - len(indices)
             if self.dp_size > 1:  # the dp average; the flags only need to be non-zero
                 flat[:flag_at].div_(self.dp_size)
-            flags = flat[flag_at:].tolist()
+            # Reading the summed flags is a device-to-host copy, which waits for the reduction;
+            # a rank that sent a gradient for every parameter knows every flag is non-zero.
+            if id(flat) in self._contributed:
+                self._contributed.discard(id(flat))
+                flags = [1.0] * len(indices)
+            else:
+                flags = flat[flag_at:].tolist()
             offset = 0
             for k, index in enumerate(indices):
                 p, start = params[index], self.tower_grad_start[index]

@@ -486,9 +486,11 @@ class ScheduleMPipe(PipelineSchedule):
         all_reduce(count, "sum", self.group)
         if self.dp_group is not None:
             all_reduce(count, "sum", self.dp_group)
-        self.last_token_count = int(count.item())
-        # [Note: MPipe with data parallelism]: the dp average then divides by dp once more.
-        total = max(self.last_token_count, 1) / self.dp_size
+        # Kept on the device: reading it here would stall the host every step; it is read only
+        # when last_token_count is. [Note: MPipe with data parallelism]: the dp average then
+        # divides by dp once more.
+        self._token_count = count
+        total = count.clamp(min=1).to(torch.float64).reshape(()) / self.dp_size
         with torch.no_grad():
             for params, starts in ((stage_params, stage_start), (tower_params, tower_start)):
                 for p, start in zip(params, starts, strict=True):
@@ -504,9 +506,17 @@ class ScheduleMPipe(PipelineSchedule):
         last = self._stages.get(self.num_stages - 1)
         if last is not None:
             for i, loss in list(last._last_losses.items()):
-                last._last_losses[i] = loss / total
+                last._last_losses[i] = loss / total.to(loss.dtype)  # the loss keeps its dtype
 
-    last_token_count: int = 0
+    _token_count: torch.Tensor | None = None
+
+    @property
+    def last_token_count(self) -> int:
+        """The tokens the last step's loss was divided by, over the pipeline (and dp) group.
+
+        Read on access (a device-to-host copy); the step itself keeps the count on the device.
+        """
+        return 0 if self._token_count is None else int(self._token_count.item())
 
     # -- clipping ---------------------------------------------------------------------
 
