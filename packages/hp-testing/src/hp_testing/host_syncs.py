@@ -128,8 +128,8 @@ def _skipped_dirs() -> tuple[str, str]:
     return (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, here)
 
 
-#: Directories of the test runner, where the report's stack ends.
-_RUNNERS = (f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}")
+#: Directories of the test runner and of a rank process's start, where the report's stack ends.
+_RUNNERS = tuple(f"{os.sep}{name}{os.sep}" for name in ("_pytest", "pluggy", "multiprocessing"))
 
 
 def _short(filename: str) -> str:
