@@ -3,16 +3,20 @@
 Each planted bug is one script or one inner pytest session; the checks are
 that every waiting rank's error names the rank that left, its exit code and
 the call it waits in, and that the run ends (a bounded ``timeout``, never a
-time assertion).
+time assertion). The hp-run launches start together when the module does
+(:mod:`hp_run_jobs`), beside the inner session.
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hp_run_jobs import Job, Jobs, module_jobs
 
 # Rank 1 leaves with code 0 (its "data" ran out) while rank 0 (and ranks 2, 3) issue another
 # all_reduce; with 4 ranks rank 3 also waits for rank 1 in a blocking receive.
@@ -35,40 +39,6 @@ def _line(marker: str) -> int:
     return next(i for i, text in enumerate(EARLY.splitlines(), start=1) if marker in text)
 
 
-def _hp_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "early.py"
-    script.write_text(EARLY)
-    cmd = [sys.executable, "-m", "hp_testing.launcher", *args, str(script)]
-    # bounded: a regression shows as TimeoutExpired here, not as a hung suite
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-
-
-@pytest.mark.parametrize(
-    ("n", "emulate"),
-    [(2, None), (4, "nccl"), (2, "hccl")],
-    ids=["plain-2", "nccl-4", "hccl-2"],
-)
-def test_hp_run_names_the_rank_that_exited(tmp_path: Path, n: int, emulate: str | None) -> None:
-    extra = ["--emulate", emulate] if emulate else []
-    proc = _hp_run(tmp_path, "-n", str(n), *extra)
-    out = proc.stdout + proc.stderr
-    code = 3 if n == 4 else 0
-    assert proc.returncode == (code or 1), out  # the first failing rank's status, as always
-    waiters = [0, 2] if n == 4 else [0]
-    for rank in waiters:
-        assert (
-            f"rank 1 exited (code {code}) while rank {rank} waits for it in all_reduce(tensor 2 "
-            f"torch.float32, op SUM) (collective #1 on group {list(range(n))}) at "
-        ) in out, out
-    assert f"early.py:{_line('SECOND_LINE')} in <module>; stopped waiting" in out
-    if n == 4:
-        assert (
-            "rank 1 exited (code 3) while rank 3 waits for it in recv(2 torch.float32 from rank 1) "
-            "(message #0 from rank 1 to rank 3, waiting for rank 1's matching send) at "
-        ) in out, out
-        assert f"early.py:{_line('RECV_LINE')} in <module>; stopped waiting" in out
-
-
 MARKER = """
 import os, sys, torch, torch.distributed as dist, pytest
 
@@ -88,7 +58,8 @@ def test_os_exit(rank):
 """
 
 
-def test_marker_names_the_rank_that_exited(pytester: pytest.Pytester) -> None:
+def test_marker_names_the_rank_that_exited(pytester: pytest.Pytester, launches: Jobs) -> None:
+    del launches  # started first, so the hp-run launches below run beside this inner session
     pytester.makepyfile(test_inner=MARKER)
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=2)
@@ -98,3 +69,43 @@ def test_marker_names_the_rank_that_exited(pytester: pytest.Pytester) -> None:
     assert "It called sys.exit() in the middle of the test." in out
     assert "rank 0 exited (code 0) while rank 1 waits for it in all_reduce(tensor 2" in out, out
     assert "(collective #1 on group [0, 1]) at " in out and "test_inner.py:15 in test_os_exit" in out
+
+
+CASES = [(2, None), (4, "nccl"), (2, "hccl")]
+IDS = ["plain-2", "nccl-4", "hccl-2"]
+
+
+@pytest.fixture(scope="module")
+def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jobs]:
+    """Every hp-run launch of this module, started at once (:mod:`hp_run_jobs`)."""
+    script = tmp_path_factory.mktemp("early") / "early.py"
+    script.write_text(EARLY)
+    jobs = {}
+    for key, (n, emulate) in zip(IDS, CASES, strict=True):
+        extra = ["--emulate", emulate] if emulate else []
+        cmd = [sys.executable, "-m", "hp_testing.launcher", "-n", str(n), *extra, str(script)]
+        # bounded: a regression shows as TimeoutExpired here, not as a hung suite
+        jobs[key] = Job(cmd, ("test_hp_run_names_the_rank_that_exited",), ranks=n, timeout=240)
+    with module_jobs(request, jobs) as running:
+        yield running
+
+
+@pytest.mark.parametrize(("n", "emulate"), CASES, ids=IDS)
+def test_hp_run_names_the_rank_that_exited(launches: Jobs, n: int, emulate: str | None) -> None:
+    proc = launches.result(IDS[CASES.index((n, emulate))])
+    out = proc.stdout + proc.stderr
+    code = 3 if n == 4 else 0
+    assert proc.returncode == (code or 1), out  # the first failing rank's status, as always
+    waiters = [0, 2] if n == 4 else [0]
+    for rank in waiters:
+        assert (
+            f"rank 1 exited (code {code}) while rank {rank} waits for it in all_reduce(tensor 2 "
+            f"torch.float32, op SUM) (collective #1 on group {list(range(n))}) at "
+        ) in out, out
+    assert f"early.py:{_line('SECOND_LINE')} in <module>; stopped waiting" in out
+    if n == 4:
+        assert (
+            "rank 1 exited (code 3) while rank 3 waits for it in recv(2 torch.float32 from rank 1) "
+            "(message #0 from rank 1 to rank 3, waiting for rank 1's matching send) at "
+        ) in out, out
+        assert f"early.py:{_line('RECV_LINE')} in <module>; stopped waiting" in out

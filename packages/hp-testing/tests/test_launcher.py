@@ -1,14 +1,21 @@
-"""hp-run: the torchrun-style environment, and failure handling that never hangs."""
+"""hp-run: the torchrun-style environment, and failure handling that never hangs.
+
+The module's launches are independent: they start together when the module
+does (:mod:`hp_run_jobs`), and each test asserts on its own.
+"""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hp_testing.launcher import main, rank_env
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hp_run_jobs import Job, Jobs, module_jobs
 
 ALL_REDUCE = """
 import os, torch, torch.distributed as dist
@@ -21,15 +28,26 @@ dist.destroy_process_group()
 """
 
 
-def _script(tmp_path: Path, body: str) -> Path:
-    path = tmp_path / "script.py"
+# one write per line (a short pipe write is atomic), so the two ranks' lines cannot interleave
+ARGUMENTS = "import sys, os\nsys.stdout.write(f\"{os.environ['RANK']} {sys.argv[1:]}\\n\")\n"
+
+FAILING = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    sys.exit(4)
+time.sleep(600)  # rank 0 would wait forever for rank 1
+"""
+
+
+def _script(tmp_path: Path, body: str, name: str = "script.py") -> Path:
+    path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return path
 
 
-def _hp_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "hp_testing.launcher", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def _hp_run(*args: str, timeout: float = 120, tests: tuple[str, ...] = ()) -> Job:
+    n = int(args[args.index("-n") + 1])
+    return Job([sys.executable, "-m", "hp_testing.launcher", *args], tests, ranks=n, timeout=timeout)
 
 
 def test_rank_env_matches_torchrun_names() -> None:
@@ -45,33 +63,21 @@ def test_rank_env_matches_torchrun_names() -> None:
     assert rank_env(0, 1, 1, base={"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
 
 
-def test_script_runs_on_every_rank(tmp_path: Path) -> None:
-    proc = _hp_run("-n", "3", "--tag-output", str(_script(tmp_path, ALL_REDUCE)))
+def test_script_runs_on_every_rank(launches: Jobs) -> None:
+    proc = launches.result("every-rank")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = sorted(line for line in proc.stdout.splitlines() if "sum=" in line)
     assert lines == [f"[rank{r}]: rank={r} local={r} world=3 sum=6" for r in range(3)]
 
 
-def test_script_arguments_are_passed_through(tmp_path: Path) -> None:
-    # one write per line (a short pipe write is atomic), so the two ranks' lines cannot interleave
-    body = "import sys, os\nsys.stdout.write(f\"{os.environ['RANK']} {sys.argv[1:]}\\n\")\n"
-    script = _script(tmp_path, body)
-    proc = _hp_run("-n", "2", str(script), "--lr", "0.1")
+def test_script_arguments_are_passed_through(launches: Jobs) -> None:
+    proc = launches.result("arguments")
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.splitlines()) == ["0 ['--lr', '0.1']", "1 ['--lr', '0.1']"]
 
 
-def test_failing_rank_stops_the_others_and_is_named(tmp_path: Path) -> None:
-    script = _script(
-        tmp_path,
-        """
-        import os, sys, time
-        if os.environ["RANK"] == "1":
-            sys.exit(4)
-        time.sleep(600)  # rank 0 would wait forever for rank 1
-        """,
-    )
-    proc = _hp_run("-n", "2", "--grace", "1", str(script), timeout=60)
+def test_failing_rank_stops_the_others_and_is_named(launches: Jobs) -> None:
+    proc = launches.result("failing")
     assert proc.returncode == 4
     assert "rank 1 exited with code 4" in proc.stderr
     assert "stopping ranks [0]" in proc.stderr
@@ -101,24 +107,76 @@ hp_core.destroy_distributed()
 """
 
 
-def test_emulate_nccl_runs_the_script_on_a_spoofed_platform(tmp_path: Path) -> None:
-    script = _script(tmp_path, EMULATED)
-    proc = _hp_run("-n", "2", "--emulate", "nccl", str(script))
+def test_emulate_nccl_runs_the_script_on_a_spoofed_platform(launches: Jobs) -> None:
+    proc = launches.result("emulate-nccl")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in (0, 1):
         assert f"rank={rank} cuda/nccl t=[1.5, 1.5]" in proc.stdout
 
 
-def test_emulate_reports_a_mismatch_instead_of_hanging(tmp_path: Path) -> None:
-    script = _script(tmp_path, EMULATED)
-    proc = _hp_run("-n", "2", "--emulate", "nccl", str(script), "bug")
+def test_emulate_reports_a_mismatch_instead_of_hanging(launches: Jobs) -> None:
+    proc = launches.result("emulate-mismatch")
     assert proc.returncode == 1
     assert "CollectiveMismatchError: the ranks of group [0, 1] disagree on collective #1" in proc.stderr
     assert "rank 1: broadcast(tensor 2 torch.float32, root 0)" in proc.stderr
 
 
-def test_emulate_hccl_applies_hccls_rules(tmp_path: Path) -> None:
-    script = _script(tmp_path, EMULATED)
-    proc = _hp_run("-n", "2", "--emulate", "hccl", str(script))
+def test_emulate_hccl_applies_hccls_rules(launches: Jobs) -> None:
+    proc = launches.result("emulate-hccl")
     assert proc.returncode == 1
     assert "reduce op PREMUL_SUM is not supported by hccl" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jobs]:
+    """Every hp-run launch of this module, started at once (:mod:`hp_run_jobs`)."""
+    tmp = tmp_path_factory.mktemp("launcher")
+    emulated = str(_script(tmp, EMULATED, "emulated.py"))
+    jobs = {
+        "every-rank": _hp_run(
+            "-n",
+            "3",
+            "--tag-output",
+            str(_script(tmp, ALL_REDUCE, "all_reduce.py")),
+            tests=("test_script_runs_on_every_rank",),
+        ),
+        "arguments": _hp_run(
+            "-n",
+            "2",
+            str(_script(tmp, ARGUMENTS, "arguments.py")),
+            "--lr",
+            "0.1",
+            tests=("test_script_arguments_are_passed_through",),
+        ),
+        "failing": _hp_run(
+            "-n",
+            "2",
+            "--grace",
+            "1",
+            str(_script(tmp, FAILING, "failing.py")),
+            timeout=60,
+            tests=("test_failing_rank_stops_the_others_and_is_named",),
+        ),
+        "emulate-nccl": _hp_run(
+            "-n",
+            "2",
+            "--emulate",
+            "nccl",
+            emulated,
+            tests=("test_emulate_nccl_runs_the_script_on_a_spoofed_platform",),
+        ),
+        "emulate-mismatch": _hp_run(
+            "-n",
+            "2",
+            "--emulate",
+            "nccl",
+            emulated,
+            "bug",
+            tests=("test_emulate_reports_a_mismatch_instead_of_hanging",),
+        ),
+        "emulate-hccl": _hp_run(
+            "-n", "2", "--emulate", "hccl", emulated, tests=("test_emulate_hccl_applies_hccls_rules",)
+        ),
+    }
+    with module_jobs(request, jobs) as running:
+        yield running

@@ -7,19 +7,22 @@ pairs by default, the two tests together all four, and each test all four with
 rank that reads, naming the read's line and the collective's; the unmatched
 exchange must list every rank's posted sends and receives and mark the ones
 without a counterpart. Under plain ``hp-run`` the read goes unnoticed (gloo
-finishes first), which is why the emulation exists.
+finishes first), which is why the emulation exists. The module's launches are
+independent: they start together when the module does (:mod:`hp_run_jobs`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hp_run_jobs import Job, Launched, launcher_job, module_jobs, planted_script
 
 PLANTED = """
 import sys, torch, torch.distributed as dist, hp_core
@@ -46,12 +49,8 @@ hp_core.destroy_distributed()
 """
 
 
-def _hp_run(tmp_path: Path, n: int, *args: str) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "planted.py"
-    script.write_text(textwrap.dedent(PLANTED))
-    cmd = [sys.executable, "-m", "hp_testing.launcher", "-n", str(n), *args[:-1], str(script), args[-1]]
-    env = {k: v for k, v in os.environ.items() if k != "HP_RUN_STRICT"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+def _hp_run(script: Path, test: str, n: int, *args: str) -> Job:
+    return launcher_job(n, *args[:-1], str(script), args[-1], tests=(test,))
 
 
 def _cases(first: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -59,11 +58,32 @@ def _cases(first: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return every if os.environ.get("HP_COMPOSITION") == "full" else first
 
 
-@pytest.mark.parametrize(("n", "emulate"), _cases([(2, "nccl"), (4, "hccl")]))
-def test_read_before_wait_fails_every_reading_rank(tmp_path: Path, n: int, emulate: str) -> None:
-    run = _hp_run(tmp_path, n, "--emulate", emulate, "read")
+READ_CASES = _cases([(2, "nccl"), (4, "hccl")])
+UNMATCHED_CASES = _cases([(2, "hccl"), (4, "nccl")])
+
+
+@pytest.fixture(scope="module")
+def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
+    """Every hp-run launch of this module, started at once (:mod:`hp_run_jobs`)."""
+    script, name = planted_script(tmp_path_factory, "planted", PLANTED)
+    read = "test_read_before_wait_fails_every_reading_rank"
+    unmatched = "test_unmatched_exchange_lists_every_rank"
+    jobs = {
+        f"read-{n}-{emulate}": _hp_run(script, read, n, "--emulate", emulate, "read")
+        for n, emulate in READ_CASES
+    }
+    jobs["read-plain"] = _hp_run(script, "test_read_before_wait_passes_plain_gloo", 2, "read")
+    for n, emulate in UNMATCHED_CASES:
+        jobs[f"unmatched-{n}-{emulate}"] = _hp_run(script, unmatched, n, "--emulate", emulate, "unmatched")
+    with module_jobs(request, jobs) as running:
+        yield running, name
+
+
+@pytest.mark.parametrize(("n", "emulate"), READ_CASES)
+def test_read_before_wait_fails_every_reading_rank(launches: Launched, n: int, emulate: str) -> None:
+    jobs, name = launches
+    run = jobs.result(f"read-{n}-{emulate}")
     assert run.returncode == 1, run.stdout + run.stderr
-    name = f"{tmp_path.name}/planted.py"
     expected = (
         f"AsyncHazardError: print / repr() at {name}:8 in <module> read the output tensor before its "
         f"wait(): all_reduce(tensor 2 torch.float32, op SUM) was issued at {name}:7 in <module> and is "
@@ -75,14 +95,14 @@ def test_read_before_wait_fails_every_reading_rank(tmp_path: Path, n: int, emula
     assert "sees tensor" not in run.stdout  # no rank printed the stale values
 
 
-def test_read_before_wait_passes_plain_gloo(tmp_path: Path) -> None:
-    run = _hp_run(tmp_path, 2, "read")
+def test_read_before_wait_passes_plain_gloo(launches: Launched) -> None:
+    run = launches[0].result("read-plain")
     assert run.returncode == 0, run.stdout + run.stderr  # gloo hides the bug
 
 
-@pytest.mark.parametrize(("n", "emulate"), _cases([(2, "hccl"), (4, "nccl")]))
-def test_unmatched_exchange_lists_every_rank(tmp_path: Path, n: int, emulate: str) -> None:
-    run = _hp_run(tmp_path, n, "--emulate", emulate, "unmatched")
+@pytest.mark.parametrize(("n", "emulate"), UNMATCHED_CASES)
+def test_unmatched_exchange_lists_every_rank(launches: Launched, n: int, emulate: str) -> None:
+    run = launches[0].result(f"unmatched-{n}-{emulate}")
     assert run.returncode != 0, run.stdout + run.stderr
     text = run.stderr
     assert "Point-to-point ops posted by each rank since its last fully matched point (2 without" in text

@@ -13,7 +13,8 @@ over the former 3 s grace at a load average near 10 (the SIGINT case failed
 once with "killing ranks ... still running 3 s after SIGINT"). SIGTERM and
 SIGHUP end a Python process at once, which is why only SIGINT showed it. hp-run
 returns as soon as the last rank is gone, so the long grace costs nothing when
-the ranks obey.
+the ranks obey. The scenarios are independent: two at a time run side by side in
+threads from when the module starts, and each test asserts on its own.
 """
 
 from __future__ import annotations
@@ -25,10 +26,15 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hp_run_jobs import selected_tests
 
 NPROC = 4
 START_DEADLINE_S = 120.0  # four Python start-ups on a busy 2-core machine
@@ -64,17 +70,6 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True  # no /proc: os.kill said it exists
     return state != "Z"
-
-
-@pytest.fixture
-def launched(tmp_path: Path) -> Iterator[list[int]]:
-    """PIDs of the ranks the test started; any still alive at the end is killed (by PID)."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        if _alive(pid):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def _start(tmp_path: Path, *script_args: str, grace: str) -> tuple[subprocess.Popen[bytes], Path]:
@@ -114,61 +109,124 @@ def _rank_pids(proc: subprocess.Popen[bytes], pid_dir: Path, pids: list[int]) ->
     pids.extend(int((pid_dir / f"{rank}.pid").read_text()) for rank in range(NPROC))
 
 
-def _assert_gone(pids: list[int]) -> None:
+def _left(pids: list[int]) -> list[int]:
+    """The ones of ``pids`` still alive after waiting (bounded) for them to disappear."""
     deadline = time.monotonic() + GONE_DEADLINE_S
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = [pid for pid in pids if _alive(pid)]
-    assert not left, f"rank processes {left} outlived hp-run (of {pids})"
+    return [pid for pid in pids if _alive(pid)]
 
 
-# SIGHUP takes SIGTERM's path through hp-run; it runs with HP_COMPOSITION=full.
-FULL = os.environ.get("HP_COMPOSITION") == "full"
-SIGNALS = [signal.SIGTERM, signal.SIGINT, *([signal.SIGHUP] if FULL else [])]
+@dataclass(frozen=True)
+class Seen:
+    """What one scenario saw: hp-run's exit status and stderr, and its ranks left alive after it."""
+
+    returncode: int | None
+    err: str
+    pids: list[int]
+    left: list[int]
+
+    def assert_gone(self) -> None:
+        assert not self.left, f"rank processes {self.left} outlived hp-run (of {self.pids})"
 
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
-def test_signal_is_forwarded_to_every_rank(
-    tmp_path: Path, launched: list[int], signum: signal.Signals
-) -> None:
-    proc, pid_dir = _start(tmp_path, grace=f"{OBEY_GRACE_S:g}")
-    _rank_pids(proc, pid_dir, launched)
-    proc.send_signal(signum)
+Act = Callable[[subprocess.Popen[bytes], Path], None]
+
+
+def _scenario(tmp_path: Path, launched: list[int], act: Act, *script_args: str, grace: str) -> Seen:
+    """Start hp-run, wait for its ranks (their PIDs go to ``launched``), ``act`` on it, watch it end."""
+    proc, pid_dir = _start(tmp_path, *script_args, grace=grace)
+    pids: list[int] = []
+    try:
+        _rank_pids(proc, pid_dir, pids)
+    finally:
+        launched.extend(pids)
+    act(proc, tmp_path)
     err = _finish(proc, tmp_path)
-    assert proc.returncode == 128 + signum, err
-    assert f"got {signum.name}; forwarding it to ranks [0, 1, 2, 3]" in err
-    assert "killing ranks" not in err  # they obeyed the signal: nothing needed killing
-    _assert_gone(launched)
+    return Seen(proc.returncode, err, pids, _left(pids))
 
 
-def test_ranks_that_ignore_the_signal_are_killed_after_the_grace(tmp_path: Path, launched: list[int]) -> None:
-    proc, pid_dir = _start(tmp_path, "ignore", grace="1")
-    _rank_pids(proc, pid_dir, launched)
-    proc.send_signal(signal.SIGTERM)
-    err = _finish(proc, tmp_path)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "killing ranks [0, 1, 2, 3], still running 1 s after SIGTERM" in err
-    _assert_gone(launched)
+def _send(signum: int) -> Act:
+    return lambda proc, tmp_path: proc.send_signal(signum)
 
 
-def test_a_second_signal_kills_at_once(tmp_path: Path, launched: list[int]) -> None:
-    proc, pid_dir = _start(tmp_path, "ignore", grace="600")
-    _rank_pids(proc, pid_dir, launched)
+def _sigint_twice(proc: subprocess.Popen[bytes], tmp_path: Path) -> None:
     proc.send_signal(signal.SIGINT)
     deadline = time.monotonic() + 60
     while "got SIGINT" not in (tmp_path / "err.txt").read_text() and time.monotonic() < deadline:
         time.sleep(0.05)  # the second must come after hp-run has forwarded the first
     proc.send_signal(signal.SIGINT)
-    err = _finish(proc, tmp_path)
-    assert proc.returncode == 128 + signal.SIGINT, err
-    assert "killing ranks [0, 1, 2, 3], still running after a second signal" in err
-    _assert_gone(launched)
 
 
-def test_ranks_die_with_a_killed_hp_run(tmp_path: Path, launched: list[int]) -> None:
-    proc, pid_dir = _start(tmp_path, grace=f"{OBEY_GRACE_S:g}")
-    _rank_pids(proc, pid_dir, launched)
+def _kill_hp_run(proc: subprocess.Popen[bytes], tmp_path: Path) -> None:
     proc.kill()  # SIGKILL: hp-run runs no code at all; the kernel must end the ranks
-    _finish(proc, tmp_path)
-    assert proc.returncode == -signal.SIGKILL
-    _assert_gone(launched)
+
+
+# SIGHUP takes SIGTERM's path through hp-run; it runs with HP_COMPOSITION=full.
+FULL = os.environ.get("HP_COMPOSITION") == "full"
+SIGNALS = [signal.SIGTERM, signal.SIGINT, *([signal.SIGHUP] if FULL else [])]
+PARALLEL = 2  # scenarios at once: four ranks and hp-run each
+
+
+@pytest.fixture(scope="module")
+def seen(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[Seen]]]:
+    """Each selected test's scenario, run in the background; ranks still alive at the end are killed."""
+    obey = f"{OBEY_GRACE_S:g}"
+    scenarios: dict[str, tuple[str, Act, tuple[str, ...], str]] = {
+        **{s.name: ("test_signal_is_forwarded_to_every_rank", _send(s), (), obey) for s in SIGNALS},
+        "ignored": (
+            "test_ranks_that_ignore_the_signal_are_killed_after_the_grace",
+            _send(signal.SIGTERM),
+            ("ignore",),
+            "1",
+        ),
+        "twice": ("test_a_second_signal_kills_at_once", _sigint_twice, ("ignore",), "600"),
+        "killed": ("test_ranks_die_with_a_killed_hp_run", _kill_hp_run, (), obey),
+    }
+    selected = selected_tests(request)
+    launched: list[int] = []
+    pool = ThreadPoolExecutor(max_workers=PARALLEL)
+    futures = {
+        key: pool.submit(_scenario, tmp_path_factory.mktemp(key), launched, act, *args, grace=grace)
+        for key, (test, act, args, grace) in scenarios.items()
+        if test in selected
+    }
+    try:
+        yield futures
+    finally:
+        pool.shutdown(wait=True)  # every scenario ends: hp-run's wait is bounded
+        for pid in launched:
+            if _alive(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: s.name)
+def test_signal_is_forwarded_to_every_rank(seen: dict[str, Future[Seen]], signum: signal.Signals) -> None:
+    run = seen[signum.name].result()
+    assert run.returncode == 128 + signum, run.err
+    assert f"got {signum.name}; forwarding it to ranks [0, 1, 2, 3]" in run.err
+    assert "killing ranks" not in run.err  # they obeyed the signal: nothing needed killing
+    run.assert_gone()
+
+
+def test_ranks_that_ignore_the_signal_are_killed_after_the_grace(seen: dict[str, Future[Seen]]) -> None:
+    run = seen["ignored"].result()
+    assert run.returncode == 128 + signal.SIGTERM, run.err
+    assert "killing ranks [0, 1, 2, 3], still running 1 s after SIGTERM" in run.err
+    run.assert_gone()
+
+
+def test_a_second_signal_kills_at_once(seen: dict[str, Future[Seen]]) -> None:
+    run = seen["twice"].result()
+    assert run.returncode == 128 + signal.SIGINT, run.err
+    assert "killing ranks [0, 1, 2, 3], still running after a second signal" in run.err
+    run.assert_gone()
+
+
+def test_ranks_die_with_a_killed_hp_run(seen: dict[str, Future[Seen]]) -> None:
+    run = seen["killed"].result()
+    assert run.returncode == -signal.SIGKILL
+    run.assert_gone()

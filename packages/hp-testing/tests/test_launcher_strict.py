@@ -3,19 +3,21 @@
 Each planted bug exits 0 under plain ``hp-run`` (gloo finishes the all-reduce
 before anyone looks, or nobody looks at all) and must fail under
 ``hp-run --emulate nccl``, where strict mode is on by default, with the
-collective and its line named.
+collective and its line named. The module's launches are independent: they
+start together when the module does (:mod:`hp_run_jobs`).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hp_testing.launcher import _parser, _strict, main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hp_run_jobs import Job, Launched, launcher_job, module_jobs, planted_script
 
 PLANTED = """
 import sys, torch, torch.distributed as dist, hp_core
@@ -41,32 +43,39 @@ NEVER_WAITED = (
 )
 
 
-def _hp_run(
-    tmp_path: Path, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "planted.py"
-    script.write_text(textwrap.dedent(PLANTED))
-    cmd = [sys.executable, "-m", "hp_testing.launcher", "-n", "2", *args[:-1], str(script), args[-1]]
-    full_env = {k: v for k, v in os.environ.items() if k != "HP_RUN_STRICT"}
-    full_env.update(env or {})
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=full_env)
+def _hp_run(script: Path, test: str, *args: str, env: dict[str, str] | None = None) -> Job:
+    return launcher_job(2, *args[:-1], str(script), args[-1], tests=(test,), env=env)
 
 
-def _site_name(tmp_path: Path) -> str:
-    return f"{tmp_path.name}/planted.py"
+BUGS = ("written-early", "never-waited")
 
 
-@pytest.mark.parametrize(
-    ("bug", "expected"), [("written-early", WRITTEN_EARLY), ("never-waited", NEVER_WAITED)]
-)
+@pytest.fixture(scope="module")
+def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
+    """Every hp-run launch of this module, started at once (:mod:`hp_run_jobs`)."""
+    script, name = planted_script(tmp_path_factory, "strict", PLANTED)
+    planted = "test_planted_async_bug_passes_plain_gloo_and_fails_emulated_nccl"
+    by_env = "test_strict_by_environment_reaches_the_ranks"
+    jobs = {}
+    for bug in BUGS:
+        jobs[f"plain-{bug}"] = _hp_run(script, planted, bug)
+        jobs[f"emulated-{bug}"] = _hp_run(script, planted, "--emulate", "nccl", bug)
+    jobs["off"] = _hp_run(script, by_env, "--emulate", "nccl", "--no-strict", "never-waited")
+    jobs["on-by-env"] = _hp_run(script, by_env, "never-waited", env={"HP_RUN_STRICT": "1"})
+    with module_jobs(request, jobs) as running:
+        yield running, name
+
+
+@pytest.mark.parametrize(("bug", "expected"), list(zip(BUGS, [WRITTEN_EARLY, NEVER_WAITED], strict=True)))
 def test_planted_async_bug_passes_plain_gloo_and_fails_emulated_nccl(
-    tmp_path: Path, bug: str, expected: str
+    launches: Launched, bug: str, expected: str
 ) -> None:
-    plain = _hp_run(tmp_path, bug)
+    jobs, name = launches
+    plain = jobs.result(f"plain-{bug}")
     assert plain.returncode == 0, plain.stdout + plain.stderr  # gloo hides the bug
-    emulated = _hp_run(tmp_path, "--emulate", "nccl", bug)
+    emulated = jobs.result(f"emulated-{bug}")
     assert emulated.returncode == 1, emulated.stdout + emulated.stderr
-    assert expected.format(name=_site_name(tmp_path)) in emulated.stderr
+    assert expected.format(name=name) in emulated.stderr
 
 
 @pytest.mark.parametrize(
@@ -90,13 +99,14 @@ def test_strict_flag_environment_and_default(
     assert _strict(flag, emulate, _parser()) is strict
 
 
-def test_strict_by_environment_reaches_the_ranks(tmp_path: Path) -> None:
-    off = _hp_run(tmp_path, "--emulate", "nccl", "--no-strict", "never-waited")
+def test_strict_by_environment_reaches_the_ranks(launches: Launched) -> None:
+    jobs, name = launches
+    off = jobs.result("off")
     assert off.returncode == 0, off.stdout + off.stderr
     # Without --emulate: the layer under gloo's own rules, strict because it was asked for.
-    on_by_env = _hp_run(tmp_path, "never-waited", env={"HP_RUN_STRICT": "1"})
+    on_by_env = jobs.result("on-by-env")
     assert on_by_env.returncode == 1, on_by_env.stdout + on_by_env.stderr
-    assert NEVER_WAITED.format(name=_site_name(tmp_path)) in on_by_env.stderr
+    assert NEVER_WAITED.format(name=name) in on_by_env.stderr
 
 
 def test_a_bad_strict_environment_value_is_explained(
