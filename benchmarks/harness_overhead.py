@@ -11,13 +11,17 @@ round by round:
 - ``MultiProcessTestCase`` on hp-testing: the very same ``MultiProcessTestCase``
   files, unchanged, with hp-testing's plugin loaded (it runs their ranks on its
   pool: ``hp_testing._torch_cases``), which is what a downstream repository
-  gets by installing hp-testing.
+  gets by installing hp-testing;
+- collection only: the pytest process importing torch and its harness and
+  collecting those files, running nothing: the floor of any in-pytest harness.
 
 Reported: wall time of the whole session divided by the number of tests, and
 the ratio ours / theirs (below 1.0 means hp-testing is faster): the marker
 against both torch harnesses, and the pooled ``MultiProcessTestCase`` files
 against ``MultiProcContinuousTest`` (the fastest way torch offers) and against
-themselves under torch's harness. The last line is one JSON object.
+themselves under torch's harness. The machine's 1-minute load average is
+recorded before each session (on a shared machine the ratios move with it).
+The last line is one JSON object.
 
 torch's harness module imports ``expecttest``, which torch does not declare;
 the benchmark installs it into the running environment when it is missing.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -121,11 +126,16 @@ class AllReduce{world}Ranks{tag}(MultiProcContinuousTest):
 MPCT_TEST = MPTC_TEST
 
 POOLED_MPTC = "MultiProcessTestCase on hp-testing"
+#: What no harness can go below: the pytest process alone imports torch and its test harness and
+#: collects the same files, and runs nothing. Its ratio to MultiProcContinuousTest is the floor of
+#: "pooled MultiProcessTestCase / MultiProcContinuousTest".
+COLLECT_ONLY = "collection only (no harness)"
 HARNESSES = {
     "hp-testing": (HP_FILE, HP_TEST, []),
     "MultiProcessTestCase": (MPTC_FILE, MPTC_TEST, ["-p", "no:hp_testing"]),
     "MultiProcContinuousTest": (MPCT_FILE, MPCT_TEST, ["-p", "no:hp_testing"]),
     POOLED_MPTC: (MPTC_FILE, MPTC_TEST, []),
+    COLLECT_ONLY: (MPTC_FILE, MPTC_TEST, ["-p", "no:hp_testing", "--collect-only"]),
 }
 #: (ours, theirs) -> the key of ours / theirs in the JSON line's ratios.
 RATIOS = {
@@ -133,6 +143,7 @@ RATIOS = {
     ("hp-testing", "MultiProcContinuousTest"): "MultiProcContinuousTest",
     (POOLED_MPTC, "MultiProcContinuousTest"): "pooled MultiProcessTestCase / MultiProcContinuousTest",
     (POOLED_MPTC, "MultiProcessTestCase"): "pooled MultiProcessTestCase / MultiProcessTestCase",
+    (COLLECT_ONLY, "MultiProcContinuousTest"): "floor: collection only / MultiProcContinuousTest",
 }
 
 
@@ -163,7 +174,7 @@ def run_suite(folder: Path, extra: list[str]) -> tuple[float, int]:
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=folder)
     wall = time.perf_counter() - start
-    passed = re.search(r"(\d+) passed", proc.stdout)
+    passed = re.search(r"(\d+) (?:passed|tests collected)", proc.stdout)
     count = int(passed.group(1)) if passed else 0
     expected = TESTS_PER_FILE * len(FILES)
     if proc.returncode != 0 or count != expected:
@@ -191,11 +202,13 @@ def main() -> None:
     ensure_expecttest()
     chosen = [name for name in HARNESSES if name not in args.skip]
     walls: dict[str, list[float]] = {name: [] for name in chosen}
+    loads: dict[str, list[float]] = {name: [] for name in chosen}
     count = TESTS_PER_FILE * len(FILES)
     with tempfile.TemporaryDirectory(prefix="hp-bench-") as tmp:
         suites = {name: write_suite(Path(tmp), name) for name in chosen}
         for _ in range(args.rounds):
             for name in chosen:
+                loads[name].append(os.getloadavg()[0])
                 wall, count = run_suite(suites[name], HARNESSES[name][2])
                 walls[name].append(wall)
     per_test = {name: statistics.median(w) / count for name, w in walls.items()}
@@ -209,9 +222,10 @@ def main() -> None:
         f"{count} trivial all_reduce tests (20 on 2 ranks, 20 on 4), whole pytest session, "
         f"median of {args.rounds} round(s)"
     )
-    print(f"{'harness':<36}{'session s':>11}{'per test ms':>13}")
+    print(f"{'harness':<36}{'session s':>11}{'per test ms':>13}{'load':>7}")
     for name in chosen:
-        print(f"{name:<36}{statistics.median(walls[name]):>11.2f}{per_test[name] * 1e3:>13.1f}")
+        load = statistics.median(loads[name])
+        print(f"{name:<36}{statistics.median(walls[name]):>11.2f}{per_test[name] * 1e3:>13.1f}{load:>7.1f}")
     print(f"{'ours / theirs':<60}{'ratio':>9}")
     for key, value in ratios.items():
         print(f"{key:<60}{value:>9.4f}")
@@ -224,6 +238,7 @@ def main() -> None:
                 "rounds": args.rounds,
                 "session_seconds": {name: [round(w, 3) for w in ws] for name, ws in walls.items()},
                 "per_test_ms": {name: round(v * 1e3, 2) for name, v in per_test.items()},
+                "load_1min": {name: [round(v, 2) for v in ls] for name, ls in loads.items()},
             }
         )
     )

@@ -403,3 +403,57 @@ def test_backend_semantics_seam_in_hp_core() -> None:
     finally:
         assert set_backend_semantics("gloo", None) == "hccl"
     assert set_backend_semantics("gloo", None) is None
+
+
+def test_pools_fork_in_the_order_the_tests_use_them(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first test waits only for its own pool: forked first, its ranks are not queued behind
+    # a larger pool's at the forkserver (the largest pool used to fork first, whatever ran first).
+    from hp_testing.pool import WorkerPool
+
+    started: list[int] = []
+    start = WorkerPool.start
+
+    def recording_start(self: WorkerPool) -> None:
+        started.append(self.world_size)
+        start(self)
+
+    monkeypatch.setattr(WorkerPool, "start", recording_start)
+    _write(
+        pytester,
+        """
+        @pytest.mark.distributed(world_size=1)
+        def test_first(rank):
+            pass
+
+        @pytest.mark.distributed(world_size=2)
+        def test_second(rank):
+            pass
+        """,
+    )
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+    assert started == [1, 2]
+
+
+def test_session_end_stops_every_pool_before_waiting_for_any() -> None:
+    # Ranks wind down (destroying their groups) side by side, not one pool after another.
+    from hp_testing.plugin import HarnessSession
+
+    events: list[tuple[str, int]] = []
+
+    class Pool:
+        def __init__(self, world: int) -> None:
+            self.world = world
+
+        def request_stop(self) -> None:
+            events.append(("stop", self.world))
+
+        def shutdown(self) -> None:
+            events.append(("wait", self.world))
+
+    session = HarnessSession(config=None)  # type: ignore[arg-type]
+    session.pools = {(2, "gloo"): Pool(2), (4, "gloo"): Pool(4)}  # type: ignore[dict-item]
+    session.shutdown()
+    assert events == [("stop", 2), ("stop", 4), ("wait", 2), ("wait", 4)]
+    assert session.pools == {}

@@ -76,3 +76,55 @@ def test_which_command_lines_pool_torch_classes(tmp_path: Path) -> None:
     (tmp_path / "test_dtensor.py").unlink()
     (tmp_path / "test_sub.py").unlink()
     assert not session_pools_torch_classes([str(tmp_path)])  # helper.py is no test file
+
+
+#: Registered before the plugin's exit hook, so it runs after it: what interpreter teardown sees.
+EXIT_CONFTEST = """
+import atexit
+import gc
+
+
+def _report():
+    print(f"FROZEN AT EXIT: {gc.get_freeze_count() > 0}", flush=True)
+
+
+atexit.register(_report)
+"""
+
+EXIT_TESTS = """
+import pytest
+
+FINALIZED = {path!r}
+
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        with open(FINALIZED, "w") as f:
+            f.write("yes")
+
+
+def test_leaves_cyclic_garbage():
+    Cycle()
+
+
+@pytest.mark.distributed(world_size=1)
+def test_pooled(rank):
+    assert rank == 0
+"""
+
+
+def test_a_session_that_pooled_ranks_leaves_without_sweeping_torchs_heap(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    # [Note: leaving without sweeping torch's heap] in hp_testing.plugin: teardown's collections
+    # skip what the process froze at exit, and garbage the tests left is still finalized.
+    finalized = tmp_path / "finalized.txt"
+    pytester.makeconftest(EXIT_CONFTEST)
+    pytester.makepyfile(test_exit=EXIT_TESTS.format(path=str(finalized)))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    assert "FROZEN AT EXIT: True" in result.outlines, result.stdout.str()
+    assert finalized.read_text() == "yes"

@@ -25,6 +25,7 @@ import torch.testing._internal.distributed._tensor.common_dtensor  # noqa: F401
 from hp_testing import pool
 
 HEADER = """
+import gc
 import sys
 
 # True in a rank forked from a forkserver that preloaded torch's harness (before this module imports it).
@@ -47,8 +48,9 @@ def record(test, rank):
     # a spawned forkserver runs "python -c 'from multiprocessing.forkserver import main...'"
     with open(f"/proc/{{os.getppid()}}/cmdline") as f:
         server = "spawned" if "forkserver import main" in f.read() else "forked"
+    frozen = gc.get_freeze_count() > 0  # what the forkserver froze before forking this rank
     with open(PIDS, "a") as f:
-        f.write(f"{{test}} {{rank}} {{os.getpid()}} {{PRELOADED}} {{server}}\\n")
+        f.write(f"{{test}} {{rank}} {{os.getpid()}} {{PRELOADED}} {{server}} {{frozen}}\\n")
 """
 
 SPAWNED = """
@@ -237,16 +239,18 @@ def pytest_collection_modifyitems(items):
 """
 
 
-def _pids(path: Path) -> tuple[dict[str, dict[int, int]], set[str], set[str]]:
-    """test -> rank -> pid, whether each rank found torch's harness preloaded, how its forkserver began."""
+def _pids(path: Path) -> tuple[dict[str, dict[int, int]], set[str], set[str], set[str]]:
+    """test -> rank -> pid; whether each rank found torch's harness preloaded; how its forkserver
+    began; whether the objects it inherited were frozen."""
     seen: dict[str, dict[int, int]] = {}
-    preloaded, servers = set(), set()
+    preloaded, servers, frozen = set(), set(), set()
     for line in path.read_text().splitlines():
-        test, rank, pid, loaded, server = line.split()
+        test, rank, pid, loaded, server, froze = line.split()
         seen.setdefault(test, {})[int(rank)] = int(pid)
         preloaded.add(loaded)
         servers.add(server)
-    return seen, preloaded, servers
+        frozen.add(froze)
+    return seen, preloaded, servers, frozen
 
 
 def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, tmp_path: Path) -> None:
@@ -263,7 +267,7 @@ def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, 
     out = result.stdout.str()
 
     # Pooled: every test ran on the same two rank processes, forked with torch's harness imported.
-    seen, preloaded, servers = _pids(pids)
+    seen, preloaded, servers, frozen = _pids(pids)
     assert set(seen) == {"all_reduce", "subtests", "continuous", "dtensor"}
     assert all(sorted(ranks) == [0, 1] for ranks in seen.values())
     for rank in (0, 1):
@@ -274,6 +278,8 @@ def test_torch_classes_run_unchanged_on_pooled_ranks(pytester: pytest.Pytester, 
     # ... forked from this process's image, which has imported the harness already, instead of a new
     # interpreter importing torch and it again ([Note: a forkserver forked from the pytest process]).
     assert servers == ({"spawned"} if outer_pools else {"forked"})
+    # ... which froze what it inherited, so the ranks' collections never walk (and copy) torch's heap.
+    assert frozen == ({"False"} if outer_pools else {"True"})
     result.stdout.fnmatch_lines(["*hp-testing: 6 torch test class(es) ran on pooled ranks*"])
 
     # Joining a group the pool cannot serve says so, with the way out; a class whose backend

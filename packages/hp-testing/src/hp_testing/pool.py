@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import itertools
 import os
 import signal
@@ -113,6 +114,11 @@ def preload(modules: list[str]) -> bool:
 # state points at it. The child never returns into pytest (``os._exit``), and
 # it ends, as a spawned forkserver does, when this process closes the "alive"
 # pipe. With another thread running, the forkserver is spawned as before.
+# The child freezes the garbage collector's view of everything it inherited
+# (``gc.freeze()``, as Python's documentation advises before forking workers):
+# the 300,000 objects of torch and its harness are never traversed again by a
+# rank's collections, which would otherwise write to (and so copy) the pages
+# every rank shares with it, in every rank that collects.
 def _os_threads() -> int | None:
     """This process's OS threads (None where /proc cannot tell)."""
     try:
@@ -147,6 +153,7 @@ def _serve_forks_from_here(server: Any, wanted: list[str]) -> bool:
         code = 0
         try:
             os.close(alive_w)
+            gc.freeze()  # the ranks forked from here: [Note: a forkserver forked from the pytest process]
             mp_forkserver.main(listener.fileno(), alive_r, [])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 0
@@ -241,6 +248,7 @@ class WorkerPool:
         self._conns: list[Connection] = []
         self._stack_dir = tempfile.mkdtemp(prefix=f"hp-pool-{world_size}-")
         self._ready = False
+        self._stop_requested = False
         self.restarts = 0
         self.reinits = 0
         self.runs = 0
@@ -257,6 +265,7 @@ class WorkerPool:
         ctx = _context()
         store = _store()
         _LIVE_POOLS.add(id(self))
+        self._stop_requested = False
         self._generation += 1
         self._procs, self._conns = [], []
         for rank in range(self.world_size):
@@ -350,11 +359,18 @@ class WorkerPool:
             return None
         return None if not self._procs[rank].is_alive() else ("pending",)
 
-    def shutdown(self) -> None:
-        """Stop every rank; kill the ones that do not stop within a second."""
+    def request_stop(self) -> None:
+        """Ask every rank to stop, without waiting: :meth:`shutdown` waits (several pools side by side)."""
+        if self._stop_requested:
+            return
+        self._stop_requested = True
         for conn in self._conns:
             with contextlib.suppress(Exception):
                 conn.send(("stop",))
+
+    def shutdown(self) -> None:
+        """Stop every rank; kill the ones that do not stop within a second."""
+        self.request_stop()
         deadline = time.monotonic() + 1.0
         for proc in self._procs:
             proc.join(max(deadline - time.monotonic(), 0))
