@@ -1,0 +1,205 @@
+"""Random fills on DTensors need one generator state on every rank of the mesh: check it, cheaply.
+
+:func:`ensure_rng_agreement` runs at the top of every DTensor random fill; what
+it compares, when, and what it costs: [Note: RNG agreement] below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import hp_core
+import torch
+from hp_core import DeviceMesh
+
+__all__ = [
+    "ensure_rng_agreement",
+    "get_rng_agreement_policy",
+    "reset_rng_agreement",
+    "rng_agreement_policy",
+    "set_rng_agreement_policy",
+]
+
+# [Note: RNG agreement]
+# A DTensor random fill (normal_, uniform_, dropout's bernoulli_, random_, the
+# random out= factories) draws the whole tensor from this rank's default
+# generator and keeps this rank's piece. That equals a single process's draw
+# only if every rank of the DTensor's mesh holds the same generator state;
+# under torchrun the default seeds differ per rank unless the user seeds, and
+# then a Replicate() DTensor holds different values on each rank (replicas
+# drift apart over training) and a sharded one is a mix of unrelated draws.
+#
+# So the first fill over a mesh, and the first after the generator's seed
+# changed (torch.manual_seed, or set_rng_state with a state of another seed),
+# compares a 62-bit digest of (seed, state) over the mesh: one all_reduce(max)
+# of two int64s per mesh dim longer than 1 ([h, -h]: the ranks agree when the
+# max equals the min), then one host read. Only the DTensor's own mesh takes
+# part: pipeline stages on other meshes may seed differently on purpose. Every
+# other fill compares one host-side int (the generator's seed) with the one
+# checked: no collective, no host sync. On disagreement every rank takes
+# coordinate 0's state (one broadcast per mesh dim longer than 1, coordinate 0
+# along each dim in turn) and a warning names the fix, once per process; under
+# the "error" policy every rank raises the same error instead.
+#
+# The decision to check is local (this rank's seed against the one last
+# checked), so it is the same on every rank when the ranks reseed alike, which
+# is what the fix asks for. After a check all ranks hold the same seed; a later
+# reseed with a different seed per rank may leave a rank whose seed happens to
+# be the checked one out of the check while its peers wait for it. A fill
+# given an explicit generator= is not checked: the user chose its state.
+
+_POLICIES = ("sync", "error")
+_ENV = "HP_DTENSOR_RNG_AGREEMENT"
+
+
+def _initial_policy() -> str:
+    value = os.environ.get(_ENV, "sync").strip().lower() or "sync"
+    if value not in _POLICIES:
+        raise ValueError(
+            f"{_ENV}={value!r} is not an RNG agreement policy; use one of {list(_POLICIES)} "
+            "(sync: use mesh coordinate 0's generator state and warn once; error: raise instead)."
+        )
+    return value
+
+
+_policy = _initial_policy()
+_checked: dict[tuple[Any, ...], int] = {}  # (mesh identity, device) -> seed at the last check
+_warned = False
+
+
+def set_rng_agreement_policy(policy: str) -> str:
+    """Choose what a DTensor random fill does when the mesh's ranks hold different generator states.
+
+    ``"sync"`` (the default): every rank takes mesh coordinate 0's state and
+    a warning says so once; ``"error"``: raise ``RuntimeError`` on every rank
+    of the mesh (for users who want their seeding fixed, not patched). The
+    environment variable ``HP_DTENSOR_RNG_AGREEMENT`` sets the policy at
+    import. Returns the previous policy.
+    """
+    global _policy
+    if policy not in _POLICIES:
+        raise ValueError(f"set_rng_agreement_policy: {policy!r} is not one of {list(_POLICIES)}.")
+    previous, _policy = _policy, policy
+    return previous
+
+
+def get_rng_agreement_policy() -> str:
+    """The current RNG agreement policy (see :func:`set_rng_agreement_policy`)."""
+    return _policy
+
+
+@contextlib.contextmanager
+def rng_agreement_policy(policy: str) -> Iterator[None]:
+    """``with rng_agreement_policy("error"): ...``: the policy inside the block, the old one after."""
+    previous = set_rng_agreement_policy(policy)
+    try:
+        yield
+    finally:
+        set_rng_agreement_policy(previous)
+
+
+def reset_rng_agreement() -> None:
+    """Forget every check (and the warning given): the next fill on each mesh checks again.
+
+    Call it on every rank of a mesh at once (the next fill there exchanges).
+    """
+    global _warned
+    _checked.clear()
+    _warned = False
+
+
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator a fill on ``device`` draws from when given none (None: the runtime lists none)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device.type)
+    if not hasattr(module, "default_generators"):
+        return None
+    if hasattr(module, "init"):
+        module.init()  # default_generators is filled when the device runtime starts
+    index = device.index if device.index is not None else module.current_device()
+    return module.default_generators[index]
+
+
+def _digest(generator: torch.Generator) -> int:
+    """A 62-bit digest of the generator's seed and state, the same for equal states on any rank."""
+    state = generator.get_state()  # a CPU byte tensor, also for device generators: no sync
+    data = generator.initial_seed().to_bytes(8, "little", signed=False) + state.numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+
+def _long_dims(mesh: DeviceMesh) -> list[int]:
+    return [d for d in range(mesh.ndim) if mesh.size(d) > 1]
+
+
+def ensure_rng_agreement(
+    mesh: DeviceMesh, device: torch.device, generator: torch.Generator | None = None
+) -> None:
+    """Make the ranks of ``mesh`` draw alike before a random fill on ``device``; see [Note: RNG agreement].
+
+    Costs a seed comparison on the host, except on the first fill over
+    ``mesh`` and the first after a reseed, which exchange a digest over
+    ``mesh`` only. Does nothing for an explicit ``generator``, on a rank
+    outside ``mesh``, on meta tensors, while ``torch.compile`` traces, and
+    on a device whose runtime lists no default generators.
+    """
+    if generator is not None or device.type == "meta" or torch.compiler.is_compiling():
+        return
+    if mesh.get_coordinate() is None or not _long_dims(mesh):
+        return
+    default = _default_generator(device)
+    if default is None:
+        return
+    key = (mesh.identity, device)
+    seed = default.initial_seed()
+    if _checked.get(key) == seed:
+        return
+    _check(mesh, device, default)
+    _checked[key] = default.initial_seed()
+
+
+def _check(mesh: DeviceMesh, device: torch.device, generator: torch.Generator) -> None:
+    """One digest exchange over ``mesh``; on disagreement, coordinate 0's state everywhere or an error."""
+    own = _digest(generator)
+    both = torch.tensor([own, -own], dtype=torch.int64, device=device)
+    for d in _long_dims(mesh):
+        hp_core.all_reduce(both, "max", group=mesh.get_group(d))
+    largest, negated_smallest = both.tolist()  # the one host sync, at check time only
+    if largest + negated_smallest == 0:
+        return
+    if _policy == "error":
+        raise RuntimeError(
+            f"hp_dtensor: a random op on a DTensor over {mesh} found the ranks' random generator states "
+            f"different (this rank's seed is {generator.initial_seed()}), so replicated values would "
+            "differ between ranks. Call torch.manual_seed(seed) with one seed on every rank of the mesh "
+            "before the first random op, or set_rng_agreement_policy('sync') to use mesh coordinate 0's "
+            "state on every rank."
+        )
+    _adopt_coordinate_zero(mesh, device, generator)
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"hp_dtensor: the ranks of {mesh} held different random generator states at a random op on a "
+            "DTensor (a Replicate() result would differ between ranks); every rank now uses mesh coordinate "
+            "0's state. Call torch.manual_seed(seed) with one seed on every rank to choose it yourself "
+            "(set_rng_agreement_policy('error') raises instead).",
+            stacklevel=4,
+        )
+
+
+def _adopt_coordinate_zero(mesh: DeviceMesh, device: torch.device, generator: torch.Generator) -> None:
+    """Broadcast coordinate 0's generator state along each dim in turn, then take it."""
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    state = generator.get_state().to(device)
+    for d in _long_dims(mesh):
+        source = list(coordinate)
+        source[d] = 0
+        hp_core.broadcast(state, src=int(mesh.mesh[tuple(source)]), group=mesh.get_group(d))
+    generator.set_state(state.cpu())
