@@ -335,8 +335,10 @@ def count_host_syncs(*, allow: Iterable[str] = ()) -> Iterator[HostSyncLog]:
     """Record the host syncs this thread makes in the block ([Note: what counts as a host sync]).
 
     ``allow`` adds ``path/suffix.py:function`` frames to :data:`ALLOWED_BY_DEFAULT`: a read
-    with such a frame on its stack reads a tensor that stays on the host in a device run
-    too, and goes to ``log.allowed`` instead of ``log.syncs``. Only this thread is seen
+    with such a frame on its stack goes to ``log.allowed`` instead of ``log.syncs``. For
+    reads that are no device sync (a tensor that stays on the host in a device run too, a
+    check that runs only where the data is on the CPU) or that a design accepts, each with
+    its reason beside the pattern. Only this thread is seen
     (the backward included); the patched Python reads are process-wide while the block
     runs, so use it from one thread at a time.
     """
