@@ -457,3 +457,37 @@ def test_session_end_stops_every_pool_before_waiting_for_any() -> None:
     session.shutdown()
     assert events == [("stop", 2), ("stop", 4), ("wait", 2), ("wait", 4)]
     assert session.pools == {}
+
+
+def test_collection_runs_with_older_objects_frozen_and_unfreezes_them(pytester: pytest.Pytester) -> None:
+    # [Note: collecting beside torch's heap]: imports during collection skip walking torch's objects;
+    # the tests run with nothing frozen (so nothing is kept alive), and a freeze of the user's stays.
+    import gc
+
+    pytester.makepyfile(
+        test_inner="""
+        import gc
+
+        FROZEN_WHILE_COLLECTED = gc.get_freeze_count() > 0
+
+        def test_frozen_only_while_collecting():
+            assert FROZEN_WHILE_COLLECTED
+            assert gc.get_freeze_count() == 0
+        """
+    )
+    assert gc.get_freeze_count() == 0
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+    pytester.makeconftest("import gc\n\ngc.freeze()  # the user's own, before collection\n")
+    pytester.makepyfile(
+        test_inner="""
+        import gc
+
+        def test_the_users_freeze_stays():
+            assert gc.get_freeze_count() > 0
+        """
+    )
+    try:
+        pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    finally:
+        gc.unfreeze()  # the inner conftest froze this very process
