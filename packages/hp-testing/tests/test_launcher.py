@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import textwrap
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,25 @@ def test_script_arguments_are_passed_through(launches: Jobs) -> None:
     assert sorted(proc.stdout.splitlines()) == ["0 ['--lr', '0.1']", "1 ['--lr', '0.1']"]
 
 
+# What a --no-checks rank has imported when the script starts: nothing of hp-testing or torch.
+BARE = """
+import os, sys
+loaded = sorted({m.split(".")[0] for m in sys.modules} & {"hp_testing", "torch"})
+sys.stdout.write(f"{os.environ['RANK']} {sys.argv[1:]} {os.path.basename(sys.path[0])} {loaded}\\n")
+"""
+
+
+def test_a_bare_rank_imports_nothing_it_does_not_need(launches: Jobs) -> None:
+    """[Note: a bare rank imports nothing of hp-testing]: a script, and a module run with -m."""
+    script = launches.result("bare-script")
+    assert script.returncode == 0, script.stderr
+    assert sorted(script.stdout.splitlines()) == [f"{r} ['--lr', '0.1'] sub []" for r in (0, 1)]
+    module = launches.result("bare-module")
+    assert module.returncode == 0, module.stderr
+    # -m puts the working directory first on sys.path: the module is found there
+    assert sorted(module.stdout.splitlines()) == [f"{r} ['x'] bare []" for r in (0, 1)]
+
+
 def test_failing_rank_stops_the_others_and_is_named(launches: Jobs) -> None:
     proc = launches.result("failing")
     assert proc.returncode == 4
@@ -132,7 +152,18 @@ def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     """Every hp-run launch of this module, started at once (:mod:`hp_run_jobs`)."""
     tmp = tmp_path_factory.mktemp("launcher")
     emulated = str(_script(tmp, EMULATED, "emulated.py"))
+    bare = tmp / "bare"
+    (bare / "sub").mkdir(parents=True)
+    _script(bare / "sub", BARE, "job.py")
+    _script(bare, BARE, "jobmod.py")
+    bare_test = ("test_a_bare_rank_imports_nothing_it_does_not_need",)
     jobs = {
+        "bare-script": replace(
+            _hp_run("-n", "2", "--no-checks", "sub/job.py", "--lr", "0.1", tests=bare_test), cwd=bare
+        ),
+        "bare-module": replace(
+            _hp_run("-n", "2", "--no-checks", "-m", "jobmod", "x", tests=bare_test), cwd=bare
+        ),
         "every-rank": _hp_run(
             "-n",
             "3",

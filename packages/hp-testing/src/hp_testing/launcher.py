@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             *target,
         ]
     else:  # the bare launcher still ends ranks safely ([Note: a rank ends without interpreter finalization])
-        target = ["-m", "hp_testing._rank_main", *target]
+        target = bare_rank_target(target)
     command = [sys.executable, "-u", *target, *args.script_args]
     if not checks:
         port = args.master_port or _free_port()
@@ -189,6 +189,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra_env={"TORCHELASTIC_USE_AGENT_STORE": "True"},
             on_exit=agent.announce,
         )
+
+
+# [Note: a bare rank imports nothing of hp-testing]
+# Under ``--no-checks`` a rank runs the script as under torchrun, through
+# :mod:`hp_testing._rank_main` only for its safe ending. ``python -m
+# hp_testing._rank_main`` would import the package ``hp_testing`` first, and with
+# it torch and the whole harness (pool, local mode, fixtures): about 0.4 s of CPU
+# per rank beyond what a torch script imports anyway, 2 s for a script that needs
+# no torch, and modules the script never asked for. The rank loads
+# ``_rank_main.py`` (standard library only) by its path instead, under
+# ``python -c``, and puts the working directory first on ``sys.path`` as ``-m``
+# would (``run_script`` replaces it with a script's folder, as ``python
+# script.py`` does).
+_BARE_RANK = (
+    "import importlib.util, os, sys\n"
+    "sys.path[0] = os.getcwd()\n"
+    "spec = importlib.util.spec_from_file_location('_hp_run_rank', {path!r})\n"
+    "rank_main = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(rank_main)\n"
+    "rank_main.main(sys.argv[1:])\n"
+)
+
+
+def bare_rank_target(target: list[str]) -> list[str]:
+    """The interpreter arguments of a ``--no-checks`` rank running ``target``.
+
+    See [Note: a bare rank imports nothing of hp-testing].
+    """
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_main.py")
+    return ["-c", _BARE_RANK.format(path=path), *target]
 
 
 def _run_local(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
