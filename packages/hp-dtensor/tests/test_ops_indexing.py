@@ -63,8 +63,13 @@ def check(
     expect: Sequence[Placement] | None = None,
     comms: dict[str, int] | None = None,
     backward: bool = True,
+    torch_bound: bool = True,
 ) -> dict[str, int]:
-    """``fn`` on DTensors against plain tensors; returns the forward's collective counts."""
+    """``fn`` on DTensors against plain tensors; returns the forward's collective counts.
+
+    ``torch_bound=False`` drops the "no more collectives than torch's DTensor"
+    check, for cases where torch's count comes from a wrong result.
+    """
     full = [t.clone().requires_grad_(t.is_floating_point() and backward) for t in inputs]
     ref = _outputs(fn(*full))
     if backward and any(r.requires_grad for r in ref):
@@ -91,7 +96,7 @@ def check(
             torch.testing.assert_close(d.grad.full_tensor(), f.grad)
     if comms is not None:
         assert counts == comms, (placements, counts)
-    theirs = _torch_count(fn, dts)
+    theirs = _torch_count(fn, dts) if torch_bound else None
     if theirs is not None:
         assert sum(counts.values()) <= theirs, (placements, counts, theirs)
     return counts
@@ -144,10 +149,15 @@ def test_along_dim_ops_two_ranks(rank, device_mesh_factory) -> None:  # type: ig
         for name, fn, inputs in _along_dim_cases(dim):
             options = [_placements(t.dim(), 1) for t in inputs]
             for placements in itertools.product(*options):
+                # In place, torch's DTensor re-cuts a replicated destination like the source and
+                # then fails (full_tensor: "narrow unexpectedly changed concrete size"); hp keeps
+                # the destination's placements: at most one gather more than the rule's own moves.
+                in_place = name.endswith("in place")
                 try:
-                    check(fn, inputs, placements, mesh)
+                    counts = check(fn, inputs, placements, mesh, torch_bound=not in_place)
                 except AssertionError as error:
                     raise AssertionError(f"{name} dim={dim} {placements}: {error}") from error
+                assert not in_place or sum(counts.values()) <= 2, (name, placements, counts)
 
 
 def _order_cases() -> list[tuple[str, Callable[..., Any], bool]]:

@@ -40,7 +40,7 @@ _log = get_logger("hp_dtensor")  # one line per plan built ([Note: debug levels]
 
 Post = Callable[[torch.Tensor], torch.Tensor]
 
-__all__ = ["redistribute_local", "slice_for_layout"]
+__all__ = ["keep_destination_layout", "redistribute_local", "slice_for_layout"]
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -485,3 +485,35 @@ def _run_plan_async(local: torch.Tensor, program: _Program, layout: Layout) -> t
     if isinstance(local, PendingTensor):
         return then(local, local_steps), final
     return local_steps(local), final
+
+
+# [Note: an in-place op keeps its destination's layout]
+# A rule may run an in-place op (``x.add_(y)``, ``x.copy_(y)``,
+# ``torch._foreach_add_(params, updates)``) on its destination moved to other
+# placements: a ``StridedShard`` operand moves a plain ``Shard`` destination to
+# the strided cut, a ``Partial`` destination is reduced. Leaving the
+# destination there would change the placements of a tensor the caller holds
+# (torch's DTensor refuses such ops) and replace its local tensor, which may be
+# a view into storage someone else owns (hp-fsdp's sharded parameters live in
+# one flat buffer per group, and an optimizer writes them in place). So after
+# the op the result is moved back to the destination's own layout and written
+# into its original local tensor: one more redistribution in those rare calls,
+# never a changed placement or a broken alias. One exception: a ``Partial``
+# destination the op had to reduce stays reduced (``Replicate`` or ``Shard``
+# on that mesh dim): its value is the same, and moving it back would only make
+# the next op reduce it again (``clip_grad_norm_``'s ``_foreach_mul_`` on
+# partial gradients, then the optimizer step).
+def keep_destination_layout(dt: Any, local: torch.Tensor, layout: Layout) -> None:
+    """Move in-place result ``dt`` back to ``layout`` and into ``local``, the tensors it had before the op."""
+    if dt._layout == layout and dt._local is local:
+        return
+    if all(
+        now == before or isinstance(before, Partial)
+        for now, before in zip(dt._layout.placements, layout.placements, strict=True)
+    ):
+        return  # only partial sums were reduced: the same value, kept reduced (no second reduction later)
+    back, _ = redistribute_local(
+        dt._local, dt._layout, layout if layout.ragged is not None else layout.placements
+    )
+    local.copy_(back)
+    dt._local, dt._layout = local, layout

@@ -42,8 +42,9 @@ from hp_dtensor.ops.view_writes import (
     write_back,
     writes_first,
 )
+from hp_dtensor.out_variants import is_out_variant, run_builtin_out
 from hp_dtensor.placements import Placement, Replicate, Shard
-from hp_dtensor.redistribute import redistribute_local
+from hp_dtensor.redistribute import keep_destination_layout, redistribute_local
 
 __all__ = [
     "RULES",
@@ -613,6 +614,8 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             signature = _signature(func, args, kwargs)  # now keyed by scalar type (the inline key's)
     if special is not None:
         return special(args, kwargs)
+    if is_out_variant(func):  # see [Note: built-in out= overloads] in hp_dtensor.out_variants
+        return run_builtin_out(func, args, kwargs)
     flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, v in enumerate(flat) if isinstance(v, DTensor)]
     mesh, flat = _mesh_of(flat, positions, func)
@@ -683,6 +686,7 @@ def _run(
     local_flat = list(flat)
     layout_flat: list[Any] = [None] * len(flat)
     moved = False
+    written: tuple[torch.Tensor, Layout] | None = None
     for p in positions:
         dt = flat[p]
         target = decision.inputs.get(p)
@@ -690,7 +694,9 @@ def _run(
             moved = True
             local, layout = redistribute_local(dt._local, dt._layout, target)
             if decision.inplace and p == positions[0]:
-                # The op writes into its first argument: move that DTensor itself first.
+                # The op writes into its first argument: move that DTensor itself first
+                # (and back afterwards: see [Note: an in-place op keeps its destination's layout]).
+                written = (dt._local, dt._layout)
                 dt._local, dt._layout = local, layout
             local_flat[p] = local
             layout_flat[p] = layout
@@ -722,6 +728,8 @@ def _run(
     wrapped: Any = None
     if decision.inplace:
         value = flat[positions[0]]
+        if written is not None:
+            keep_destination_layout(value, *written)
     else:
         if meta is None:
             meta = _decided_meta(decision, func, key, flat, spec)

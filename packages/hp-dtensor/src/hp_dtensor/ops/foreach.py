@@ -21,7 +21,7 @@ from hp_dtensor.ops.meshes import common_mesh
 from hp_dtensor.ops.pointwise import pointwise_rule
 from hp_dtensor.ops.strided import decide, elementwise, reads_strided
 from hp_dtensor.placements import Replicate
-from hp_dtensor.redistribute import redistribute_local
+from hp_dtensor.redistribute import keep_destination_layout, redistribute_local
 
 __all__ = ["dispatch_foreach", "element_positions", "foreach_run"]
 
@@ -138,18 +138,22 @@ def dispatch_foreach(
         if p not in listed:  # a tensor outside the lists meets every element: whole
             decision.inputs[p] = (Replicate(),) * flat[p]._layout.mesh.ndim
     local_flat = list(flat)
+    written: list[tuple[DTensor, torch.Tensor, Layout]] = []
     for p in positions:
         dt = flat[p]
         target = decision.inputs.get(p)
         if target is not None and target != dt._layout.placements:
             local, layout = redistribute_local(dt._local, dt._layout, target)
             if decision.inplace and _is_first_list_member(args, dt):
+                written.append((dt, dt._local, dt._layout))  # moved back after the op
                 dt._local, dt._layout = local, layout
             local_flat[p] = local
         else:
             local_flat[p] = dt._local
     local_args, local_kwargs = pytree.tree_unflatten(local_flat, spec)
     result = (local_run or _call)(func, local_args, local_kwargs)
+    for dt, local, layout in written:  # see [Note: an in-place op keeps its destination's layout]
+        keep_destination_layout(dt, local, layout)
     if decision.inplace:
         return None if result is None else args[0]
     wrapped = []

@@ -67,3 +67,21 @@ def _inplace_view(func: Any) -> Any:
 
 for _func in _TWINS:
     SPECIAL[_func] = _inplace_view(_func)
+
+
+def _resize(args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTensor:
+    """``resize_`` to the DTensor's own shape is a no-op (what ``out=`` factories call first); others refused.
+
+    A DTensor's global shape is fixed when it is made: growing or shrinking
+    it would leave every rank's piece to be re-cut under a layout nobody chose.
+    """
+    dt, size = args[0], tuple(args[1])
+    if size == tuple(dt.shape) and kwargs.get("memory_format") in (None, torch.contiguous_format):
+        return dt
+    raise NotImplementedError(
+        f"aten.resize_: a DTensor of shape {tuple(dt.shape)} cannot be resized to {size} (its layout fixes "
+        "its shape); make a new DTensor of that shape (e.g. distribute_tensor(torch.empty(...)))."
+    )
+
+
+SPECIAL[aten.resize_.default] = _resize
