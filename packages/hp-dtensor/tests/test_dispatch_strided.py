@@ -1,6 +1,6 @@
 """The dispatcher asks every rule through ``strided.decide``: StridedShard inputs on both paths.
 
-No ``through_decide`` here: these tests use the dispatcher as it ships
+These tests use the dispatcher as it ships
 ([Note: rules and strided shards] in :mod:`hp_dtensor.ops.strided`). The
 decision cache and the fast path are keyed by layouts, and a
 ``StridedShard(0, k)`` layout has the same shape and stride as the
@@ -18,7 +18,6 @@ import pytest
 import torch
 from hp_dtensor import Replicate, Shard, StridedShard, distribute_tensor, fallback_policy
 from hp_dtensor.ops import dispatch as D
-from hp_dtensor.ops import strided
 from hp_testing import record_collectives
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -26,11 +25,6 @@ from test_dispatch_cache import counting_slow_path
 
 aten = torch.ops.aten
 R = Replicate()
-
-
-def test_dispatcher_is_wired() -> None:
-    """The dispatcher asks through ``decide``, so DTensors may carry the placement."""
-    assert strided.wired()
 
 
 @pytest.mark.distributed(world_size=2)

@@ -122,8 +122,8 @@ def test_foreach_keeps_strided_cut(rank, device_mesh_factory) -> None:  # type: 
 
 
 @pytest.mark.distributed(world_size=2)
-def test_foreach_other_rules_see_strided_replicated(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
-    """A foreach rule that never heard of StridedShard (``_foreach_norm``) sees it whole: right values."""
+def test_foreach_norm_of_a_strided_cut(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """``_foreach_norm`` of a strided cut: right values (kept partial, no gather: test_strided_foreach.py)."""
     mesh = device_mesh_factory((2,))
     x, dx = _pair(mesh)
     (norm,) = torch._foreach_norm([dx])

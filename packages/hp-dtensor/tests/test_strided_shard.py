@@ -8,11 +8,6 @@ consume the placement are in ``test_strided_shard_views.py``.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
 import pytest
 import torch
 from hp_dtensor import (
@@ -28,56 +23,12 @@ from hp_dtensor import (
     to_torch_dtensor,
 )
 from hp_dtensor.layout import strided_rows, strided_sizes
-from hp_dtensor.ops import dispatch, strided
 from hp_dtensor.placements import as_placement
 from hp_testing import record_collectives
 from torch.distributed import tensor as td
 from torch.distributed.tensor.placement_types import _StridedShard
 
 R = Replicate()
-
-
-@contextmanager
-def through_decide() -> Iterator[None]:
-    """Rules asked through ``strided.decide`` for the duration (a no-op once the dispatcher does so).
-
-    Until the dispatcher is wired ([Note: rules and strided shards]), this puts
-    the same call in front of every rule it looks up, so the tests exercise
-    what the wired dispatcher will do.
-    """
-    if strided.wired():
-        yield
-        return
-    table = dispatch.RULES
-
-    class Asked(dict):  # type: ignore[type-arg]
-        def get(self, op: Any, default: Any = None) -> Any:
-            rule = table.get(op)
-            return default if rule is None else functools.partial(strided.decide, rule)
-
-        def __setitem__(self, op: Any, rule: Any) -> None:
-            table[op] = rule
-
-    dispatch.RULES = Asked()  # type: ignore[assignment]
-    dispatch.decide = strided.decide  # type: ignore[attr-defined]
-    dispatch.clear_caches()
-    try:
-        yield
-    finally:
-        dispatch.RULES = table
-        del dispatch.decide  # type: ignore[attr-defined]
-        dispatch.clear_caches()
-
-
-def asked(test: Any) -> Any:
-    """``test`` run inside :func:`through_decide` (on each rank)."""
-
-    @functools.wraps(test)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with through_decide():
-            return test(*args, **kwargs)
-
-    return run
 
 
 def _torch_pieces(size: int, factor: int, parts: int) -> list[list[int]]:
@@ -122,7 +73,6 @@ def test_bad_placements() -> None:
 
 
 @pytest.mark.distributed(world_size=2)
-@asked
 def test_bad_layouts(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     x = torch.arange(12.0).view(6, 2)
@@ -137,7 +87,6 @@ def test_bad_layouts(rank, device_mesh_factory) -> None:  # type: ignore[no-unty
 
 
 @pytest.mark.distributed(world_size=4)
-@asked
 def test_strided_cut_above_another_cut_of_its_dim_is_refused(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2, 2))
     x = torch.arange(16.0).view(8, 2)
@@ -163,7 +112,6 @@ def _pieces_match_torch(x: torch.Tensor, mesh, placements, torch_placements) -> 
 
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("shape", [(12, 3), (10, 3), (7, 2), (3, 2)])
-@asked
 def test_pieces_and_gather_1d(rank, device_mesh_factory, shape) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     x = torch.arange(shape[0] * shape[1], dtype=torch.float64).view(shape)
@@ -176,7 +124,6 @@ def test_pieces_and_gather_1d(rank, device_mesh_factory, shape) -> None:  # type
 
 @pytest.mark.distributed(world_size=4)
 @pytest.mark.parametrize("shape", [(24, 3), (10, 3)])
-@asked
 def test_pieces_and_moves_4_ranks(rank, device_mesh_factory, shape) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((4,))
     x = torch.arange(shape[0] * shape[1], dtype=torch.float64).view(shape)
@@ -208,7 +155,6 @@ def _moves(ours: DTensor, x: torch.Tensor) -> None:
 
 
 @pytest.mark.distributed(world_size=2)
-@asked
 def test_moves_2_ranks_uneven(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     x = torch.arange(33, dtype=torch.float64).view(11, 3)
@@ -216,7 +162,6 @@ def test_moves_2_ranks_uneven(rank, device_mesh_factory) -> None:  # type: ignor
 
 
 @pytest.mark.distributed(world_size=2)
-@asked
 def test_gradient_of_a_redistribution(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
@@ -230,7 +175,6 @@ def test_gradient_of_a_redistribution(rank, device_mesh_factory) -> None:  # typ
 
 
 @pytest.mark.distributed(world_size=4)
-@asked
 def test_2d_mesh_torchs_fsdp_tp_layout(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     """[_S(0, 2), S(0)]: torch's layout of a TP-cut parameter FSDP cuts again (right-to-left)."""
     mesh = device_mesh_factory((2, 2), ("dp", "tp"))
@@ -251,7 +195,6 @@ def test_2d_mesh_torchs_fsdp_tp_layout(rank, device_mesh_factory) -> None:  # ty
 
 
 @pytest.mark.distributed(world_size=4)
-@asked
 def test_2d_mesh_plan_never_nests_a_strided_cut_wrongly(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     """[S(0), R] -> [R, _S(0, 2)]: a plan through [S(0), _S(0, 2)] would gather mesh dim 0 under it."""
     mesh = device_mesh_factory((2, 2))
@@ -270,7 +213,6 @@ def test_2d_mesh_plan_never_nests_a_strided_cut_wrongly(rank, device_mesh_factor
 
 
 @pytest.mark.distributed(world_size=2)
-@asked
 def test_torch_interop_both_ways(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
@@ -289,19 +231,3 @@ def test_torch_interop_both_ways(rank, device_mesh_factory) -> None:  # type: ig
         torch.testing.assert_close(ours.grad.full_tensor(), torch.full_like(x, 2.0))
     one = td.distribute_tensor(x, mesh.to_torch(), [_StridedShard(0, split_factor=1)])
     assert from_torch_dtensor(one, mesh).placements == (Shard(0),)
-
-
-@pytest.mark.distributed(world_size=2)
-def test_refused_while_the_dispatcher_does_not_ask_through_decide(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
-    """Until every rule is asked through ``strided.decide``, no DTensor may carry the placement."""
-    mesh = device_mesh_factory((2,))
-    x = torch.arange(8.0).view(4, 2)
-    wired = strided.wired
-    strided.wired = lambda: False  # type: ignore[assignment]
-    try:
-        with pytest.raises(TypeError, match=r"StridedShard, which has no hp_dtensor equivalent until the"):
-            distribute_tensor(x, mesh, [StridedShard(0, 2)])
-        with pytest.raises(TypeError, match=r"torch's .*_StridedShard, which has no hp_dtensor equivalent"):
-            distribute_tensor(x, mesh, [_StridedShard(0, split_factor=2)])
-    finally:
-        strided.wired = wired  # type: ignore[method-assign]

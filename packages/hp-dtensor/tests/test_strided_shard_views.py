@@ -10,8 +10,7 @@ takes the fallback), collectives are counted, and the placements match
 torch's DTensor where torch produces a ``_StridedShard`` too.
 
 The dispatcher asks rules through :func:`hp_dtensor.ops.strided.decide`
-([Note: rules and strided shards]); ``through_decide`` (in
-``test_strided_shard.py``) makes sure it does for the test's duration.
+([Note: rules and strided shards]).
 """
 
 from __future__ import annotations
@@ -32,34 +31,14 @@ from hp_dtensor import (
     fallback_stats,
     from_torch_dtensor,
 )
-from hp_dtensor.ops import strided
-from hp_dtensor.ops.dispatch import Decision
 from hp_testing import record_collectives
 from torch.distributed import tensor as td
 
 sys.path.insert(0, str(Path(__file__).parent))
 from op_compare import check
-from test_strided_shard import through_decide
 
 R = Replicate()
 NO_COMM: dict[str, int] = {}
-
-
-def test_only_rules_asked_through_decide_may_produce_it() -> None:
-    seen: list[bool] = []
-
-    def rule(call: Any) -> Decision:
-        seen.append(strided.may_produce_strided())
-        return Decision()
-
-    class Call:
-        positions: tuple[int, ...] = ()
-
-    rule(Call())
-    strided.decide(rule, Call())  # type: ignore[arg-type]
-    strided.decide(strided.reads_strided(rule), Call())  # type: ignore[arg-type]
-    assert seen == [False, False, True]
-    strided.STRIDED_RULES.discard(rule)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -92,7 +71,7 @@ def test_merges_move_nothing(rank, device_mesh_factory, name) -> None:  # type: 
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
     before = fallback_stats()
-    with through_decide(), fallback_policy("error"):
+    with fallback_policy("error"):
         out = check(
             fn,
             [torch.randn(*shape, dtype=torch.float64)],
@@ -110,18 +89,17 @@ def test_merges_move_nothing(rank, device_mesh_factory, name) -> None:  # type: 
 def test_merges_match_torchs_dtensor(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
-    with through_decide():
-        for name in list(MERGES)[:3]:
-            shape, dim, fn, expect = MERGES[name]
-            x = torch.randn(*shape, dtype=torch.float64)
-            ours = fn(distribute_tensor(x, mesh, [Shard(dim)]))
-            theirs = fn(td.distribute_tensor(x, mesh.to_torch(), [td.Shard(dim)]))
-            assert ours.placements == (expect,), name
-            assert ours.placements[0] == theirs.placements[0], name  # (torch's __eq__ knows only its own)
-            torch.testing.assert_close(ours.to_local(), theirs.to_local(), rtol=0, atol=0, msg=name)
-            back = from_torch_dtensor(theirs, mesh)
-            assert back.placements == (expect,)
-            torch.testing.assert_close(fn(back.view(shape)).full_tensor(), fn(x), rtol=0, atol=0)
+    for name in list(MERGES)[:3]:
+        shape, dim, fn, expect = MERGES[name]
+        x = torch.randn(*shape, dtype=torch.float64)
+        ours = fn(distribute_tensor(x, mesh, [Shard(dim)]))
+        theirs = fn(td.distribute_tensor(x, mesh.to_torch(), [td.Shard(dim)]))
+        assert ours.placements == (expect,), name
+        assert ours.placements[0] == theirs.placements[0], name  # (torch's __eq__ knows only its own)
+        torch.testing.assert_close(ours.to_local(), theirs.to_local(), rtol=0, atol=0, msg=name)
+        back = from_torch_dtensor(theirs, mesh)
+        assert back.placements == (expect,)
+        torch.testing.assert_close(fn(back.view(shape)).full_tensor(), fn(x), rtol=0, atol=0)
 
 
 # name: (input shape, view, input cut dim): no StridedShard describes the result, so it is gathered
@@ -136,10 +114,9 @@ GATHERED = {
 def test_views_no_cut_describes_are_gathered_and_right(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
-    with through_decide():
-        for name, (shape, fn, dim) in GATHERED.items():
-            out = check(fn, [torch.randn(*shape, dtype=torch.float64)], [[Shard(dim)]], mesh, tag=name)
-            assert out.placements == (R,), f"{name}: {out.placements}"
+    for name, (shape, fn, dim) in GATHERED.items():
+        out = check(fn, [torch.randn(*shape, dtype=torch.float64)], [[Shard(dim)]], mesh, tag=name)
+        assert out.placements == (R,), f"{name}: {out.placements}"
 
 
 # name: (fn of the (4, 6, 2) input cut on dim 1 and a (24, 2) operand, operand placement, output)
@@ -167,7 +144,7 @@ def test_consumers_keep_the_cut(rank, device_mesh_factory, name) -> None:  # typ
         u_placement: Any = StridedShard(0, 4)
     else:
         u_placement = other
-    with through_decide(), fallback_policy("error"):
+    with fallback_policy("error"):
         placements = [[Shard(1)], [u_placement]]
         check(fn, [x, u], placements, mesh, expect=[expect], forward_collectives=NO_COMM, tag=name)
 
@@ -178,12 +155,11 @@ def test_other_consumers_gather_once_and_are_right(rank, device_mesh_factory) ->
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
     x, w = torch.randn(4, 6, 2, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
-    with through_decide(), fallback_policy("error"):
+    with fallback_policy("error"):
         for name, fn in (
             ("softmax", lambda t, v: _flat(t).softmax(-1)),
             ("matmul", lambda t, v: _flat(t) @ v),
             ("cumsum along the cut dim", lambda t, v: _flat(t).cumsum(0)),
-            ("broadcast add", lambda t, v: _flat(t) + v[:, 0]),
         ):
             gather = {"all_gather_into_tensor": 1}
             check(fn, [x, w], [[Shard(1)], [R]], mesh, forward_collectives=gather, tag=name)
@@ -196,11 +172,10 @@ def test_merges_4_ranks(rank, device_mesh_factory, shape) -> None:  # type: igno
     mesh = device_mesh_factory((4,))
     torch.manual_seed(0)
     x = torch.randn(*shape, dtype=torch.float64)
-    with through_decide():
-        out = check(lambda t: _flat(t).view(shape) * 2, [x], [[Shard(1)]], mesh, forward_collectives=NO_COMM)
-        assert out.placements == (Shard(1),)
-        merged = check(lambda t: _flat(t) + 1, [x], [[Shard(1)]], mesh, forward_collectives=NO_COMM)
-        assert merged.placements == (StridedShard(0, shape[0]),), merged.placements
+    out = check(lambda t: _flat(t).view(shape) * 2, [x], [[Shard(1)]], mesh, forward_collectives=NO_COMM)
+    assert out.placements == (Shard(1),)
+    merged = check(lambda t: _flat(t) + 1, [x], [[Shard(1)]], mesh, forward_collectives=NO_COMM)
+    assert merged.placements == (StridedShard(0, shape[0]),), merged.placements
 
 
 @pytest.mark.distributed(world_size=4)
@@ -217,7 +192,7 @@ def test_merges_on_a_2d_mesh(rank, device_mesh_factory) -> None:  # type: ignore
         ([Shard(2), Shard(1)], lambda t: t.flatten(1, 2), [R, Shard(1)], 1),
         ([Shard(1), Shard(2)], lambda t: t.flatten(1, 2), [Shard(1), R], 1),
     ]
-    with through_decide(), fallback_policy("error"):
+    with fallback_policy("error"):
         for placements, fn, expect, gathers in cases:
             d = distribute_tensor(x, mesh, placements)
             with record_collectives() as log:
@@ -234,8 +209,7 @@ def test_merges_on_a_2d_mesh(rank, device_mesh_factory) -> None:  # type: ignore
 def test_repeat_interleave_without_dim(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
-    with through_decide():
-        check(lambda t: t.repeat_interleave(2), [torch.randn(3, 4, dtype=torch.float64)], [[Shard(1)]], mesh)
+    check(lambda t: t.repeat_interleave(2), [torch.randn(3, 4, dtype=torch.float64)], [[Shard(1)]], mesh)
 
 
 # name: (fn, inputs' shapes, their placements, output placements, forward collectives)
@@ -281,7 +255,7 @@ def test_cat_and_stack_of_mixed_cuts_move_nothing(rank, device_mesh_factory, nam
     mesh = device_mesh_factory((2,))
     torch.manual_seed(0)
     inputs = [torch.randn(*shape, dtype=torch.float64) for shape in shapes]
-    with through_decide(), fallback_policy("error"):
+    with fallback_policy("error"):
         check(fn, inputs, placements, mesh, expect=expect, forward_collectives=NO_COMM, tag=name)
 
 
@@ -290,7 +264,7 @@ def test_cat_on_a_2d_mesh_and_uneven_cats(rank, device_mesh_factory) -> None:  #
     mesh = device_mesh_factory((2, 2))
     torch.manual_seed(0)
     a, b = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
-    with through_decide(), fallback_policy("error"):
+    with fallback_policy("error"):
         cat = lambda x, y: torch.cat([x, y], 0)  # noqa: E731
         expect = [StridedShard(0, 2), Shard(1)]
         check(cat, [a, b], [[Shard(0), R], [R, Shard(1)]], mesh, expect=expect, forward_collectives=NO_COMM)
@@ -307,7 +281,7 @@ def test_slices_of_whole_blocks_move_nothing(rank, device_mesh_factory) -> None:
     torch.manual_seed(0)
     a, b, c = (torch.randn(5, 3, dtype=torch.float64) for _ in range(3))
     cat = lambda x, y, z: torch.cat([x, y, z])  # noqa: E731
-    with through_decide(), fallback_policy("error"):
+    with fallback_policy("error"):
         for name, fn, expect in (
             ("one block", lambda x, y, z: cat(x, y, z)[5:10], Shard(0)),
             ("two blocks", lambda x, y, z: cat(x, y, z)[5:], StridedShard(0, 2)),
@@ -337,7 +311,7 @@ def test_reductions_of_uneven_strided_pieces(rank, device_mesh_factory) -> None:
     torch.manual_seed(0)
     x = torch.randn(5, 5, 5, dtype=torch.float64)
     merged = lambda t: t.view(25, 5)  # noqa: E731
-    with through_decide(), fallback_policy("error"):
+    with fallback_policy("error"):
         for name, fn, expect, comm in (
             ("sum over the other dim", lambda t: merged(t).sum(-1), StridedShard(0, 5), NO_COMM),
             ("mean over the other dim", lambda t: merged(t).mean(1, True), StridedShard(0, 5), NO_COMM),

@@ -131,8 +131,6 @@ def normalize_placements(
     out: list[Placement] = []
     for index, given in enumerate(values):
         placement = as_placement(given, f"{what}: placements[{index}]")
-        if isinstance(placement, StridedShard):
-            _check_strided_wired(given, f"{what}: placements[{index}]")
         if isinstance(placement, (Shard, StridedShard)):
             dim = placement.dim
             if not -ndim <= dim < ndim:
@@ -150,22 +148,6 @@ def normalize_placements(
         out.append(placement)
     check_strided_order(out, what)
     return tuple(out)
-
-
-def _check_strided_wired(given: Any, what: str) -> None:
-    """Refuse a ``StridedShard`` while the dispatcher does not ask rules through ``ops.strided.decide``."""
-    from hp_dtensor.ops.strided import wired
-
-    if wired():
-        return
-    kind = type(given)
-    name = f"torch's {kind.__module__}.{kind.__qualname__}" if is_torch_placement(given) else "StridedShard"
-    raise TypeError(
-        f"{what}={given!r} is {name}, which has no hp_dtensor equivalent until the dispatcher asks op "
-        "rules through hp_dtensor.ops.strided.decide (rules would misread it); hp_dtensor takes "
-        "Shard(d), Replicate() and Partial('sum' | 'avg' | 'max' | 'min' | 'product') for now. "
-        "Redistribute to one of those first."
-    )
 
 
 def check_strided_order(placements: Sequence[Placement], what: str) -> None:

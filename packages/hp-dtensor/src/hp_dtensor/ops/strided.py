@@ -12,9 +12,7 @@ has to know the placement, and cannot misread it.
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch.utils import _pytree as pytree
@@ -31,10 +29,8 @@ __all__ = [
     "STRIDED_RULES",
     "decide",
     "elementwise",
-    "may_produce_strided",
     "reads_strided",
     "reduces_whole",
-    "wired",
 ]
 
 Rule = Callable[["OpCall"], "Decision | None"]
@@ -43,8 +39,6 @@ AnyRule = TypeVar("AnyRule", bound=Callable[..., Any])
 
 STRIDED_RULES: set[Any] = set()  # rules that read (and may produce) StridedShard themselves
 ELEMENTWISE_RULES: set[Any] = set()  # rules that see StridedShard as the Shard of the same dim
-
-_STATE = threading.local()
 
 
 def reads_strided(rule: AnyRule) -> AnyRule:
@@ -62,43 +56,6 @@ def elementwise(rule: AnyRule) -> AnyRule:
     """
     ELEMENTWISE_RULES.add(rule)
     return rule
-
-
-def wired() -> bool:
-    """Whether the dispatcher asks every rule through :func:`decide` (see [Note: rules and strided shards]).
-
-    Until it does, no DTensor may carry a ``StridedShard``: rules that never
-    heard of it would misread it. :func:`hp_dtensor.layout.normalize_placements`
-    refuses one then, and views gather as before.
-
-    Always True now (``ops.dispatch`` imports :func:`decide` and asks every
-    rule through it), like :func:`may_produce_strided` (the view rules that
-    call it run only through :func:`decide`): dead gating, kept only while its
-    callers (``layout._check_strided_wired``, the ``strided_ok`` of
-    ``ops.views``, the strided tests' ``through_decide``) remain; it goes with them.
-    """
-    from hp_dtensor.ops import dispatch
-
-    return getattr(dispatch, "decide", None) is decide
-
-
-def may_produce_strided() -> bool:
-    """Whether the rule now running was asked through :func:`decide` (so its outputs are handled).
-
-    A rule that produces ``StridedShard`` checks this: a dispatcher that does
-    not ask through :func:`decide` would hand the placement to rules that
-    never heard of it, so there the rule gathers as it did before.
-    """
-    return getattr(_STATE, "depth", 0) > 0
-
-
-@contextmanager
-def _producing() -> Iterator[None]:
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.depth -= 1
 
 
 # [Note: rules and strided shards]
@@ -144,8 +101,7 @@ def _producing() -> Iterator[None]:
 def decide(rule: Rule, call: OpCall) -> Decision | None:
     """``rule``'s decision for ``call``, with ``StridedShard`` inputs shown as the rule can read them."""
     if rule in STRIDED_RULES:
-        with _producing():
-            return rule(call)
+        return rule(call)
     strided = [p for p in call.positions if _strided_dims(call.layout(p))]
     if not strided:
         return rule(call)

@@ -24,7 +24,7 @@ import torch
 
 from hp_dtensor.layout import Layout, chunk_sizes
 from hp_dtensor.ops.dispatch import Decision, LocalCall, OpCall, register
-from hp_dtensor.ops.strided import may_produce_strided, reads_strided
+from hp_dtensor.ops.strided import reads_strided
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 
 __all__ = ["covers", "map_dims", "view_groups"]
@@ -195,7 +195,7 @@ def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int],
 # size, its blocks are then equal), so the view that splits the merged dim
 # again finds that ``Shard``. Anything else is gathered.
 def _cut_after_view(
-    shape: Sequence[int], placement: Shard | StridedShard, out_shape: Sequence[int], n: int, strided_ok: bool
+    shape: Sequence[int], placement: Shard | StridedShard, out_shape: Sequence[int], n: int
 ) -> Placement:
     """The placement of the view's output for one mesh dim of size ``n`` cutting ``placement.dim``."""
     d = placement.dim
@@ -221,7 +221,7 @@ def _cut_after_view(
         if [s * inner for s in chunk_sizes(rows, n)] == [s * after for s in chunk_sizes(out_shape[k], n)]:
             return Shard(k)
         return Replicate()
-    if not strided_ok or outer == 0:
+    if outer == 0:
         return Replicate()
     prefix = 1
     for k in gj:
@@ -243,7 +243,6 @@ def _cut_after_view(
 
 def _view_decision(call: OpCall, layout: Layout, out_shape: Sequence[int]) -> Decision:
     mesh = layout.mesh
-    strided_ok = may_produce_strided()
     inputs: list[Placement] = []
     out: list[Placement] = []
     for m, placement in enumerate(layout.placements):
@@ -252,11 +251,7 @@ def _view_decision(call: OpCall, layout: Layout, out_shape: Sequence[int]) -> De
             out.append(placement)
             continue
         shared = any(p.is_shard(placement.dim) for i, p in enumerate(layout.placements) if i != m)
-        keep = (
-            Replicate()
-            if shared
-            else _cut_after_view(layout.shape, placement, out_shape, mesh.shape[m], strided_ok)
-        )
+        keep = Replicate() if shared else _cut_after_view(layout.shape, placement, out_shape, mesh.shape[m])
         inputs.append(placement if not isinstance(keep, Replicate) else Replicate())
         out.append(keep)
     for m, placement in enumerate(out):
@@ -378,7 +373,7 @@ def cat_rule(call: OpCall) -> Decision:
 
 def _strided_cat_mesh_dim(layouts: Sequence[Layout], dim: int) -> int | None:
     """The mesh dim whose ``S(dim)`` inputs a ``cat`` along ``dim`` keeps as a ``StridedShard``, if any."""
-    if not may_produce_strided() or len({lay.shape[dim] for lay in layouts}) != 1:
+    if len({lay.shape[dim] for lay in layouts}) != 1:
         return None
     for m in range(layouts[0].mesh.ndim):
         seen = {lay.placements[m] for lay in layouts}
