@@ -9,7 +9,7 @@ import torch
 from hp_dtensor import Replicate, Shard, distribute_tensor
 
 
-@pytest.mark.distributed(world_size=2)
+@pytest.mark.distributed(world_size=2, mode="process")  # one profiler per process
 def test_redistribute_is_labelled_in_a_profile(rank: int, device_mesh_factory: Any) -> None:
     mesh = device_mesh_factory((2,), ("tp",))
     x = distribute_tensor(torch.randn(7, 4, requires_grad=True), mesh, [Shard(0)])

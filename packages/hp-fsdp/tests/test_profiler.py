@@ -22,7 +22,7 @@ LABELS = {
 }
 
 
-@pytest.mark.distributed(world_size=2)
+@pytest.mark.distributed(world_size=2, mode="process")  # one profiler per process
 def test_fsdp_step_is_labelled_in_a_profile(rank: int, device_mesh_factory: Any) -> None:
     from hp_fsdp import fully_shard
 

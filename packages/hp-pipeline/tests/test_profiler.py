@@ -8,7 +8,7 @@ from hp_pipeline import PipelineStage, Schedule1F1B
 from torch import nn
 
 
-@pytest.mark.distributed(world_size=2, timeout=60)
+@pytest.mark.distributed(world_size=2, timeout=60, mode="process")  # one profiler per process
 def test_actions_are_labelled_in_a_profile(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     blocks = [nn.Linear(4, 4) for _ in range(2)]
