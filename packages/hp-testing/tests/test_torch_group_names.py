@@ -62,6 +62,27 @@ def hp_mesh_keeps_its_groups(rank):
     assert t.item() == 2.0
 
 
+def dtensor_add(rank):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    full = torch.arange(16.0).reshape(8, 2)
+    y = distribute_tensor(full, mesh, [Shard(0), Replicate()]) + 1  # its sharding is cached
+    # the output lives on this test's mesh, not on an equal mesh of an earlier test
+    assert [y.device_mesh.get_group(d).group_name for d in range(2)] == [
+        mesh.get_group(d).group_name for d in range(2)
+    ]
+    torch.testing.assert_close(y.full_tensor(), full + 1)
+
+
+def another_group_then_dtensor_add(rank):
+    other = dist.new_group([0, 1, 2, 3])  # shifts the names the mesh's groups get
+    t = torch.ones(1)
+    dist.all_reduce(t, group=other)
+    assert t.item() == 4.0
+    dtensor_add(rank)
+
+
 def same_names_as_a_fresh_process(rank):
     assert len(NAMES) >= 2 and all(names == NAMES[0] for names in NAMES[:2]), NAMES
 """
@@ -106,4 +127,18 @@ def test_identical_fsdp_tests_on_one_pool_both_pass_and_name_groups_alike(
     _run(pool_of_4, body, "hp_mesh_keeps_its_groups")
     _run(pool_of_4, body, "fsdp_step")
     _run(pool_of_4, body, "fsdp_step")
+    assert pool_of_4.reinits == 0 and pool_of_4.restarts == 0
+
+
+def test_a_test_that_shifts_group_names_gets_its_own_mesh_from_torchs_caches(
+    pool_of_4: WorkerPool, tmp_path: Path
+) -> None:
+    # [Note: torch's mesh caches across pooled tests] in hp_testing._worker: the second test's
+    # cached DTensor output was placed on the first test's mesh, whose group names no longer
+    # existed ("Could not resolve the process group registered under the name 3").
+    body = tmp_path / "group_names_body.py"
+    body.write_text(BODY)
+    _run(pool_of_4, body, "dtensor_add")
+    _run(pool_of_4, body, "another_group_then_dtensor_add")
+    _run(pool_of_4, body, "dtensor_add")
     assert pool_of_4.reinits == 0 and pool_of_4.restarts == 0

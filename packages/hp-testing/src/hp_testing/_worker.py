@@ -141,6 +141,45 @@ def _clear_hp_caches() -> None:
             clear()
 
 
+# [Note: torch's mesh caches across pooled tests]
+# torch's DTensor caches compare device meshes by ranks, layout and dimension
+# names, not by the names of their groups: the sharding propagation cache, the
+# redistribution transforms and planners and the mesh topology hand a later,
+# equal mesh the specs of an earlier one (the C++ dispatch fast path keeps its
+# own copy), whose group names then resolve. After
+# the counter rewind ([Note: group names across pooled tests] in
+# hp_testing._test_groups) an identical test names its groups alike, but a test
+# that made another group first has shifted names: the earlier mesh's names
+# meant nothing or other ranks ("Could not resolve the process group registered
+# under the name 3"). So whenever the counter is rewound (the previous test made
+# groups) these caches are cleared too, as a fresh process would start them.
+# Caches local to torch's functions (an lru_cache made per strategy
+# expansion) live and die with their call and need nothing.
+_MESH_CACHES = (
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos", "cache_clear"),
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache", None),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo", "build_from_mesh.cache_clear"),
+)
+
+
+def _forget_cached_meshes() -> None:
+    """Empty torch's mesh-keyed caches ([Note: torch's mesh caches across pooled tests])."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is None:
+        return  # no DTensor imported: nothing cached
+    with contextlib.suppress(Exception):
+        torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's own
+    with contextlib.suppress(Exception):
+        tensor.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    for module_name, name, method in _MESH_CACHES:
+        target: Any = getattr(sys.modules.get(module_name), name, None)
+        for part in (method or "").split("."):
+            target = getattr(target, part, None) if part else target
+        if callable(target):
+            with contextlib.suppress(Exception):
+                target()
+
+
 def _destroy_group() -> None:
     _clear_hp_caches()
     if dist.is_initialized():
@@ -270,6 +309,7 @@ def _run_task(
     out, err = io.StringIO(), io.StringIO()
     if options.names_from is not None:
         _test_groups.rewind(options.names_from, options.prefix or task.nodeid)  # the same on every rank
+        _forget_cached_meshes()  # [Note: torch's mesh caches across pooled tests]
     before = _test_groups.mark()
     start = time.perf_counter()
     result = TaskResult(rank=cfg.rank, ok=True)
