@@ -1,9 +1,10 @@
 """``local_map`` with uneven and data-dependent output shards, and DTensor keyword arguments.
 
 torch's local_map takes the global size of a sharded output as local size x
-mesh size; hp gathers the sharded outputs' local shapes in one exchange per
-call ([Note: uneven local_map outputs] in ``hp_dtensor/local_map.py``), what
-``from_local(run_check=True)`` costs, and none when no output is sharded.
+mesh size; when an argument is cut unevenly hp gathers the sharded outputs'
+local shapes in one exchange per call ([Note: uneven local_map outputs] in
+``hp_dtensor/local_map.py``), what ``from_local(run_check=True)`` costs; none
+when no output is sharded or every argument is cut evenly (the hot path).
 Values and gradients against plain tensors, on 2 ranks.
 """
 
@@ -89,6 +90,14 @@ def test_several_outputs_share_one_exchange(rank, device_mesh_factory) -> None: 
     assert pos.shape == neg.shape == (5, 3)
     torch.testing.assert_close(pos.full_tensor() + neg.full_tensor(), X)
 
+    # Evenly cut arguments (attention heads): even outputs assumed, as torch does; nothing exchanged.
+    even = distribute_tensor(_rows(6), mesh, [Shard(0)])
+    with _exchanges() as exchanges, record_collectives() as log:
+        pos, _, _ = both(even)
+    assert exchanges == [] and log.count() == 0
+    assert pos.shape == (6, 3)
+    torch.testing.assert_close(pos.full_tensor(), _rows(6).clamp(min=0))
+
     # Only replicated outputs: nothing to agree on.
     whole = local_map(lambda t: t * 2, [Replicate()], ([Replicate()],))
     with _exchanges() as exchanges:
@@ -101,10 +110,11 @@ def test_bad_outputs_and_dtensor_keywords(rank, device_mesh_factory) -> None:  #
     mesh = device_mesh_factory((2,))
     X = _rows(4)
     x = distribute_tensor(X, mesh, [Shard(0)])
-    # Ranks returning outputs of different dtypes: every rank raises, naming each coordinate's output.
+    # Ranks returning outputs of different dtypes from an unevenly cut argument (exchanged): every
+    # rank raises, naming each coordinate's output.
     mixed = local_map(lambda t: t if rank == 0 else t.float(), [Shard(0)], ([Shard(0)],))
     with pytest.raises(ValueError, match="different outputs"):
-        mixed(x)
+        mixed(distribute_tensor(_rows(5), mesh, [Shard(0)]))
     # A DTensor keyword argument: torch hands func the DTensor; hp refuses it with the fix.
     scaled = local_map(lambda t, *, by: t * by, [Shard(0)], ([Shard(0)],))
     with pytest.raises(TypeError, match=r"keyword argument 'by' holds a DTensor.*by=<dtensor>.to_local\(\)"):

@@ -66,8 +66,8 @@ def local_map(
     ``device_mesh`` defaults to the first DTensor argument's mesh.
 
     Where torch assumes even output shards, hp gets the global shape right
-    for any per-rank sizes: one small exchange of the sharded outputs' local
-    shapes per call ([Note: uneven local_map outputs]).
+    when an argument is cut unevenly: one small exchange of the sharded
+    outputs' local shapes per such call ([Note: uneven local_map outputs]).
     """
     if redistribute_inputs is not True and redistribute_inputs is not False:
         raise TypeError(
@@ -136,6 +136,7 @@ def _call(func: Callable[..., Any], options: _Options, args: tuple[Any, ...], kw
                 "(None for values that are not DTensors)."
             )
     first: DTensor | None = None  # the first DTensor argument
+    uneven = False  # an argument cut into pieces of different sizes: [Note: uneven local_map outputs]
     local_flat: list[Any] = []
     for index, value in enumerate(flat):
         if not isinstance(value, DTensor):
@@ -152,6 +153,7 @@ def _call(func: Callable[..., Any], options: _Options, args: tuple[Any, ...], kw
             continue
         if first is None:
             first = value
+        uneven = uneven or len(set(value._layout.table())) > 1
         move_to: tuple[Placement, ...] = ()
         if in_placements is not None:
             wanted = _placements(in_placements[index], value, f"in_placements[{index}]")
@@ -172,13 +174,14 @@ def _call(func: Callable[..., Any], options: _Options, args: tuple[Any, ...], kw
     if first is None:  # no DTensor argument: func ran on plain values, as torch's local_map does
         return out
     if options.from_local is not None and options.device_mesh is not None:
-        return _wrap_outputs(out, options.out_placements, options.from_local, options.device_mesh)
+        return _wrap_outputs(out, options.out_placements, options.from_local, options.device_mesh, uneven)
     like = first
     return _wrap_outputs(
         out,
         options.out_placements,
         lambda value, placements: _from_local_like(value, like, placements),
         first.device_mesh,
+        uneven,
     )
 
 
@@ -199,7 +202,9 @@ def _refuse_dtensor_kwargs(kwargs: dict[str, Any]) -> None:
             )
 
 
-def _wrap_outputs(out: Any, out_placements: OutputPlacements, from_local: FromLocal, mesh: DeviceMesh) -> Any:
+def _wrap_outputs(
+    out: Any, out_placements: OutputPlacements, from_local: FromLocal, mesh: DeviceMesh, uneven: bool
+) -> Any:
     flat, spec = pytree.tree_flatten(out)
     specs = out_placements if isinstance(out_placements, tuple) else (out_placements,)
     if len(specs) != len(flat):
@@ -231,25 +236,27 @@ def _wrap_outputs(out: Any, out_placements: OutputPlacements, from_local: FromLo
             )
         normalized = normalize_placements(placements, mesh, value.dim(), f"{_WHAT} out_placements")
         wrapped.append((value, normalized))
-    return pytree.tree_unflatten(_as_dtensors(wrapped, from_local, mesh), spec)
+    return pytree.tree_unflatten(_as_dtensors(wrapped, from_local, mesh, uneven), spec)
 
 
 # [Note: uneven local_map outputs]
 # torch's local_map wraps each output with ``from_local`` assuming even shards
 # (global size = local size x mesh size), which is wrong as soon as func
-# returns pieces of different sizes (7 rows on 2 ranks: 4 and 3, or a
-# data-dependent count per rank). hp gathers the local shapes of all sharded
-# outputs in one small exchange over the mesh per call (the cross-rank
-# agreement of ``from_local(run_check=True)``, which also checks that every
-# rank returned outputs of the same number of dims and dtype), and builds each
-# output's layout from that table: torch.chunk sizes give a plain layout,
-# others a ragged one. The sizes are host values already (tensor shapes), so
-# the exchange reads nothing back from a device beyond its own result. No
-# exchange when no output is sharded over a mesh dim of more than one rank, or
-# while torch.compile traces (shapes cannot be gathered there: even shards are
-# assumed, as ``from_local`` assumes them). torch's signature, which the API
-# contract pins, has no place to pass known global shapes instead.
-def _as_dtensors(outputs: list[Any], from_local: FromLocal, mesh: DeviceMesh) -> list[Any]:
+# returns pieces of different sizes (7 rows on 2 ranks: 4 and 3). When any
+# DTensor argument is cut into pieces of different sizes (known on every rank
+# alike from its layout, so every rank makes the same choice), hp gathers the
+# local shapes of all sharded outputs in one small exchange over the mesh (the
+# cross-rank agreement of ``from_local(run_check=True)``, which also checks that
+# every rank returned outputs of the same number of dims and dtype) and builds
+# each output's layout from that table: torch.chunk sizes give a plain layout,
+# others a ragged one. With evenly cut arguments (the hot path: attention heads,
+# torchtitan's local_map'd attention and loss) even outputs are assumed, as
+# torch does: no collective, and no device-to-host read, which the exchange
+# would cost on a GPU. So a func returning data-dependent sizes from evenly cut
+# inputs still needs ``DTensor.from_local(..., shape=...)`` by hand. No exchange
+# while torch.compile traces either (shapes cannot be gathered there). torch's
+# signature, which the API contract pins, has no place to pass global shapes.
+def _as_dtensors(outputs: list[Any], from_local: FromLocal, mesh: DeviceMesh, uneven: bool) -> list[Any]:
     """Each ``(local, placements)`` output as a DTensor, with its global shape right; others unchanged."""
     pairs = [(i, item) for i, item in enumerate(outputs) if isinstance(item, tuple)]
     unknown = [
@@ -258,7 +265,7 @@ def _as_dtensors(outputs: list[Any], from_local: FromLocal, mesh: DeviceMesh) ->
         if any(p.is_shard() and mesh.size(m) > 1 for m, p in enumerate(placements))
     ]
     tables: dict[int, list[tuple[int, ...]]] = {}
-    if unknown and not _are_we_tracing():
+    if unknown and uneven and not _are_we_tracing():
         described = [(outputs[i][0].dim(), str(outputs[i][0].dtype), repr(outputs[i][1])) for i in unknown]
         extra = [size for i in unknown for size in outputs[i][0].shape]
         rows = agree_over_mesh(
