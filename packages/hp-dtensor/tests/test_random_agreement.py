@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hp_dtensor import DTensor, Replicate, Shard, distribute_tensor
 from hp_dtensor.ops.random_agreement import (
+    ensure_rng_agreement,
     reset_rng_agreement,
     rng_agreement_policy,
     set_rng_agreement_policy,
@@ -28,12 +29,17 @@ from hp_testing import count_host_syncs, record_collectives
 SEED = 1000  # rank r seeds SEED + r where the ranks disagree
 
 
-def _all_locals(x: DTensor) -> list[torch.Tensor]:
-    """Every rank's local tensor (a test-side exchange, outside any recorded block)."""
-    local = x.to_local().detach().contiguous()
-    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, local)
+def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``t`` (a test-side exchange, outside any recorded block)."""
+    t = t.detach().contiguous()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
     return out
+
+
+def _all_locals(x: DTensor) -> list[torch.Tensor]:
+    """Every rank's local tensor."""
+    return _gathered(x.to_local())
 
 
 def _plain(seed: int, shape: tuple[int, ...], fill: str) -> torch.Tensor:
@@ -185,3 +191,68 @@ def test_rows_seeded_apart_exchange_within_their_own_row(rank, device_mesh_facto
     assert log.count("all_reduce") == 2 and log.count("broadcast") == 2
     assert len(_rng_warnings(caught)) == 1
     torch.testing.assert_close(y.full_tensor(), _plain(2 * SEED, (4, 4), "normal_"), rtol=0, atol=0)
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("factory", ["rand", "randn"])
+def test_random_factory_into_dtensor_out_agrees(rank, device_mesh_factory, factory) -> None:  # type: ignore[no-untyped-def]
+    """``torch.rand(..., out=dtensor)`` draws the whole tensor as the in-place fills do: alike too."""
+    mesh = device_mesh_factory((2,))
+    reset_rng_agreement()
+    out = distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)])
+    torch.manual_seed(SEED + rank)
+    with warnings.catch_warnings(record=True) as caught, record_collectives() as log:
+        warnings.simplefilter("always")
+        getattr(torch, factory)(4, 6, out=out)
+    assert log.count("all_reduce") == 1 and log.count("broadcast") == 1
+    assert len(_rng_warnings(caught)) == 1
+    expected = getattr(torch, factory)(4, 6, generator=torch.Generator().manual_seed(SEED))
+    torch.testing.assert_close(out.full_tensor(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_out_of_place_random_ops_agree(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """``rand_like`` and ``native_dropout`` (F.dropout's kernel on CUDA) take the replicated fallback,
+    which draws the whole result on every rank: with one state it is a single process's draw."""
+    mesh = device_mesh_factory((2,))
+    reset_rng_agreement()
+    x = distribute_tensor(torch.ones(6, 4), mesh, [Shard(0)])
+    torch.manual_seed(SEED + rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        drawn = torch.rand_like(x)
+    assert len(_rng_warnings(caught)) == 1
+    expected = torch.rand(6, 4, generator=torch.Generator().manual_seed(SEED))
+    torch.testing.assert_close(drawn.full_tensor(), expected, rtol=0, atol=0)
+
+    base = torch.arange(1.0, 13.0).reshape(3, 4)
+    r = distribute_tensor(base.clone(), mesh, [Replicate()]).requires_grad_()
+    torch.manual_seed(3 * SEED + rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, _ = torch.ops.aten.native_dropout(r, 0.5, True)
+    out.sum().backward()
+    torch.manual_seed(3 * SEED)
+    plain = base.clone().requires_grad_()
+    ref, _ = torch.ops.aten.native_dropout(plain, 0.5, True)
+    ref.sum().backward()
+    assert r.grad is not None and plain.grad is not None
+    for got, want in ((out, ref.detach()), (r.grad, plain.grad)):
+        for local in _all_locals(got):
+            torch.testing.assert_close(local, want, rtol=0, atol=0)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_direct_call_before_compiled_steps(rank, device_mesh_factory) -> None:  # type: ignore[no-untyped-def]
+    """``ensure_rng_agreement(mesh, device)`` called eagerly (compiled graphs are not checked) gives
+    every rank coordinate 0's whole generator state, so later plain draws match too."""
+    mesh = device_mesh_factory((2,))
+    reset_rng_agreement()
+    torch.manual_seed(SEED + rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ensure_rng_agreement(mesh, torch.device("cpu"))
+    assert len(_rng_warnings(caught)) == 1
+    assert torch.initial_seed() == SEED
+    first, second = _gathered(torch.get_rng_state())
+    assert torch.equal(first, second)

@@ -27,8 +27,9 @@ __all__ = [
 
 # [Note: RNG agreement]
 # A DTensor random fill (normal_, uniform_, dropout's bernoulli_, random_, the
-# random out= factories) draws the whole tensor from this rank's default
-# generator and keeps this rank's piece. That equals a single process's draw
+# random out= factories, and the out-of-place random ops the replicated
+# fallback runs: rand_like, native_dropout, multinomial, ...) draws the whole
+# tensor from this rank's default generator and keeps this rank's piece. That equals a single process's draw
 # only if every rank of the DTensor's mesh holds the same generator state;
 # under torchrun the default seeds differ per rank unless the user seeds, and
 # then a Replicate() DTensor holds different values on each rank (replicas
@@ -52,6 +53,9 @@ __all__ = [
 # reseed with a different seed per rank may leave a rank whose seed happens to
 # be the checked one out of the check while its peers wait for it. A fill
 # given an explicit generator= is not checked: the user chose its state.
+# Inside torch.compile nothing is checked (a traced graph cannot hold the
+# exchange): call ensure_rng_agreement(mesh, device) eagerly before the first
+# compiled step, or seed every rank alike.
 
 _POLICIES = ("sync", "error")
 _ENV = "HP_DTENSOR_RNG_AGREEMENT"
