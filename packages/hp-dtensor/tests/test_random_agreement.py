@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from hp_dtensor import DTensor, Replicate, Shard, distribute_tensor
+from hp_dtensor.ops import random_agreement
 from hp_dtensor.ops.random_agreement import (
     ensure_rng_agreement,
     reset_rng_agreement,
@@ -182,15 +183,33 @@ def test_rows_seeded_apart_exchange_within_their_own_row(rank, device_mesh_facto
     for r, local in enumerate(locals_):
         torch.testing.assert_close(local, _plain(SEED + r // 2, (4, 4), "normal_"), rtol=0, atol=0)
     assert not torch.equal(locals_[0], locals_[2])
-    # A DTensor over the whole mesh does need one state: coordinate (0, 0)'s, along each dim in turn.
+    # A DTensor over the whole mesh does need one state, coordinate (0, 0)'s: the mesh spans the
+    # world, so one exchange over the world's group.
     y = distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0), Replicate()])
     torch.manual_seed(2 * SEED + rank)
     with warnings.catch_warnings(record=True) as caught, record_collectives() as log:
         warnings.simplefilter("always")
         y.normal_()
-    assert log.count("all_reduce") == 2 and log.count("broadcast") == 2
+    assert log.count("all_reduce", group_ranks=range(4)) == 1 and len(log) == 2
+    assert log.count("broadcast", group_ranks=range(4)) == 1
     assert len(_rng_warnings(caught)) == 1
     torch.testing.assert_close(y.full_tensor(), _plain(2 * SEED, (4, 4), "normal_"), rtol=0, atol=0)
+    # A 2-D mesh that is part of a larger world (a pipeline stage's dp x tp mesh) has no single
+    # group: one exchange along each dim in turn. Pretend the world is larger to take that path.
+    real_world_size = random_agreement.hp_core.get_world_size
+    random_agreement.hp_core.get_world_size = lambda: 8  # type: ignore[attr-defined]
+    try:
+        torch.manual_seed(3 * SEED + rank)
+        with warnings.catch_warnings(), record_collectives() as log:
+            warnings.simplefilter("ignore")
+            y.normal_()
+    finally:
+        random_agreement.hp_core.get_world_size = real_world_size  # type: ignore[attr-defined]
+    column, row_group = [rank % 2, rank % 2 + 2], row_ranks
+    for name in ("all_reduce", "broadcast"):
+        assert log.count(name, group_ranks=column) == 1 and log.count(name, group_ranks=row_group) == 1
+    assert len(log) == 4
+    torch.testing.assert_close(y.full_tensor(), _plain(3 * SEED, (4, 4), "normal_"), rtol=0, atol=0)
 
 
 @pytest.mark.distributed(world_size=2)

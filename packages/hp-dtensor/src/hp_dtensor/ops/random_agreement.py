@@ -38,12 +38,14 @@ __all__ = [
 # So the first fill over a mesh, and the first after the generator's seed
 # changed (torch.manual_seed, or set_rng_state with a state of another seed),
 # compares a 62-bit digest of (seed, state) over the mesh: one all_reduce(max)
-# of two int64s per mesh dim longer than 1 ([h, -h]: the ranks agree when the
-# max equals the min), then one host read. Only the DTensor's own mesh takes
+# of two int64s ([h, -h]: the ranks agree when the max equals the min) over
+# the world when an n-D mesh spans it, else one per mesh dim longer than 1
+# (in turn: the max over each dim's lines is the max over the mesh), then one
+# host read. Only the DTensor's own mesh takes
 # part: pipeline stages on other meshes may seed differently on purpose. Every
 # other fill compares one host-side int (the generator's seed) with the one
 # checked: no collective, no host sync. On disagreement every rank takes
-# coordinate 0's state (one broadcast per mesh dim longer than 1, coordinate 0
+# coordinate 0's state (one broadcast per exchange above; per dim, coordinate 0
 # along each dim in turn) and a warning names the fix, once per process; under
 # the "error" policy every rank raises the same error instead.
 #
@@ -141,6 +143,26 @@ def _long_dims(mesh: DeviceMesh) -> list[int]:
     return [d for d in range(mesh.ndim) if mesh.size(d) > 1]
 
 
+def _routes(mesh: DeviceMesh) -> list[tuple[Any, int]]:
+    """(group, global rank holding coordinate 0 there) for each exchange the check needs.
+
+    One: the world's group when an n-D mesh spans the whole world, else this
+    rank's group along each dim longer than 1 (an n-D slice has no single
+    group, and creating one would be a collective over the whole world).
+    """
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    long_dims = _long_dims(mesh)
+    if len(long_dims) > 1 and mesh.size() == hp_core.get_world_size():
+        return [(None, int(mesh.mesh.reshape(-1)[0]))]
+    routes = []
+    for d in long_dims:
+        source = list(coordinate)
+        source[d] = 0  # coordinate 0 along d on this rank's line: after every dim, coordinate (0, ..., 0)
+        routes.append((mesh.get_group(d), int(mesh.mesh[tuple(source)])))
+    return routes
+
+
 def ensure_rng_agreement(
     mesh: DeviceMesh, device: torch.device, generator: torch.Generator | None = None
 ) -> None:
@@ -171,8 +193,9 @@ def _check(mesh: DeviceMesh, device: torch.device, generator: torch.Generator) -
     """One digest exchange over ``mesh``; on disagreement, coordinate 0's state everywhere or an error."""
     own = _digest(generator)
     both = torch.tensor([own, -own], dtype=torch.int64, device=device)
-    for d in _long_dims(mesh):
-        hp_core.all_reduce(both, "max", group=mesh.get_group(d))
+    routes = _routes(mesh)
+    for group, _ in routes:
+        hp_core.all_reduce(both, "max", group=group)
     largest, negated_smallest = both.tolist()  # the one host sync, at check time only
     if largest + negated_smallest == 0:
         return
@@ -184,7 +207,7 @@ def _check(mesh: DeviceMesh, device: torch.device, generator: torch.Generator) -
             "before the first random op, or set_rng_agreement_policy('sync') to use mesh coordinate 0's "
             "state on every rank."
         )
-    _adopt_coordinate_zero(mesh, device, generator)
+    _adopt_coordinate_zero(routes, device, generator)
     global _warned
     if not _warned:
         _warned = True
@@ -197,13 +220,11 @@ def _check(mesh: DeviceMesh, device: torch.device, generator: torch.Generator) -
         )
 
 
-def _adopt_coordinate_zero(mesh: DeviceMesh, device: torch.device, generator: torch.Generator) -> None:
-    """Broadcast coordinate 0's generator state along each dim in turn, then take it."""
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None
+def _adopt_coordinate_zero(
+    routes: list[tuple[Any, int]], device: torch.device, generator: torch.Generator
+) -> None:
+    """Broadcast coordinate 0's generator state over each route in turn, then take it."""
     state = generator.get_state().to(device)
-    for d in _long_dims(mesh):
-        source = list(coordinate)
-        source[d] = 0
-        hp_core.broadcast(state, src=int(mesh.mesh[tuple(source)]), group=mesh.get_group(d))
+    for group, source in routes:
+        hp_core.broadcast(state, src=source, group=group)
     generator.set_state(state.cpu())
