@@ -275,3 +275,12 @@ def test_direct_call_before_compiled_steps(rank, device_mesh_factory) -> None:  
     assert torch.initial_seed() == SEED
     first, second = _gathered(torch.get_rng_state())
     assert torch.equal(first, second)
+
+
+def test_env_policy_is_checked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``HP_DTENSOR_RNG_AGREEMENT`` picks the policy at import; a typo names the choices."""
+    monkeypatch.setenv("HP_DTENSOR_RNG_AGREEMENT", "Error")
+    assert random_agreement._initial_policy() == "error"
+    monkeypatch.setenv("HP_DTENSOR_RNG_AGREEMENT", "strict")
+    with pytest.raises(ValueError, match=r"HP_DTENSOR_RNG_AGREEMENT='strict'.*\['sync', 'error'\]"):
+        random_agreement._initial_policy()

@@ -29,25 +29,26 @@ __all__ = [
 # A DTensor random fill (normal_, uniform_, dropout's bernoulli_, random_, the
 # random out= factories, and the out-of-place random ops the replicated
 # fallback runs: rand_like, native_dropout, multinomial, ...) draws the whole
-# tensor from this rank's default generator and keeps this rank's piece. That equals a single process's draw
-# only if every rank of the DTensor's mesh holds the same generator state;
-# under torchrun the default seeds differ per rank unless the user seeds, and
-# then a Replicate() DTensor holds different values on each rank (replicas
-# drift apart over training) and a sharded one is a mix of unrelated draws.
+# tensor from this rank's default generator and keeps this rank's piece. That
+# equals a single process's draw only if every rank of the DTensor's mesh holds
+# the same generator state; under torchrun the default seeds differ per rank
+# unless the user seeds, and then a Replicate() DTensor holds different values
+# on each rank (replicas drift apart over training) and a sharded one is a mix
+# of unrelated draws.
 #
 # So the first fill over a mesh, and the first after the generator's seed
 # changed (torch.manual_seed, or set_rng_state with a state of another seed),
 # compares a 62-bit digest of (seed, state) over the mesh: one all_reduce(max)
-# of two int64s ([h, -h]: the ranks agree when the max equals the min) over
-# the world when an n-D mesh spans it, else one per mesh dim longer than 1
-# (in turn: the max over each dim's lines is the max over the mesh), then one
-# host read. Only the DTensor's own mesh takes
-# part: pipeline stages on other meshes may seed differently on purpose. Every
-# other fill compares one host-side int (the generator's seed) with the one
-# checked: no collective, no host sync. On disagreement every rank takes
-# coordinate 0's state (one broadcast per exchange above; per dim, coordinate 0
-# along each dim in turn) and a warning names the fix, once per process; under
-# the "error" policy every rank raises the same error instead.
+# of two int64s ([h, -h]: the ranks agree when the max equals the min) over the
+# world when an n-D mesh spans it, else one per mesh dim longer than 1 (in
+# turn: the max over each dim's lines is the max over the mesh), then one host
+# read. Only the DTensor's own mesh takes part: pipeline stages on other meshes
+# may seed differently on purpose. Every other fill compares one host-side int
+# (the generator's seed) with the one checked: no collective, no host sync. On
+# disagreement every rank takes coordinate 0's state (one broadcast per
+# exchange above; dim by dim, coordinate 0 along each dim in turn) and a
+# warning names the fix, once per process; under the "error" policy every rank
+# raises the same error instead.
 #
 # The decision to check is local (this rank's seed against the one last
 # checked), so it is the same on every rank when the ranks reseed alike, which
