@@ -211,6 +211,7 @@ def main() -> None:
                 loads[name].append(os.getloadavg()[0])
                 wall, count = run_suite(suites[name], HARNESSES[name][2])
                 walls[name].append(wall)
+                print(f"  {name}: {wall:.2f} s (load {loads[name][-1]:.1f})", file=sys.stderr, flush=True)
     per_test = {name: statistics.median(w) / count for name, w in walls.items()}
     ratios = {
         key: per_test[ours] / per_test[theirs]
