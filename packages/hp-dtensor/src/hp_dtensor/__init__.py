@@ -23,6 +23,13 @@ from hp_dtensor.ops.fallback import (
     reset_fallback_stats,
     set_fallback_policy,
 )
+from hp_dtensor.ops.random_agreement import (
+    ensure_rng_agreement,
+    get_rng_agreement_policy,
+    reset_rng_agreement,
+    rng_agreement_policy,
+    set_rng_agreement_policy,
+)
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 from hp_dtensor.planner import RedistributePlan, RedistributeStep, explain_redistribute
 from hp_dtensor.registration import Decision, LocalCall, OpCall, register_rule, register_sharding
@@ -56,11 +63,13 @@ __all__ = [
     "chunk_sizes",
     "distribute_module",
     "distribute_tensor",
+    "ensure_rng_agreement",
     "explain_redistribute",
     "fallback_policy",
     "fallback_stats",
     "from_torch_dtensor",
     "get_fallback_policy",
+    "get_rng_agreement_policy",
     "local_map",
     "local_tensor",
     "new_dtensor",
@@ -68,6 +77,9 @@ __all__ = [
     "register_rule",
     "register_sharding",
     "reset_fallback_stats",
+    "reset_rng_agreement",
+    "rng_agreement_policy",
     "set_fallback_policy",
+    "set_rng_agreement_policy",
     "to_torch_dtensor",
 ]

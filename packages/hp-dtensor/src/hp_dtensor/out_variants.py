@@ -18,6 +18,7 @@ from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout
 from hp_dtensor.ops.calls import Decision, OpCall
 from hp_dtensor.ops.meshes import common_mesh
+from hp_dtensor.ops.random_agreement import ensure_rng_agreement
 from hp_dtensor.placements import Replicate
 from hp_dtensor.redistribute import redistribute_local
 
@@ -243,6 +244,8 @@ def run_builtin_out(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     elif not any(isinstance(v, DTensor) for v in pytree.tree_leaves((call_args, call_kwargs))):
         # A factory: fill a plain tensor of out's global shape; copy_ keeps each rank's piece.
         plain = [torch.empty(o.shape, dtype=o.dtype, device=o._local.device) for o in outs]
+        if torch.Tag.nondeterministic_seeded in func.tags:  # one generator state on the mesh
+            ensure_rng_agreement(outs[0]._layout.mesh, outs[0]._local.device, kwargs.get("generator"))
         plain_args, plain_kwargs = _outs_replaced(func, args, kwargs, plain)
         func(*plain_args, **plain_kwargs)
         results = plain

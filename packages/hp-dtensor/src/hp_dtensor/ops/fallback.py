@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.layout import Layout
+from hp_dtensor.ops.random_agreement import ensure_rng_agreement
 from hp_dtensor.placements import Partial, Replicate
 from hp_dtensor.redistribute import redistribute_local, slice_for_layout
 
@@ -237,6 +238,8 @@ def run_fallback(
         local, _ = redistribute_local(dt._local, dt._layout, (Replicate(),) * dt._layout.mesh.ndim)
         full_flat[p] = local
     full_args, full_kwargs = pytree.tree_unflatten(full_flat, spec)
+    if torch.Tag.nondeterministic_seeded in func.tags and positions:  # rand_like, native_dropout, ...
+        ensure_rng_agreement(mesh, flat[positions[0]]._local.device, kwargs.get("generator"))
     result = func(*full_args, **full_kwargs)
     written = {p: flat[p] for p in _written_positions(func, args, kwargs) if isinstance(flat[p], DTensor)}
     by_full = {id(full_flat[p]): dt for p, dt in written.items()}

@@ -28,6 +28,7 @@ from hp_dtensor.ops.dispatch import (
     OpCall,
     register,
 )
+from hp_dtensor.ops.random_agreement import ensure_rng_agreement
 from hp_dtensor.ops.strided import elementwise
 from hp_dtensor.placements import Partial, Placement, Replicate, Shard
 from hp_dtensor.redistribute import slice_for_layout
@@ -310,6 +311,7 @@ def _random_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     """
     target = args[0]
     layout: Layout = target._layout
+    ensure_rng_agreement(layout.mesh, target._local.device, kwargs.get("generator"))  # [Note: RNG agreement]
     full = torch.empty(layout.shape, dtype=target.dtype, device=target._local.device)
     rest = tuple(a.full_tensor().detach() if isinstance(a, DTensor) else a for a in args[1:])
     func(full, *rest, **kwargs)

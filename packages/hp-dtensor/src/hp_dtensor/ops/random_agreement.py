@@ -36,26 +36,26 @@ __all__ = [
 # on each rank (replicas drift apart over training) and a sharded one is a mix
 # of unrelated draws.
 #
-# So the first fill over a mesh, and the first after the generator's seed
-# changed (torch.manual_seed, or set_rng_state with a state of another seed),
-# compares a 62-bit digest of (seed, state) over the mesh: one all_reduce(max)
+# So the first fill over a mesh compares a 62-bit digest of (seed, state) over the mesh: one all_reduce(max)
 # of two int64s ([h, -h]: the ranks agree when the max equals the min) over the
 # world when an n-D mesh spans it, else one per mesh dim longer than 1 (in
 # turn: the max over each dim's lines is the max over the mesh), then one host
 # read. Only the DTensor's own mesh takes part: pipeline stages on other meshes
-# may seed differently on purpose. Every other fill compares one host-side int
-# (the generator's seed) with the one checked: no collective, no host sync. On
+# may seed differently on purpose. Every later fill over that mesh looks up one
+# set entry on the host: no collective, no host sync. On
 # disagreement every rank takes coordinate 0's state (one broadcast per
 # exchange above; dim by dim, coordinate 0 along each dim in turn) and a
 # warning names the fix, once per process; under the "error" policy every rank
 # raises the same error instead.
 #
-# The decision to check is local (this rank's seed against the one last
-# checked), so it is the same on every rank when the ranks reseed alike, which
-# is what the fix asks for. After a check all ranks hold the same seed; a later
-# reseed with a different seed per rank may leave a rank whose seed happens to
-# be the checked one out of the check while its peers wait for it. A fill
-# given an explicit generator= is not checked: the user chose its state.
+# The decision to check must be the same on every rank, or a rank would wait
+# in the exchange for peers that skipped it: "the first random op over this
+# mesh" is (every rank runs the same DTensor ops), "the seed changed since the
+# last check" is not (after a sync, a per-rank reseed can leave one rank's
+# seed equal to the checked one), so reseeds are not re-checked, as torch's
+# DTensor syncs once too: seeding every rank alike stays the user's part, and
+# reset_rng_agreement() on every rank asks for a new check. A fill given an
+# explicit generator= is not checked: the user chose its state.
 # Inside torch.compile nothing is checked (a traced graph cannot hold the
 # exchange): call ensure_rng_agreement(mesh, device) eagerly before the first
 # compiled step, or seed every rank alike.
@@ -75,7 +75,7 @@ def _initial_policy() -> str:
 
 
 _policy = _initial_policy()
-_checked: dict[tuple[Any, ...], int] = {}  # (mesh identity, device) -> seed at the last check
+_checked: set[tuple[Any, ...]] = set()  # (mesh identity, device) pairs checked
 _warned = False
 
 
@@ -169,9 +169,8 @@ def ensure_rng_agreement(
 ) -> None:
     """Make the ranks of ``mesh`` draw alike before a random fill on ``device``; see [Note: RNG agreement].
 
-    Costs a seed comparison on the host, except on the first fill over
-    ``mesh`` and the first after a reseed, which exchange a digest over
-    ``mesh`` only. Does nothing for an explicit ``generator``, on a rank
+    Costs a set lookup on the host, except on the first fill over ``mesh``,
+    which exchanges a digest over ``mesh`` only. Does nothing for an explicit ``generator``, on a rank
     outside ``mesh``, on meta tensors, while ``torch.compile`` traces, and
     on a device whose runtime lists no default generators.
     """
@@ -183,11 +182,10 @@ def ensure_rng_agreement(
     if default is None:
         return
     key = (mesh.identity, device)
-    seed = default.initial_seed()
-    if _checked.get(key) == seed:
+    if key in _checked:
         return
     _check(mesh, device, default)
-    _checked[key] = default.initial_seed()
+    _checked.add(key)
 
 
 def _check(mesh: DeviceMesh, device: torch.device, generator: torch.Generator) -> None:
