@@ -73,9 +73,9 @@ def mark() -> GroupMark:
 # before the next test), and the next test names its groups as a fresh
 # process would: a cached mesh of an identical earlier test resolves
 # to this test's groups over the same ranks. A later test that creates groups
-# in another order can still be handed a cached mesh whose names now mean other
-# ranks, as after torch's own destroy_process_group() and re-init in one process
-# (dropping torch's caches would not cover it: some are local to its functions).
+# in another order would be handed a cached mesh whose names now mean other
+# ranks; the worker clears torch's mesh-keyed caches whenever it rewinds
+# ([Note: torch's mesh caches across pooled tests] in hp_testing._worker).
 def release(before: GroupMark) -> int | None:
     """Destroy the groups made since ``before`` (hp_core's cached ones aside).
 
