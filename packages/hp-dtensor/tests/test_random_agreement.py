@@ -3,9 +3,9 @@
 Before the check, ``torch.manual_seed(rank)`` left a ``Replicate()`` DTensor
 filled by ``normal_()`` (or a replicated activation through dropout) holding
 different values on each rank, and a ``Shard(0)`` fill a mix of unrelated
-draws. Now the first fill over a mesh compares a digest of the generator state over that mesh only, and on disagreement
-every rank takes mesh coordinate 0's state: [Note: RNG agreement] in
-``hp_dtensor.ops.random_agreement``.
+draws. Now the first fill over a mesh compares a digest of the generator
+state over that mesh only, and on disagreement every rank takes mesh
+coordinate 0's state: [Note: RNG agreement] in ``hp_dtensor.ops.random_agreement``.
 """
 
 from __future__ import annotations
